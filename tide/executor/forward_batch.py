@@ -1,0 +1,57 @@
+"""The per-forward description of a batch that the model and attention backends read."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tide.layers.attention.base import AttentionBackend
+    from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill, possibly on top of a cached prefix, possibly one chunk of a prompt
+    DECODE = "decode"  # exactly one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    """Flat token layout: the new tokens of request i are `input_ids[extend_start[i]:...+extend_lens[i]]`.
+
+    Invariants: `seq_lens[i] == prefix_lens[i] + extend_lens[i]` (decode: extend_lens == 1);
+    `req_to_token[req_pool_indices[i], :seq_lens[i]]` holds the KV slots of request i once the KV of the
+    new tokens is written at `out_cache_loc`.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, on device
+    out_cache_loc: torch.Tensor  # [T] int64
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "MHATokenToKVPool"
+    attn_backend: "AttentionBackend"
+    # Host copies: the scheduler knows these, so reading them never syncs the device.
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index in the flat token layout of each request's last new token."""
+        if self.is_decode:
+            return torch.arange(self.batch_size, device=self.input_ids.device)
+        ends = torch.tensor(self.extend_lens_cpu, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

@@ -1,0 +1,9 @@
+from __future__ import annotations
+
+import torch
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused [gate | up] projection output."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]

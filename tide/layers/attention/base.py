@@ -1,0 +1,68 @@
+"""Attention backend interface and registry."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from tide.executor.forward_batch import ForwardBatch
+    from tide.layers.attention.layer import Attention
+
+
+class AttentionBackend:
+    """Computes attention for a batch and stores the new K/V in the KV pool.
+
+    A backend reads cached K/V only through `req_to_token` (request slot x position -> KV slot) and
+    writes new K/V only at `forward_batch.out_cache_loc`.
+    """
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Prepare per-batch metadata once, before the layers run."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "Attention",
+        forward_batch: "ForwardBatch",
+    ) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hk*D]; returns [T, Hq*D]."""
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.view(-1, layer.num_kv_heads, layer.head_dim),
+            v.view(-1, layer.num_kv_heads, layer.head_dim),
+        )
+        if forward_batch.is_decode:
+            return self.forward_decode(q, layer, forward_batch)
+        return self.forward_extend(q, layer, forward_batch)
+
+    def forward_extend(
+        self, q: torch.Tensor, layer: "Attention", forward_batch: "ForwardBatch"
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_decode(
+        self, q: torch.Tensor, layer: "Attention", forward_batch: "ForwardBatch"
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_attention_backend_class(name: str) -> type[AttentionBackend]:
+    if name not in _REGISTRY:
+        raise ValueError(f"attention_backend must be one of {sorted(_REGISTRY)}, got {name!r}")
+    return _REGISTRY[name]

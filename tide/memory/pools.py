@@ -1,0 +1,111 @@
+"""KV memory: request slots, token slots, and the per-layer K/V buffers.
+
+Invariants:
+- `ReqToTokenPool`: a request slot is either free or owned by exactly one live request; row `r` maps the
+  positions of that request to KV slots.
+- `TokenToKVPoolAllocator`: slots are 1..size; slot 0 is never handed out (padded writes go there). Every
+  slot is in exactly one place: the free list, a running request, or the radix cache.
+- `MHATokenToKVPool`: K/V of KV slot `s` for layer `l` live at `k_buffer[l][s]` / `v_buffer[l][s]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def free(self, slot: int) -> None:
+        if slot in self.free_slots or not 0 <= slot < self.size:
+            raise RuntimeError(f"request slot {slot} freed twice or out of range")
+        self.free_slots.append(slot)
+
+    def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
+        self.req_to_token[slot, start : start + kv_slots.numel()] = kv_slots
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slots. Free slots live in a device tensor so allocation never syncs the device."""
+
+    def __init__(self, size: int, device: torch.device | str) -> None:
+        self.size = size
+        self.device = torch.device(device)
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self._pending: list[torch.Tensor] = []
+
+    def available_size(self) -> int:
+        return self.free_slots.numel() + sum(t.numel() for t in self._pending)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > self.free_slots.numel():
+            self._merge_pending()
+            if n > self.free_slots.numel():
+                return None
+        out = self.free_slots[:n]
+        self.free_slots = self.free_slots[n:]
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self._pending.append(slots.to(torch.int64))
+
+    def _merge_pending(self) -> None:
+        if self._pending:
+            self.free_slots = torch.cat([self.free_slots, *self._pending])
+            self._pending = []
+
+    def all_free_slots(self) -> torch.Tensor:
+        self._merge_pending()
+        return self.free_slots
+
+
+class MHATokenToKVPool:
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.size = size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (size + 1, num_kv_heads, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)

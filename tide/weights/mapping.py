@@ -1,0 +1,111 @@
+"""Checkpoint name -> tide parameter (and row shard of a fused parameter).
+
+Every weight path (initial load, and later updates from disk, tensors, a process group or IPC) goes
+through `WeightMap`, so validation happens the same way everywhere: `plan()` checks every name, shape
+and dtype before anything is written, and `write()` only ever runs on a validated plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+# (fused param name, checkpoint name, shard id)
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: rows [row_start, row_start + shape[0]) of `param_name`."""
+
+    name: str
+    param_name: str
+    shard: str | int | None
+    row_start: int
+    shape: tuple[int, ...]
+
+
+class WeightMap:
+    def __init__(self, model: nn.Module) -> None:
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        config = getattr(model, "config", None)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def resolve(self, name: str) -> WeightTarget | None:
+        """The target of checkpoint tensor `name`, or None for tensors tide ignores."""
+        if name.endswith(IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
+            return None
+        for fused, part, shard in STACKED_PARAMS:
+            if f".{part}." in name:
+                param_name = name.replace(f".{part}.", f".{fused}.")
+                param = self.params.get(param_name)
+                offsets = getattr(param, "shard_offsets", None)
+                if param is None or offsets is None:
+                    break
+                start, size = offsets[shard]
+                return WeightTarget(name, param_name, shard, start, (size, *param.shape[1:]))
+        param = self.params.get(name)
+        if param is None:
+            raise ValueError(f"weight {name!r} is not a parameter of this model")
+        return WeightTarget(name, name, None, 0, tuple(param.shape))
+
+    def required(self) -> set[tuple[str, str | int | None]]:
+        """Every (param, shard) a complete checkpoint must provide."""
+        out: set[tuple[str, str | int | None]] = set()
+        for name, param in self.params.items():
+            offsets = getattr(param, "shard_offsets", None)
+            if offsets is None:
+                out.add((name, None))
+            else:
+                out.update((name, shard) for shard in offsets)
+        return out
+
+    def plan(
+        self,
+        shapes: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+        require_complete: bool = False,
+    ) -> list[WeightTarget]:
+        """Validate (name, shape, dtype) triples; raise ValueError naming the first bad weight."""
+        targets: list[WeightTarget] = []
+        for name, shape, dtype in shapes:
+            target = self.resolve(name)
+            if target is None:
+                continue
+            if tuple(shape) != target.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(shape)}, expected {target.shape}"
+                )
+            if not dtype.is_floating_point:
+                raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating dtype")
+            targets.append(target)
+        if require_complete:
+            missing = self.required() - {(t.param_name, t.shard) for t in targets}
+            if missing:
+                names = sorted(_describe(p, s) for p, s in missing)
+                raise ValueError(f"checkpoint is missing weight(s) {names[:8]}" + (
+                    f" and {len(names) - 8} more" if len(names) > 8 else ""))
+        return targets
+
+    def write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
+        param = self.params[target.param_name]
+        rows = param.data[target.row_start : target.row_start + target.shape[0]]
+        rows.copy_(tensor, non_blocking=True)
+
+
+def _describe(param_name: str, shard: str | int | None) -> str:
+    if shard is None:
+        return param_name
+    for fused, part, sid in STACKED_PARAMS:
+        if sid == shard and f".{fused}." in param_name:
+            return param_name.replace(f".{fused}.", f".{part}.")
+    return f"{param_name}[{shard}]"
