@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
-        logging.basicConfig(level=self.config.log_level.upper())
+        logging.getLogger("tide").setLevel(self.config.log_level.upper())
         torch.manual_seed(self.config.seed)
         self.model_config = ModelConfig.from_dir(self.config.model_path)
         get_model_class(self.model_config.architecture)  # unknown architecture -> ValueError early
@@ -78,11 +79,13 @@ class Engine:
                 raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
             base = rids[i] or uuid.uuid4().hex
             for j in range(sp.n):
+                # n copies of a seeded request draw different samples, reproducibly.
+                sp_j = sp if j == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j)
                 reqs.append(
                     Req(
                         rid=base if sp.n == 1 else f"{base}-{j}",
                         origin_input_ids=list(ids),
-                        sampling_params=sp,
+                        sampling_params=sp_j,
                         return_logprob=bool(logprob_flags[i]) or top_n > 0,
                         top_logprobs_num=top_n,
                     )
@@ -95,7 +98,8 @@ class Engine:
             if not self.scheduler.has_work():
                 raise RuntimeError("scheduler went idle with requests still pending")
             for req in self.scheduler.step():
-                pending.discard(id(req))
+                if req.finished:
+                    pending.discard(id(req))
         latency = time.perf_counter() - start
         outputs = [self._make_output(r, latency) for r in reqs]
         return outputs[0] if single and len(outputs) == 1 else outputs

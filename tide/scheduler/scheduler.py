@@ -88,7 +88,7 @@ class Scheduler:
         return len(self.running) + (1 if self.chunked_req else 0)
 
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that finished in it."""
+        """Run one forward; return the requests that got a token in it (finished ones included)."""
         batch = self._get_prefill_batch()
         if batch:
             return self._run_extend(batch)
@@ -279,7 +279,8 @@ class Scheduler:
             return []
         reqs = [batch[i][0] for i in done_rows]
         rows = logits if len(done_rows) == len(batch) else logits[done_rows]
-        return self._process_samples(rows, reqs, newly_prefilled=True)
+        self._process_samples(rows, reqs, newly_prefilled=True)
+        return reqs
 
     def _run_decode(self) -> list[Req]:
         self._ensure_decode_room()
@@ -304,7 +305,9 @@ class Scheduler:
         for req in reqs:
             req.kv_len += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return self._process_samples(logits, list(reqs), newly_prefilled=False)
+        reqs = list(reqs)
+        self._process_samples(logits, reqs, newly_prefilled=False)
+        return reqs
 
     def _ensure_decode_room(self) -> None:
         """Retract the newest running requests until every remaining one has a slot for its token."""
@@ -320,9 +323,8 @@ class Scheduler:
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.info("retracted request %s (KV exhausted)", req.rid)
 
-    def _process_samples(self, logits: torch.Tensor, reqs: list[Req], newly_prefilled: bool) -> list[Req]:
+    def _process_samples(self, logits: torch.Tensor, reqs: list[Req], newly_prefilled: bool) -> None:
         out = self.sampler(logits, reqs)
-        finished: list[Req] = []
         for i, req in enumerate(reqs):
             token = out.next_ids[i]
             req.output_ids.append(token)
@@ -333,13 +335,11 @@ class Scheduler:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             req.finished_reason = self._check_finished(req, token)
             if req.finished_reason is not None:
-                finished.append(req)
                 if not newly_prefilled:
                     self.running.remove(req)
                 self.tree_cache.cache_finished_req(req)
             elif newly_prefilled:
                 self.running.append(req)
-        return finished
 
     def _check_finished(self, req: Req, token: int) -> dict[str, Any] | None:
         params = req.sampling_params

@@ -1,0 +1,3 @@
+from tide.cli import main
+
+raise SystemExit(main())

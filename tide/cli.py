@@ -1,0 +1,84 @@
+"""Command line: `tide generate` (and later `tide serve`, `tide bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", dest="model_path", default=None,
+                   help="HF model directory (default: the built-in demo model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--disable-radix-cache", action="store_true", default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--log-level", default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ("model_path", "device", "dtype", "max_total_tokens", "context_length",
+            "chunked_prefill_size", "disable_radix_cache", "attention_backend", "load_format",
+            "log_level")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from tide import Engine
+
+    params = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+    with Engine(**engine_kwargs(args)) as engine:
+        prompt = args.prompt
+        if args.chat:
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        out = engine.generate(prompt=prompt, sampling_params=params)
+    sys.stdout.write(args.prompt + out["text"] + "\n")
+    meta = out["meta_info"]
+    sys.stderr.write(
+        f"[{meta['completion_tokens']} tokens, finish_reason={meta['finish_reason']['type']}, "
+        f"{meta['e2e_latency']:.2f}s]\n"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tide", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt", nargs="?", default="The for statement")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--top-p", type=float, default=0.9)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        parser.exit(2, f"tide: error: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
