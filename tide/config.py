@@ -29,7 +29,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     context_length: int | None = None
-    attention_backend: str = "torch_native"
+    attention_backend: str = "auto"  # "auto": triton on CUDA, torch_native elsewhere
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
     # Memory pools.
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
@@ -55,6 +57,7 @@ class EngineConfig:
         _positive("max_total_tokens", self.max_total_tokens, allow_none=True)
         _positive("context_length", self.context_length, allow_none=True)
         _positive("max_running_requests", self.max_running_requests)
+        _positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _positive("chunked_prefill_size", self.chunked_prefill_size)
         _positive("max_prefill_tokens", self.max_prefill_tokens)
         if self.schedule_conservativeness <= 0:

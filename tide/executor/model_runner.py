@@ -7,6 +7,7 @@ import logging
 import torch
 
 from tide.config import EngineConfig
+from tide.executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
 from tide.layers.attention import get_attention_backend_class
 from tide.memory.device import available_device_memory
@@ -23,10 +24,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -50,7 +54,19 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.model = self._load_model()
         self._init_pools()
-        self.attn_backend = get_attention_backend_class(config.attention_backend)()
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch_native"
+        backend_cls = get_attention_backend_class(backend)
+        self.attn_backend = backend_cls.create(self)
+        self.cuda_graph_runner: CudaGraphRunner | None = None
+        if (
+            self.device.type == "cuda"
+            and backend_cls.supports_cuda_graph
+            and not config.disable_cuda_graph
+        ):
+            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+            self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
 
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.model_config.architecture)
@@ -96,26 +112,22 @@ class ModelRunner:
         )
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_token / 2**20)
 
-    def make_forward_batch(
-        self,
-        mode: ForwardMode,
-        input_ids: list[int],
-        positions: list[int],
-        req_pool_indices: list[int],
-        seq_lens: list[int],
-        prefix_lens: list[int],
-        extend_lens: list[int],
-        out_cache_loc: torch.Tensor,
-    ) -> ForwardBatch:
-        def dev(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+    @property
+    def max_batch_size(self) -> int:
+        return self.config.max_running_requests
 
+    def _dev(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _batch(self, mode: ForwardMode, input_ids: list[int], positions: list[int],
+               req_pool_indices: list[int], seq_lens: list[int], prefix_lens: list[int],
+               extend_lens: list[int], out_cache_loc: torch.Tensor) -> ForwardBatch:
         return ForwardBatch(
             mode=mode,
-            input_ids=dev(input_ids),
-            positions=dev(positions),
-            req_pool_indices=dev(req_pool_indices),
-            seq_lens=dev(seq_lens),
+            input_ids=self._dev(input_ids),
+            positions=self._dev(positions),
+            req_pool_indices=self._dev(req_pool_indices),
+            seq_lens=self._dev(seq_lens),
             out_cache_loc=out_cache_loc,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
@@ -126,7 +138,46 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """fp32 logits [B, vocab] of each request's last new token."""
-        self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+    def forward_extend(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prefill/extend: fp32 logits [B, vocab] of each request's last new token."""
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        fb = self._batch(ForwardMode.EXTEND, input_ids, positions, req_pool_indices, seq_lens,
+                         prefix_lens, extend_lens, out_cache_loc)
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def forward_decode(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        req_pool_indices: list[int],
+        out_cache_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per request at `positions` (= KV length before this step): logits [B, vocab]."""
+        bs = len(input_ids)
+        seq_lens = [p + 1 for p in positions]
+        bucket = self.cuda_graph_runner.bucket(bs) if self.cuda_graph_runner else None
+        if bucket is None:
+            fb = self._batch(ForwardMode.DECODE, input_ids, positions, req_pool_indices, seq_lens,
+                             positions, [1] * bs, out_cache_loc)
+            self.attn_backend.init_forward_metadata(fb)
+            return self.model(fb.input_ids, fb.positions, fb)
+        pad = bucket - bs
+        if pad:
+            input_ids = input_ids + [0] * pad
+            positions = positions + [0] * pad
+            req_pool_indices = req_pool_indices + [self.req_to_token_pool.dummy_slot] * pad
+            seq_lens = seq_lens + [1] * pad
+            out_cache_loc = torch.cat([out_cache_loc, out_cache_loc.new_zeros(pad)])
+        fb = self._batch(ForwardMode.DECODE, input_ids, positions, req_pool_indices, seq_lens,
+                         positions, [1] * bucket, out_cache_loc)
+        return self.cuda_graph_runner.replay(fb, bs)

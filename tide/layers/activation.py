@@ -5,5 +5,9 @@ import torch
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for a fused [gate | up] projection output."""
+    if x.is_cuda:
+        from tide.layers import triton_ops
+
+        return triton_ops.silu_and_mul(x)
     d = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]

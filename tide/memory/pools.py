@@ -14,11 +14,15 @@ import torch
 
 
 class ReqToTokenPool:
+    """`size` request slots plus one reserved dummy row (index `size`, all zeros: every position maps
+    to KV slot 0) that padded batch rows point at."""
+
     def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
         self.size = size
+        self.dummy_slot = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros(size + 1, max_context_len, dtype=torch.int32, device=device)
         self.free_slots: list[int] = list(range(size))
 
     def available_size(self) -> int:

@@ -45,12 +45,28 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+            q = q.reshape(-1, self.q_size)
+            k = k.reshape(-1, self.kv_size)
+        rotary = self.rotary[0]
+        if q.is_cuda:
+            # One fused launch: rotate q in place, write rotated k and v into the KV pool.
+            from tide.layers import triton_ops
+
+            pool = forward_batch.token_to_kv_pool
+            triton_ops.rope_and_store_kv(
+                positions, q, k, v, rotary.cos_cache, rotary.sin_cache, self.num_heads,
+                self.num_kv_heads, self.head_dim, forward_batch.out_cache_loc,
+                pool.get_key_buffer(self.attn.layer_id), pool.get_value_buffer(self.attn.layer_id),
+            )
+            return self.o_proj(self.attn(q, None, None, forward_batch))
+        q, k = rotary(
+            positions,
+            q.reshape(-1, self.num_heads, self.head_dim),
+            k.reshape(-1, self.num_kv_heads, self.head_dim),
+        )
         out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, forward_batch)
         return self.o_proj(out)
 

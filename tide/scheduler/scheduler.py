@@ -19,7 +19,6 @@ from typing import Any, Callable
 import torch
 
 from tide.config import EngineConfig
-from tide.executor.forward_batch import ForwardMode
 from tide.executor.model_runner import ModelRunner
 from tide.layers.sampler import Sampler
 from tide.memory.radix_cache import RadixCache
@@ -234,7 +233,6 @@ class Scheduler:
         input_ids: list[int] = []
         positions: list[int] = []
         pool_idx: list[int] = []
-        seq_lens: list[int] = []
         prefix_lens: list[int] = []
         offset = 0
         for req, n in batch:
@@ -250,20 +248,11 @@ class Scheduler:
             input_ids.extend(req.all_token_ids()[start : start + n])
             positions.extend(range(start, start + n))
             pool_idx.append(req.req_pool_idx)
-            seq_lens.append(start + n)
             prefix_lens.append(start)
             offset += n
-        fb = self.runner.make_forward_batch(
-            ForwardMode.EXTEND,
-            input_ids,
-            positions,
-            pool_idx,
-            seq_lens,
-            prefix_lens,
-            [n for _, n in batch],
-            out_cache_loc,
+        logits = self.runner.forward_extend(
+            input_ids, positions, pool_idx, prefix_lens, [n for _, n in batch], out_cache_loc
         )
-        logits = self.runner.forward(fb)
         self.stats.num_forward_extend += 1
         self.stats.num_prefill_tokens += len(input_ids)
 
@@ -290,17 +279,12 @@ class Scheduler:
         out_cache_loc = self._alloc_kv(len(reqs))
         for i, req in enumerate(reqs):
             self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, out_cache_loc[i : i + 1])
-        fb = self.runner.make_forward_batch(
-            ForwardMode.DECODE,
+        logits = self.runner.forward_decode(
             [r.output_ids[-1] for r in reqs],
             [r.kv_len for r in reqs],
             [r.req_pool_idx for r in reqs],  # type: ignore[misc]
-            [r.kv_len + 1 for r in reqs],
-            [r.kv_len for r in reqs],
-            [1] * len(reqs),
             out_cache_loc,
         )
-        logits = self.runner.forward(fb)
         self.stats.num_forward_decode += 1
         for req in reqs:
             req.kv_len += 1

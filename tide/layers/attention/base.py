@@ -8,6 +8,7 @@ import torch
 
 if TYPE_CHECKING:
     from tide.executor.forward_batch import ForwardBatch
+    from tide.executor.model_runner import ModelRunner
     from tide.layers.attention.layer import Attention
 
 
@@ -18,24 +19,31 @@ class AttentionBackend:
     writes new K/V only at `forward_batch.out_cache_loc`.
     """
 
+    supports_cuda_graph = False
+
+    @classmethod
+    def create(cls, runner: "ModelRunner") -> "AttentionBackend":
+        return cls()
+
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Prepare per-batch metadata once, before the layers run."""
 
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: "Attention",
         forward_batch: "ForwardBatch",
     ) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hk*D]; returns [T, Hq*D]."""
-        forward_batch.token_to_kv_pool.set_kv_buffer(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.view(-1, layer.num_kv_heads, layer.head_dim),
-            v.view(-1, layer.num_kv_heads, layer.head_dim),
-        )
+        """q: [T, Hq*D], k/v: [T, Hk*D] or None when already stored; returns [T, Hq*D]."""
+        if k is not None and v is not None:
+            forward_batch.token_to_kv_pool.set_kv_buffer(
+                layer.layer_id,
+                forward_batch.out_cache_loc,
+                k.view(-1, layer.num_kv_heads, layer.head_dim),
+                v.view(-1, layer.num_kv_heads, layer.head_dim),
+            )
         if forward_batch.is_decode:
             return self.forward_decode(q, layer, forward_batch)
         return self.forward_extend(q, layer, forward_batch)
@@ -63,6 +71,11 @@ def register(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBack
 
 
 def get_attention_backend_class(name: str) -> type[AttentionBackend]:
+    if name == "triton" and name not in _REGISTRY:
+        try:
+            from tide.layers.attention import triton_backend  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"attention_backend 'triton' needs triton and CUDA: {e}") from e
     if name not in _REGISTRY:
         raise ValueError(f"attention_backend must be one of {sorted(_REGISTRY)}, got {name!r}")
     return _REGISTRY[name]

@@ -23,6 +23,11 @@ class Attention(nn.Module):
         self.layer_id = layer_id
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: "ForwardBatch"
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        forward_batch: "ForwardBatch",
     ) -> torch.Tensor:
+        """k/v None: the new K/V are already in the pool at `out_cache_loc` (fused store)."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

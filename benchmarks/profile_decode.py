@@ -1,0 +1,63 @@
+"""Where does a bs1 decode step go? `python -m benchmarks.profile_decode [--shape llama-3.1-8b]`.
+
+Prints: GPU time of one captured decode graph replay, the full engine time per token, and the top
+kernels of a profiled replay window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.run import make_engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--context", type=int, default=128)
+    args = ap.parse_args()
+    engine = make_engine(args.shape)
+    ids = list(range(1000, 1000 + args.context))
+    params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=ids, sampling_params=params)
+    engine.flush_cache()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.generate(input_ids=ids, sampling_params={**params, "max_new_tokens": 1})
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    engine.generate(input_ids=ids, sampling_params={**params, "max_new_tokens": 129})
+    t129 = time.perf_counter() - t
+    per_token = (t129 - t1) / 128
+    gr = engine.model_runner.cuda_graph_runner
+    g = gr.graphs[1]
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(50):
+        g.replay()
+    b.record()
+    b.synchronize()
+    replay = a.elapsed_time(b) / 50 / 1e3
+    print(f"engine per token {per_token * 1e3:.3f} ms ({1 / per_token:.1f} tok/s); "
+          f"graph replay {replay * 1e3:.3f} ms ({1 / replay:.1f} tok/s); "
+          f"host/other {(per_token - replay) * 1e3:.3f} ms")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(input_ids=ids, sampling_params={**params, "max_new_tokens": 8})
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

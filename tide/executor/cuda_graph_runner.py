@@ -1,0 +1,122 @@
+"""CUDA-graph decode: one graph per batch-size bucket, replayed over static input buffers.
+
+A batch of size n runs in the smallest bucket >= n; the extra rows are a dummy request (the reserved
+request slot, whose row maps every position to KV slot 0, sequence length 1, writing its K/V to slot 0).
+All graphs share one memory pool and read their inputs from one `DecodeInputBuffers`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tide.executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from tide.executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 12, 16, 24] + list(range(32, 257, 16)) + list(range(288, 1025, 32))
+    return [s for s in sizes if s <= max_bs] or [max_bs]
+
+
+@dataclass
+class DecodeInputBuffers:
+    """Static device inputs of the captured decode graphs (sized for the largest bucket)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+    @classmethod
+    def create(cls, max_bs: int, device: torch.device, dummy_req_slot: int) -> "DecodeInputBuffers":
+        """Allocate once; every graph reads views of these tensors."""
+
+        def full(value: int) -> torch.Tensor:
+            return torch.full((max_bs,), value, dtype=torch.int64, device=device)
+
+        return cls(full(0), full(0), full(dummy_req_slot), full(1), full(0))
+
+    def fields(self) -> list[torch.Tensor]:
+        return [self.input_ids, self.positions, self.req_pool_indices, self.seq_lens,
+                self.out_cache_loc]
+
+    def populate_from_forward_batch(self, fb: ForwardBatch) -> None:
+        """Copy the batch's (already bucket-padded) inputs in, one grouped copy per dtype pair."""
+        sources = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc]
+        groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for dst, src in zip(self.fields(), sources):
+            dsts, srcs = groups.setdefault((dst.dtype, src.dtype), ([], []))
+            dsts.append(dst[: src.shape[0]])
+            srcs.append(src)
+        for dsts, srcs in groups.values():
+            torch._foreach_copy_(dsts, srcs)
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: "ModelRunner", batch_sizes: list[int]) -> None:
+        self.runner = runner
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_bs = self.batch_sizes[-1]
+        self.buffers = DecodeInputBuffers.create(
+            self.max_bs, runner.device, runner.req_to_token_pool.dummy_slot
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.capture()
+
+    def bucket(self, bs: int) -> int | None:
+        i = bisect.bisect_left(self.batch_sizes, bs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def _forward_batch(self, bs: int) -> ForwardBatch:
+        b = self.buffers
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=b.input_ids[:bs],
+            positions=b.positions[:bs],
+            req_pool_indices=b.req_pool_indices[:bs],
+            seq_lens=b.seq_lens[:bs],
+            out_cache_loc=b.out_cache_loc[:bs],
+            req_to_token_pool=self.runner.req_to_token_pool,
+            token_to_kv_pool=self.runner.token_to_kv_pool,
+            attn_backend=self.runner.attn_backend,
+            seq_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        model = self.runner.model
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):
+                fb = self._forward_batch(bs)
+                for _ in range(2):
+                    model(fb.input_ids, fb.positions, fb)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = model(fb.input_ids, fb.positions, fb)
+                self.graphs[bs] = graph
+                self.outputs[bs] = out
+        torch.cuda.current_stream().wait_stream(stream)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def replay(self, fb: ForwardBatch, real_bs: int) -> torch.Tensor:
+        """`fb` is padded to a bucket size; returns logits of the first `real_bs` rows."""
+        bs = fb.input_ids.shape[0]
+        self.buffers.populate_from_forward_batch(fb)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:real_bs]

@@ -1,0 +1,93 @@
+"""Attention on GPUs with tide's Triton kernels (see `triton_kernels`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tide.layers.attention.base import AttentionBackend, register
+
+if TYPE_CHECKING:
+    from tide.executor.forward_batch import ForwardBatch
+    from tide.executor.model_runner import ModelRunner
+    from tide.layers.attention.layer import Attention
+
+DEFAULT_NUM_KV_SPLITS = 16
+
+
+@register("triton")
+class TritonAttnBackend(AttentionBackend):
+    """Decode metadata lives in buffers sized for `max_batch_size`, so a captured CUDA graph keeps
+    pointing at the same memory; extend metadata is built per batch."""
+
+    supports_cuda_graph = True
+
+    @classmethod
+    def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":
+        mc = runner.model_config
+        return cls(mc.num_attention_heads, mc.head_dim, runner.max_batch_size, runner.device)
+
+    def __init__(self, num_heads: int, head_dim: int, max_batch_size: int, device: torch.device,
+                 num_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> None:
+        from tide.layers.attention import triton_kernels
+
+        self.kernels = triton_kernels
+        self.num_kv_splits = num_kv_splits
+        self.mid_o = torch.empty(
+            max_batch_size, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device
+        )
+        self.mid_lse = torch.empty(
+            max_batch_size, num_heads, num_kv_splits, dtype=torch.float32, device=device
+        )
+        self._extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        if fb.is_decode:
+            return
+        device = fb.input_ids.device
+        starts = [0]
+        for n in fb.extend_lens_cpu[:-1]:
+            starts.append(starts[-1] + n)
+        meta = torch.tensor(
+            [fb.prefix_lens_cpu, fb.extend_lens_cpu, starts], dtype=torch.int64
+        ).to(device, non_blocking=True)
+        self._extend = (meta[0], meta[1], meta[2], max(fb.extend_lens_cpu))
+
+    def forward_decode(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        bs = fb.req_pool_indices.shape[0]
+        q = q.view(bs, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        self.kernels.decode_attention(
+            q,
+            fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            fb.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            out,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            self.mid_o[:bs],
+            self.mid_lse[:bs],
+            layer.scaling,
+        )
+        return out.view(bs, -1)
+
+    def forward_extend(self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch") -> torch.Tensor:
+        assert self._extend is not None, "init_forward_metadata must run before the layers"
+        prefix_lens, extend_lens, starts, max_len = self._extend
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        self.kernels.extend_attention(
+            q,
+            fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            fb.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            out,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            prefix_lens,
+            extend_lens,
+            starts,
+            max_len,
+            layer.scaling,
+        )
+        return out.view(q.shape[0], -1)

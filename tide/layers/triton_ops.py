@@ -1,0 +1,131 @@
+"""Fused Triton kernels for the GPU path: add+RMSNorm, RoPE+KV store, SiLU-and-mul.
+
+Each op has the torch reference in `tide.layers` (norm.py, rotary.py, activation.py); these compute the
+same function with one launch instead of several, rounding like the reference where the reference
+rounds to the model dtype (residual sum, normalized activations before the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    normed = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Out + row * stride_o + cols, w * normed, mask=mask)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = torch.empty_like(x2)
+    n_cols = shape[-1]
+    block = triton.next_power_of_2(n_cols)
+    warps = min(16, max(1, block // 256))
+    if residual is None:
+        _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
+                                        n_cols, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
+        return out.view(shape)
+    r2 = residual.reshape(-1, n_cols)
+    res_out = torch.empty_like(x2)
+    _rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
+                                    out.stride(0), res_out.stride(0), n_cols, eps,
+                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
+    return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf,
+                       stride_qt, stride_kt, stride_vt, stride_cos, stride_kb, stride_vb,
+                       NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QH_P2: tl.constexpr,
+                       KH_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                       HALF_P2: tl.constexpr, STORE_KV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t)
+    offs = tl.arange(0, HALF_P2)
+    mask_d = offs < HALF
+    cos = tl.load(Cos + pos * stride_cos + offs, mask=mask_d, other=0.0)
+    sin = tl.load(Sin + pos * stride_cos + offs, mask=mask_d, other=0.0)
+    heads_q = tl.arange(0, QH_P2)
+    mq = (heads_q < NUM_Q_HEADS)[:, None] & mask_d[None, :]
+    pq = Q + t * stride_qt + heads_q[:, None] * HEAD_DIM + offs[None, :]
+    q1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
+    tl.store(pq, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=mq)
+    tl.store(pq + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=mq)
+    heads_k = tl.arange(0, KH_P2)
+    mk = (heads_k < NUM_KV_HEADS)[:, None] & mask_d[None, :]
+    hk = heads_k[:, None] * HEAD_DIM + offs[None, :]
+    k1 = tl.load(K + t * stride_kt + hk, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(K + t * stride_kt + hk + HALF, mask=mk, other=0.0).to(tl.float32)
+    r1 = (k1 * cos - k2 * sin).to(K.dtype.element_ty)
+    r2 = (k2 * cos + k1 * sin).to(K.dtype.element_ty)
+    if STORE_KV:
+        loc = tl.load(Loc + t).to(tl.int64)
+        tl.store(KBuf + loc * stride_kb + hk, r1.to(KBuf.dtype.element_ty), mask=mk)
+        tl.store(KBuf + loc * stride_kb + hk + HALF, r2.to(KBuf.dtype.element_ty), mask=mk)
+        v1 = tl.load(V + t * stride_vt + hk, mask=mk, other=0.0)
+        v2 = tl.load(V + t * stride_vt + hk + HALF, mask=mk, other=0.0)
+        tl.store(VBuf + loc * stride_vb + hk, v1.to(VBuf.dtype.element_ty), mask=mk)
+        tl.store(VBuf + loc * stride_vb + hk + HALF, v2.to(VBuf.dtype.element_ty), mask=mk)
+    else:
+        tl.store(K + t * stride_kt + hk, r1, mask=mk)
+        tl.store(K + t * stride_kt + hk + HALF, r2, mask=mk)
+
+
+def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                      head_dim: int, out_cache_loc: torch.Tensor | None = None,
+                      k_buffer: torch.Tensor | None = None,
+                      v_buffer: torch.Tensor | None = None) -> None:
+    """Rotate q in place; rotate k and, with `out_cache_loc`, write k and v straight into the KV
+    pool (else rotate k in place). q/k/v: [T, heads * head_dim] views with unit stride in the last
+    dim; cos/sin: [max_pos, head_dim] tables (the first half is used: neox layout)."""
+    store = out_cache_loc is not None
+    kb = k_buffer if store else k
+    vb = v_buffer if store else v
+    _rope_store_kernel[(q.shape[0],)](
+        q, k, v, positions, cos, sin, out_cache_loc if store else positions, kb, vb,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
+        kb.stride(0), vb.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+        QH_P2=triton.next_power_of_2(num_q_heads), KH_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
+        STORE_KV=store, num_warps=4,
+    )
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), d,
+                                                           BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], d)

@@ -1,0 +1,113 @@
+"""Incremental detokenization on the HTTP side.
+
+`IncrementalDetokenizer` turns a growing list of output token ids into text that is safe to show:
+
+* **Multi-byte characters.** A token may end in the middle of a UTF-8 character; the tokenizer then
+  decodes the partial bytes as U+FFFD. Text ending in U+FFFD is held back until a later token completes
+  the character (or the request finishes, when whatever is left is flushed as is).
+* **Word boundaries.** Decoding the output alone can drop a leading space (SentencePiece strips it from
+  the first token), so a few prompt tokens are decoded with it as context and their text subtracted.
+* **Stop strings.** Text is never released past the start of a stop string, and the tail that could be
+  the beginning of one is held back until it is clear whether the stop string follows.
+
+Invariant: `visible_text` only ever grows by appending (each value is a prefix of the next), so a stream
+can send `visible_text[sent:]` at any time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Per-request incremental decoder with multi-byte hold-back and stop-string handling."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        if context and self._decode(context).endswith(_REPLACEMENT):
+            context = []  # the prompt ends mid-character; its text is no clean prefix
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.text = ""  # decoded output so far (complete characters unless finished)
+        self._stops = [s for s in stop if s]
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._scanned = 0
+        self.stop_pos: int | None = None
+        self.stop_matched: str | None = None
+        self.finished = False
+        self._visible_len = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Append new output tokens; decoded text appears once its characters are complete."""
+        if not token_ids or self.stop_matched is not None:
+            return
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self.text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+        self._scan_stops()
+
+    def finish(self) -> None:
+        """No more tokens: flush held-back bytes (even an incomplete character) and stop prefixes."""
+        if self.finished:
+            return
+        if self.stop_matched is None and self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            if len(full) > len(prefix):
+                self.text += full[len(prefix) :]
+            self._read_offset = len(self._ids)
+            self._scan_stops()
+        self.finished = True
+
+    def _scan_stops(self) -> None:
+        if not self._stops or self.stop_matched is not None:
+            return
+        start = max(0, self._scanned - self._max_stop + 1)
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            pos = self.text.find(stop, start)
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is not None:
+            self.stop_pos, self.stop_matched = best
+        self._scanned = len(self.text)
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        text = self.text
+        for k in range(min(self._max_stop - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0
+
+    @property
+    def visible_text(self) -> str:
+        """Text that may be shown now: never past a stop string, never a possible stop prefix."""
+        if self.stop_pos is not None:
+            end = self.stop_pos
+        elif self.finished or not self._stops:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self._partial_stop_len()
+        self._visible_len = max(self._visible_len, end)
+        return self.text[: self._visible_len]

@@ -1,0 +1,246 @@
+"""The FastAPI app: OpenAI routes, sglang-native routes, admin routes, auth and error handling.
+
+Auth: with `--api-key`, every route needs `Authorization: Bearer <key>`; with `--admin-api-key`, admin
+routes (`ADMIN_PATHS`, and `/abort_request` with `abort_all`) need that key (without one they need the
+API key, if any). The admin key is accepted wherever the API key is. A missing or wrong key is a 401
+and nothing happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+import tide
+from tide.sampling_params import SamplingParams
+from tide.server.errors import APIError
+from tide.server.metrics import CONTENT_TYPE, ServerMetrics
+from tide.server.native_api import NativeServing
+from tide.server.openai_api import OpenAIServingChat, OpenAIServingCompletion, models_response
+from tide.server.protocol import (
+    AbortReqInput,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FlushCacheInput,
+    GenerateReqInput,
+)
+from tide.server.server_args import ServerArgs
+from tide.server.tokenizer_manager import TokenizerManager
+from tide.server.utils import parse_body
+
+logger = logging.getLogger("tide.server")
+
+ADMIN_PATHS = frozenset({"/flush_cache"})
+
+
+class Auth:
+    """Bearer-token checks for normal and admin routes."""
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None) -> None:
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+
+    @staticmethod
+    def _token(request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+    @staticmethod
+    def _matches(token: str | None, key: str | None) -> bool:
+        return token is not None and key is not None and hmac.compare_digest(
+            token.encode(), key.encode())
+
+    def check(self, request: Request, admin: bool) -> None:
+        """Raise a 401 APIError unless the request carries a key good enough for the route."""
+        token = self._token(request)
+        if admin and self.admin_api_key is not None:
+            required = [self.admin_api_key]
+        elif self.api_key is not None:
+            required = [k for k in (self.api_key, self.admin_api_key) if k is not None]
+        else:
+            return
+        if any(self._matches(token, key) for key in required):
+            return
+        what = "an admin API key" if admin and self.admin_api_key else "an API key"
+        if token is None:
+            raise APIError(f"This route needs {what}: send 'Authorization: Bearer <key>'", 401,
+                           code="missing_api_key")
+        raise APIError(f"Incorrect API key provided; this route needs {what}", 401,
+                       code="invalid_api_key")
+
+
+def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -> FastAPI:
+    """The app for one server; `tm` is started and stopped by the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await tm.start()
+        logger.info("serving %s on http://%s:%d", args.model_names[0], args.host, args.port)
+        try:
+            yield
+        finally:
+            await tm.stop()
+
+    app = FastAPI(title="tide", version=tide.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    auth = Auth(args.api_key, args.admin_api_key)
+    completions = OpenAIServingCompletion(tm, args.model_names)
+    chat = OpenAIServingChat(tm, args.model_names)
+    native = NativeServing(tm)
+    started = int(time.time())
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        try:
+            auth.check(request, admin=request.url.path in ADMIN_PATHS)
+        except APIError as e:
+            return e.response()
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        loc = ".".join(str(p) for p in errors[0]["loc"][1:]) if errors else None
+        msg = errors[0]["msg"] if errors else "invalid request"
+        return APIError(f"Invalid value for '{loc}': {msg}", 400, param=loc or None,
+                        code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(str(exc.detail), exc.status_code,
+                        code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return APIError(f"Internal server error: {type(exc).__name__}", 500,
+                        code="internal_error").response()
+
+    # ---- OpenAI
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return models_response(args.model_names, args.engine.model_path,
+                               tm.model_info.context_len, started)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if model_id not in args.model_names:
+            raise APIError(f"The model '{model_id}' does not exist", 404, param="model",
+                           code="model_not_found")
+        return models_response([model_id], args.engine.model_path, tm.model_info.context_len,
+                               started)["data"][0]
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        return await completions.create(await parse_body(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat.create(await parse_body(request, ChatCompletionRequest), request)
+
+    # ---- native (sglang paths)
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await native.generate(await parse_body(request, GenerateReqInput), request)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await parse_body(request, AbortReqInput)
+        if body.abort_all:
+            auth.check(request, admin=True)
+            count = tm.abort_all()
+        elif body.rid:
+            count = tm.abort_request(body.rid)
+        else:
+            raise APIError("Give 'rid' or 'abort_all': true", 400, param="rid",
+                           code="invalid_value")
+        return JSONResponse({"success": True, "num_aborted": count})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> Response:
+        if request.method == "POST":
+            body = await parse_body(request, FlushCacheInput, allow_empty=True)
+        else:
+            try:
+                body = FlushCacheInput.model_validate(dict(request.query_params))
+            except Exception:
+                raise APIError("Invalid value for 'timeout': must be a number of seconds in "
+                               "[0, 3600]", 400, param="timeout", code="invalid_value") from None
+        ok, message = await tm.flush_cache(body.timeout)
+        if ok:
+            return PlainTextResponse("Cache flushed.\n", status_code=200)
+        return PlainTextResponse(f"Cache not flushed: {message}\n", status_code=400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead or tm.shutting_down:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if tm.dead or tm.shutting_down:
+            return Response(status_code=503)
+        event = asyncio.Event()
+        bos = tm.tokenizer.bos_token_id if tm.tokenizer is not None else None
+        prompt = [bos if isinstance(bos, int) else 0]
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        state = tm.submit(prompt, params, event, rid=f"health-{tm.new_rid()}")
+        try:
+            await asyncio.wait_for(_until_finished(tm, state, event), timeout=20.0)
+        except asyncio.TimeoutError:
+            tm.abort_states([state], "health check timed out")
+            return Response(status_code=503)
+        ok = state.finished_reason is not None and state.finished_reason.get("type") != "abort"
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {
+            "model_path": args.engine.model_path,
+            "tokenizer_path": args.engine.tokenizer_path or args.engine.model_path,
+            "served_model_name": args.model_names[0],
+            "is_generation": True,
+            "architecture": tm.model_info.raw.get("architecture"),
+            "context_length": tm.model_info.context_len,
+            "vocab_size": tm.model_info.vocab_size,
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        info = args.public_dict()
+        info.update(await tm.get_server_info())
+        info["version"] = tide.__version__
+        info["num_http_requests_in_flight"] = len(tm.rid_to_state)
+        return info
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        try:
+            metrics.set_load(await tm.get_load())
+        except (asyncio.TimeoutError, APIError):
+            pass  # counters and histograms are still worth serving
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _until_finished(tm: TokenizerManager, state: Any, event: asyncio.Event) -> None:
+    while not state.finished:
+        await tm.wait(event)

@@ -1,0 +1,206 @@
+"""sglang-compatible `POST /generate`: one item or a batch, by text or token ids, streamed or not.
+
+Output per sequence (as sglang): `{"text", "output_ids", "meta_info": {"id", "finish_reason",
+"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "output_token_logprobs",
+"output_top_logprobs"}}`; logprob entries are `[logprob, token_id, token_text_or_null]`. A single item
+with `n == 1` returns one object, anything else a list. Streaming sends `data: {...}` events whose `text`
+and `output_ids` are cumulative (each event also has `index`, the sequence's place in the list), then
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from tide.sampling_params import SamplingParams
+from tide.server.errors import APIError, invalid_request
+from tide.server.protocol import GenerateReqInput
+from tide.server.tokenizer_manager import ClientDisconnected, ReqState, TokenizerManager
+from tide.server.utils import SSE_DONE, SSE_HEADERS, make_sampling_params, sse
+
+
+@dataclasses.dataclass
+class _Item:
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: str | None
+    return_logprob: bool
+    top_logprobs_num: int
+
+
+class NativeServing:
+    """Implements `/generate` on top of the TokenizerManager."""
+
+    def __init__(self, tm: TokenizerManager) -> None:
+        self.tm = tm
+
+    async def generate(self, req: GenerateReqInput, raw_request: Request) -> Response:
+        single, items = self._normalize(req)
+        event = asyncio.Event()
+        if req.stream:
+            # Submitted inside the stream, so a client gone before it starts leaves nothing behind.
+            return StreamingResponse(
+                self._stream(items, event, req.return_text_in_logprobs),
+                media_type="text/event-stream", headers=SSE_HEADERS,
+            )
+        states = self._submit(items, event)
+        try:
+            while not all(s.finished for s in states):
+                await self.tm.wait(event, raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            self.tm.abort_states(states, "client disconnected")
+        outs = [self._output(s, req.return_text_in_logprobs) for s in states]
+        return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
+
+    def _submit(self, items: list[_Item], event: asyncio.Event) -> list[ReqState]:
+        states: list[ReqState] = []
+        try:
+            for item in items:
+                base = item.rid or self.tm.new_rid()
+                n = item.params.n
+                for j in range(n):
+                    seed = item.params.seed
+                    params = dataclasses.replace(
+                        item.params, n=1, seed=None if seed is None else seed + j
+                    )
+                    states.append(self.tm.submit(
+                        item.prompt_ids, params, event,
+                        rid=base if n == 1 else f"{base}-{j}", user_rid=item.rid,
+                        return_logprob=item.return_logprob,
+                        top_logprobs_num=item.top_logprobs_num,
+                    ))
+        except BaseException:
+            self.tm.abort_states(states, "request failed")
+            raise
+        return states
+
+    async def _stream(self, items: list[_Item], event: asyncio.Event,
+                      text_in_logprobs: bool) -> AsyncIterator[bytes]:
+        try:
+            states = self._submit(items, event)
+        except APIError as e:
+            yield sse(e.body())
+            return
+        reported = [(-1, False)] * len(states)  # (tokens, finished) last sent per sequence
+        try:
+            while True:
+                for i, s in enumerate(states):
+                    mark = (len(s.output_ids), s.finished)
+                    if mark != reported[i]:
+                        reported[i] = mark
+                        out = self._output(s, text_in_logprobs)
+                        out["index"] = i
+                        yield sse(out)
+                if all(s.finished for s in states):
+                    break
+                await self.tm.wait(event)
+            yield SSE_DONE
+        finally:
+            self.tm.abort_states(states, "client disconnected")
+
+    # ---- input
+    def _normalize(self, req: GenerateReqInput) -> tuple[bool, list[_Item]]:
+        tm = self.tm
+        if (req.text is None) == (req.input_ids is None):
+            raise invalid_request("Exactly one of 'text' or 'input_ids' must be given", "text",
+                                  "invalid_value")
+        prompts: list[list[int]]
+        if req.text is not None:
+            single = isinstance(req.text, str)
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            if not texts:
+                raise invalid_request("'text' must not be an empty list", "text", "invalid_value")
+            prompts = []
+            for k, t in enumerate(texts):
+                param = "text" if single else f"text.{k}"
+                if not t:
+                    raise invalid_request(f"'{param}' must not be empty", param, "invalid_value")
+                prompts.append(tm.tokenize(t))
+            prompt_param = "text"
+        else:
+            ids = req.input_ids
+            assert ids is not None
+            if not ids:
+                raise invalid_request("'input_ids' must not be empty", "input_ids", "invalid_value")
+            single = not isinstance(ids[0], list)
+            prompts = [ids] if single else ids  # type: ignore[list-item]
+            for k, p in enumerate(prompts):
+                tm.check_input_ids(p, "input_ids" if single else f"input_ids.{k}")
+            prompt_param = "input_ids"
+        count = len(prompts)
+        sp_list = _per_item(req.sampling_params, count, "sampling_params", single)
+        rids = _per_item(req.rid, count, "rid", single, repeat=False)
+        lp_flags = _per_item(req.return_logprob, count, "return_logprob", single)
+        tops = _per_item(req.top_logprobs_num, count, "top_logprobs_num", single)
+        starts = _per_item(req.logprob_start_len, count, "logprob_start_len", single)
+        items: list[_Item] = []
+        for k, ids in enumerate(prompts):
+            sfx = "" if single else f".{k}"
+            params = make_sampling_params(sp_list[k], "sampling_params" + sfx)
+            tm.check_length(len(ids), params.max_new_tokens, prompt_param + sfx,
+                            f"sampling_params{sfx}.max_new_tokens")
+            if tops[k] < 0 or tops[k] > 100:
+                raise invalid_request("'top_logprobs_num' must be in [0, 100]",
+                                      "top_logprobs_num" + sfx, "invalid_value")
+            if lp_flags[k] and starts[k] not in (-1, None) and starts[k] < len(ids):
+                raise invalid_request(
+                    "input token logprobs are not supported; use logprob_start_len=-1",
+                    "logprob_start_len" + sfx, "unsupported")
+            items.append(_Item(list(ids), params, rids[k], bool(lp_flags[k]), int(tops[k])))
+        user_rids = [it.rid for it in items if it.rid is not None]
+        if len(set(user_rids)) != len(user_rids):
+            raise invalid_request("'rid' values must be unique", "rid", "duplicate_rid")
+        expanded = [r if it.params.n == 1 else f"{r}-{j}"
+                    for it in items if (r := it.rid) is not None for j in range(it.params.n)]
+        tm.check_rids_free(expanded)
+        return single, items
+
+    # ---- output
+    def _output(self, s: ReqState, text_in_logprobs: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": s.rid,
+            "finish_reason": s.finished_reason,
+            "prompt_tokens": len(s.prompt_ids),
+            "completion_tokens": len(s.output_ids),
+            "cached_tokens": s.cached_tokens,
+            "e2e_latency": s.e2e_latency,
+        }
+        if s.return_logprob:
+            decode = self._token_text if text_in_logprobs else (lambda _t: None)
+            meta["output_token_logprobs"] = [
+                [lp, t, decode(t)] for lp, t in zip(s.output_token_logprobs, s.output_ids)
+            ]
+            if s.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [
+                    [[lp, t, decode(t)] for lp, t in row] for row in s.output_top_logprobs
+                ]
+        return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
+
+    def _token_text(self, token_id: int) -> str | None:
+        tok = self.tm.tokenizer
+        return tok.decode([token_id]) if tok is not None else None
+
+
+def _per_item(value: Any, count: int, name: str, single: bool, repeat: bool = True) -> list[Any]:
+    """Spread a scalar over the batch, or check a per-item list has one entry per prompt."""
+    if isinstance(value, list):
+        if single:
+            raise invalid_request(f"'{name}' must be a single value for a single prompt", name,
+                                  "invalid_type")
+        if len(value) != count:
+            raise invalid_request(
+                f"'{name}' has {len(value)} entries but there are {count} prompts", name,
+                "invalid_value")
+        return list(value)
+    if not repeat and value is not None and not single:
+        raise invalid_request(f"'{name}' must be a list with one entry per prompt for a batch",
+                              name, "invalid_type")
+    return [value] * count

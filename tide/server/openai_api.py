@@ -1,0 +1,462 @@
+"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models`.
+
+Responses follow the OpenAI schema so the official `openai` client works unchanged. Choices are ordered
+prompt-major (`index = prompt * n + j`). Streams send one chunk per choice with new text, then (with
+`stream_options.include_usage`) a chunk with empty `choices` and the `usage`, then `data: [DONE]`.
+A completions stream also puts the running `usage` on the chunk that finishes the last choice, so a
+client that does not ask for it still gets the totals. Finish reasons: `stop`, `length`, or `abort`
+(aborted by `/abort_request`, shutdown, or the server).
+
+Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`, prompt logprobs with `echo`
+beyond `null` entries for prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from tide.sampling_params import SamplingParams
+from tide.server.errors import APIError, invalid_request
+from tide.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from tide.server.tokenizer_manager import ClientDisconnected, ReqState, TokenizerManager
+from tide.server.utils import SSE_DONE, SSE_HEADERS, make_sampling_params, sse
+
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+def finish_reason_name(reason: dict[str, Any] | None) -> str | None:
+    if reason is None:
+        return None
+    kind = reason.get("type")
+    return kind if kind in ("stop", "length") else "abort"
+
+
+@dataclasses.dataclass
+class _Prompt:
+    ids: list[int]
+    text: str | None  # the prompt as text (for echo); None until needed
+
+
+class OpenAIServingBase:
+    """What both OpenAI routes share: model check, sampling params, submission, token strings."""
+
+    def __init__(self, tm: TokenizerManager, served_model_names: list[str]) -> None:
+        self.tm = tm
+        self.served_model_names = served_model_names
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str) -> None:
+        if model not in self.served_model_names:
+            raise APIError(
+                f"The model '{model}' does not exist; this server serves "
+                f"'{self.model_name}'", 404, param="model", code="model_not_found")
+
+    def sampling_params(self, req: _OpenAISampling, max_new_tokens: int) -> SamplingParams:
+        if req.stream_options is not None and not req.stream:
+            raise invalid_request("'stream_options' is only allowed when 'stream' is true",
+                                  "stream_options", "invalid_value")
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+            "repetition_penalty": req.repetition_penalty,
+            "stop": req.stop if req.stop else None,
+            "stop_token_ids": req.stop_token_ids,
+            "ignore_eos": req.ignore_eos,
+            "skip_special_tokens": req.skip_special_tokens,
+            "seed": req.seed,
+        }
+        if isinstance(req.stop, list) and len(req.stop) > 16:
+            raise invalid_request("'stop' may hold at most 16 strings", "stop", "invalid_value")
+        return make_sampling_params(params, "", _OPENAI_NAMES)
+
+    def submit(self, prompts: list[_Prompt], params: SamplingParams, n: int, event: asyncio.Event,
+               rid: str | None, logprobs: int | None) -> list[ReqState]:
+        """n sequences per prompt (prompt-major); seeded requests get seed + j for copy j."""
+        states: list[ReqState] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                for j in range(n):
+                    seed = None if params.seed is None else params.seed + j
+                    sub = rid if rid and len(prompts) * n == 1 else (f"{rid}-{i * n + j}" if rid
+                                                                     else None)
+                    states.append(self.tm.submit(
+                        prompt.ids, dataclasses.replace(params, seed=seed), event, rid=sub,
+                        user_rid=rid, return_logprob=logprobs is not None,
+                        top_logprobs_num=logprobs or 0,
+                    ))
+        except BaseException:
+            self.tm.abort_states(states, "request failed")
+            raise
+        return states
+
+    async def wait_all(self, states: list[ReqState], event: asyncio.Event,
+                       raw_request: Request) -> bool:
+        """Wait for every state to finish; False if the client went away (requests aborted)."""
+        try:
+            while not all(s.finished for s in states):
+                await self.tm.wait(event, raw_request)
+        except ClientDisconnected:
+            return False
+        finally:
+            self.tm.abort_states(states, "client disconnected")
+        return True
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server
+    def token_str(self, token_id: int) -> str:
+        return self.tm.tokenizer.decode([token_id]) if self.tm.tokenizer is not None else ""
+
+    @staticmethod
+    def usage(prompt_tokens: int, states: list[ReqState]) -> dict[str, Any]:
+        completion = sum(len(s.output_ids) for s in states)
+        cached = sum(s.cached_tokens for s in states)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+class OpenAIServingCompletion(OpenAIServingBase):
+    """`POST /v1/completions`."""
+
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        prompts = self._prompts(req)
+        for k, p in enumerate(prompts):
+            max_new = req.max_tokens
+            if max_new is None:
+                max_new = max(0, self.tm.max_seq_len - len(p.ids))
+            self.tm.check_length(len(p.ids), max_new, "prompt", "max_tokens")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, self.tm.max_seq_len - max(len(p.ids) for p in prompts))
+        params = self.sampling_params(req, max_tokens)
+        if req.echo:
+            for p in prompts:
+                if p.text is None:
+                    p.text = self.tm.tokenizer.decode(p.ids) if self.tm.tokenizer else ""
+        self._check_rid(req.rid, len(prompts) * req.n)
+        event = asyncio.Event()
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(req, prompts, params, event, cid, created),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs)
+        if not await self.wait_all(states, event, raw_request):
+            return Response(status_code=499)
+        choices = []
+        for idx, s in enumerate(states):
+            prompt = prompts[idx // req.n]
+            text = s.text
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._logprobs(s, 0, len(s.output_ids), req.echo, prompt, 0)
+            if req.echo:
+                text = (prompt.text or "") + text
+            choices.append({"index": idx, "text": text, "logprobs": logprobs,
+                            "finish_reason": finish_reason_name(s.finished_reason)})
+        body = {
+            "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+            "choices": choices, "usage": self.usage(sum(len(p.ids) for p in prompts), states),
+            "system_fingerprint": None,
+        }
+        return JSONResponse(body)
+
+    def _check_rid(self, rid: str | None, count: int) -> None:
+        if rid:
+            self.tm.check_rids_free([rid] if count == 1 else [f"{rid}-{i}" for i in range(count)])
+
+    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise invalid_request("'prompt' must not be empty", "prompt", "invalid_value")
+            return [_Prompt(self.tm.tokenize(prompt), prompt)]
+        if not prompt:
+            raise invalid_request("'prompt' must not be an empty list", "prompt", "invalid_value")
+        if isinstance(prompt[0], str):
+            out = []
+            for k, p in enumerate(prompt):
+                if not p:
+                    raise invalid_request(f"'prompt.{k}' must not be empty", f"prompt.{k}",
+                                          "invalid_value")
+                out.append(_Prompt(self.tm.tokenize(p), p))  # type: ignore[arg-type]
+            return out
+        if isinstance(prompt[0], int):
+            self.tm.check_input_ids(prompt, "prompt")  # type: ignore[arg-type]
+            return [_Prompt(list(prompt), None)]  # type: ignore[arg-type]
+        out = []
+        for k, ids in enumerate(prompt):
+            self.tm.check_input_ids(ids, f"prompt.{k}")  # type: ignore[arg-type]
+            out.append(_Prompt(list(ids), None))  # type: ignore[arg-type]
+        return out
+
+    def _logprobs(self, s: ReqState, start: int, end: int, echo: bool, prompt: _Prompt,
+                  offset: int) -> dict[str, Any]:
+        """OpenAI completions logprobs for output tokens [start, end); with echo (and start == 0)
+        the prompt tokens come first with null logprobs. `offset` is the text offset of `start`."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        if echo and start == 0:
+            for t in prompt.ids:
+                tokens.append(self.token_str(t))
+                token_logprobs.append(None)
+                top.append(None)
+        for k in range(start, end):
+            tokens.append(self.token_str(s.output_ids[k]))
+            token_logprobs.append(s.output_token_logprobs[k] if k < len(s.output_token_logprobs)
+                                  else None)
+            if s.top_logprobs_num > 0 and k < len(s.output_top_logprobs):
+                top.append({self.token_str(t): lp for lp, t in s.output_top_logprobs[k]})
+            else:
+                top.append(None)
+        text_offset = []
+        pos = offset
+        for tok in tokens:
+            text_offset.append(pos)
+            pos += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": text_offset}
+
+    async def _stream(self, req: CompletionRequest, prompts: list[_Prompt],
+                      params: SamplingParams, event: asyncio.Event, cid: str,
+                      created: int) -> AsyncIterator[bytes]:
+        try:
+            states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs)
+        except APIError as e:
+            yield sse(e.body())
+            return
+        n = req.n
+        sent_text = [0] * len(states)
+        sent_tokens = [0] * len(states)
+        text_pos = [len(prompts[i // n].text or "") if req.echo else 0 for i in range(len(states))]
+        done = [False] * len(states)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        prompt_tokens = sum(len(p.ids) for p in prompts)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created,
+                                    "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            if req.echo:
+                for i in range(len(states)):
+                    prompt = prompts[i // n]
+                    lp = (self._logprobs(states[i], 0, 0, True, prompt, 0)
+                          if req.logprobs is not None else None)
+                    yield chunk([{"index": i, "text": prompt.text or "", "logprobs": lp,
+                                  "finish_reason": None}])
+            while True:
+                for i, s in enumerate(states):
+                    if done[i]:
+                        continue
+                    text = s.text
+                    n_tok = len(s.output_ids)
+                    if len(text) == sent_text[i] and n_tok == sent_tokens[i] and not s.finished:
+                        continue
+                    delta = text[sent_text[i]:]
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = self._logprobs(s, sent_tokens[i], n_tok, False, prompts[i // n],
+                                            text_pos[i])
+                    text_pos[i] += len(delta)
+                    sent_text[i], sent_tokens[i] = len(text), n_tok
+                    finish = finish_reason_name(s.finished_reason)
+                    usage = None
+                    if s.finished:
+                        done[i] = True
+                        if all(done):
+                            usage = self.usage(prompt_tokens, states)
+                    yield chunk([{"index": i, "text": delta, "logprobs": lp,
+                                  "finish_reason": finish}], usage)
+                if all(done):
+                    break
+                await self.tm.wait(event)
+            if include_usage:
+                yield chunk([], self.usage(prompt_tokens, states))
+            yield SSE_DONE
+        finally:
+            self.tm.abort_states(states, "client disconnected")
+
+
+class OpenAIServingChat(OpenAIServingBase):
+    """`POST /v1/chat/completions`."""
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs",
+                                  "invalid_value")
+        prompt_ids = self._apply_template(req)
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if max_new is None:
+            max_new = max(0, self.tm.max_seq_len - len(prompt_ids))
+        self.tm.check_length(len(prompt_ids), max_new, "messages", max_param)
+        params = self.sampling_params(req, max_new)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.rid:
+            self.tm.check_rids_free([req.rid] if req.n == 1 else
+                                    [f"{req.rid}-{i}" for i in range(req.n)])
+        prompts = [_Prompt(prompt_ids, None)]
+        event = asyncio.Event()
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self._stream(req, prompts, params, logprobs, event, cid,
+                                                  created),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        states = self.submit(prompts, params, req.n, event, req.rid, logprobs)
+        if not await self.wait_all(states, event, raw_request):
+            return Response(status_code=499)
+        choices = []
+        for idx, s in enumerate(states):
+            choices.append({
+                "index": idx,
+                "message": {"role": "assistant", "content": s.text, "refusal": None},
+                "logprobs": ({"content": self._logprobs(s, 0, len(s.output_ids)), "refusal": None}
+                             if logprobs is not None else None),
+                "finish_reason": finish_reason_name(s.finished_reason),
+            })
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
+            "choices": choices, "usage": self.usage(len(prompt_ids), states),
+            "system_fingerprint": None,
+        })
+
+    def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.tm.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise invalid_request("This model has no chat template; use /v1/completions",
+                                  "messages", "chat_template_missing")
+        messages: list[dict[str, Any]] = []
+        for k, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            if content is None:
+                if m.role != "assistant":
+                    raise invalid_request(f"'messages.{k}.content' is required for role "
+                                          f"'{m.role}'", f"messages.{k}.content", "invalid_value")
+                content = ""
+            msg: dict[str, Any] = {"role": m.role, "content": content}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        kwargs = dict(req.chat_template_kwargs or {})
+        try:
+            text = tok.apply_chat_template(
+                messages, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, **kwargs,
+            )
+        except Exception as e:  # jinja errors (unsupported role, bad order) are the client's input
+            raise invalid_request(f"The chat template rejected 'messages': {e}", "messages",
+                                  "invalid_value") from None
+        ids = self.tm.tokenize(text, add_special_tokens=False)
+        if not ids:
+            raise invalid_request("'messages' render to an empty prompt", "messages",
+                                  "invalid_value")
+        return ids
+
+    def _logprobs(self, s: ReqState, start: int, end: int) -> list[dict[str, Any]]:
+        out = []
+        for k in range(start, min(end, len(s.output_token_logprobs))):
+            tok = self.token_str(s.output_ids[k])
+            top = []
+            if s.top_logprobs_num > 0 and k < len(s.output_top_logprobs):
+                top = [{"token": self.token_str(t), "logprob": lp,
+                        "bytes": list(self.token_str(t).encode())}
+                       for lp, t in s.output_top_logprobs[k]]
+            out.append({"token": tok, "logprob": s.output_token_logprobs[k],
+                        "bytes": list(tok.encode()), "top_logprobs": top})
+        return out
+
+    async def _stream(self, req: ChatCompletionRequest, prompts: list[_Prompt],
+                      params: SamplingParams, logprobs: int | None, event: asyncio.Event,
+                      cid: str, created: int) -> AsyncIterator[bytes]:
+        try:
+            states = self.submit(prompts, params, req.n, event, req.rid, logprobs)
+        except APIError as e:
+            yield sse(e.body())
+            return
+        sent_text = [0] * len(states)
+        sent_tokens = [0] * len(states)
+        done = [False] * len(states)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk",
+                                    "created": created, "model": self.model_name,
+                                    "choices": choices, "system_fingerprint": None}
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            for i in range(len(states)):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            while True:
+                for i, s in enumerate(states):
+                    if done[i]:
+                        continue
+                    text = s.text
+                    n_tok = len(s.output_ids)
+                    if len(text) == sent_text[i] and n_tok == sent_tokens[i] and not s.finished:
+                        continue
+                    delta_text = text[sent_text[i]:]
+                    lp = None
+                    if logprobs is not None:
+                        lp = {"content": self._logprobs(s, sent_tokens[i], n_tok), "refusal": None}
+                    sent_text[i], sent_tokens[i] = len(text), n_tok
+                    delta = {"content": delta_text} if delta_text else {}
+                    if s.finished:
+                        done[i] = True
+                    elif not delta_text and not (lp and lp["content"]):
+                        continue  # held-back bytes only: nothing to show yet
+                    yield chunk([{"index": i, "delta": delta, "logprobs": lp,
+                                  "finish_reason": finish_reason_name(s.finished_reason)}])
+                if all(done):
+                    break
+                await self.tm.wait(event)
+            if include_usage:
+                yield chunk([], self.usage(len(prompts[0].ids), states))
+            yield SSE_DONE
+        finally:
+            self.tm.abort_states(states, "client disconnected")
+
+
+def models_response(names: list[str], model_path: str, context_len: int,
+                    created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "tide",
+             "root": model_path, "max_model_len": context_len}
+            for name in names[:1]
+        ],
+    }

@@ -1,0 +1,56 @@
+"""Options of `tide serve` that are about the HTTP server (the engine's are `EngineConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from tide.config import DEMO_MODEL_PATH, EngineConfig
+
+DEMO_MODEL_NAME = "tide-demo"
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """HTTP options plus the engine configuration the scheduler process is built from."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    startup_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.log_level.lower() not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        for name in ("api_key", "admin_api_key"):
+            value = getattr(self, name)
+            if value is not None and not value:
+                raise ValueError(f"{name} must not be empty")
+
+    @property
+    def model_names(self) -> list[str]:
+        """Names a request's `model` may use: the served name first, then the model path."""
+        names: list[str] = []
+        if self.served_model_name:
+            names.append(self.served_model_name)
+        if os.path.abspath(self.engine.model_path) == os.path.abspath(DEMO_MODEL_PATH):
+            names.append(DEMO_MODEL_NAME)
+        names.append(self.engine.model_path)
+        return list(dict.fromkeys(names))
+
+    def public_dict(self) -> dict[str, Any]:
+        """Everything but the secrets, for `/get_server_info`."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        out["api_key"] = "***" if self.api_key else None
+        out["admin_api_key"] = "***" if self.admin_api_key else None
+        out.update(dataclasses.asdict(self.engine))
+        return out

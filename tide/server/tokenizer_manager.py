@@ -1,0 +1,449 @@
+"""The HTTP process's side of the engine: tokenize, submit, track, detokenize, abort.
+
+`TokenizerManager` owns the zmq channel to the scheduler process. Routes tokenize and validate their
+input, then `submit` one `ReqState` per sequence (n > 1 and batches are several states sharing one
+`asyncio.Event`); the receive loop applies each `BatchTokenIDOut` to the states, runs incremental
+detokenization, finishes requests (scheduler finish, or a stop string found in the text) and sets the
+event. Consumers read whatever is new since their last look, so a slow client sees tokens coalesced
+rather than a growing queue.
+
+Control calls (flush, load, info) get a `req_id` and await the scheduler's `ControlReqOutput` with the
+same id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tide.sampling_params import SamplingParams
+from tide.server.detokenizer import IncrementalDetokenizer
+from tide.server.errors import APIError, invalid_request
+from tide.server.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    ControlReqOutput,
+    FlushCacheReqInput,
+    GetLoadReqInput,
+    GetServerInfoReqInput,
+    ShutdownReq,
+    TokenizedGenerateReqInput,
+    decode_output,
+    encode_message,
+)
+from tide.server.metrics import ServerMetrics
+
+logger = logging.getLogger("tide.server")
+
+_NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ModelInfo:
+    """Facts about the served model, reported by the scheduler process when it is ready."""
+
+    model_path: str
+    context_len: int
+    max_total_tokens: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_ready(cls, info: dict[str, Any]) -> "ModelInfo":
+        return cls(
+            model_path=info["model_path"],
+            context_len=int(info["context_length"]),
+            max_total_tokens=int(info["max_total_tokens"]),
+            vocab_size=int(info["vocab_size"]),
+            eos_token_ids=list(info["eos_token_ids"]),
+            raw=dict(info),
+        )
+
+
+class ReqState:
+    """What the HTTP side knows about one in-flight sequence (n == 1)."""
+
+    def __init__(
+        self,
+        rid: str,
+        user_rid: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        detok: IncrementalDetokenizer | None,
+        event: asyncio.Event,
+    ) -> None:
+        self.rid = rid
+        self.user_rid = user_rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.return_logprob = return_logprob or top_logprobs_num > 0
+        self.top_logprobs_num = top_logprobs_num
+        self.detok = detok
+        self.event = event
+        self.output_ids: list[int] = []
+        self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.finished_reason: dict[str, Any] | None = None
+        self.cached_tokens = 0
+        self.created = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.detok.visible_text if self.detok is not None else ""
+
+    @property
+    def e2e_latency(self) -> float:
+        end = self.finished_time if self.finished_time is not None else time.perf_counter()
+        return end - self.created
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its requests were aborted."""
+
+
+class TokenizerManager:
+    """Tokenizes, submits and tracks requests; talks to the scheduler process over zmq."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_info: ModelInfo,
+        input_addr: str,
+        output_addr: str,
+        metrics: ServerMetrics,
+        scheduler_alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.input_addr = input_addr
+        self.output_addr = output_addr
+        self.metrics = metrics
+        self.scheduler_alive = scheduler_alive
+        self.rid_to_state: dict[str, ReqState] = {}
+        self._pending_control: dict[str, asyncio.Future[ControlReqOutput]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_load: dict[str, Any] | None = None
+        self.on_fatal: Callable[[], None] = lambda: None
+        self.dead = False
+        self.shutting_down = False
+
+    # ---- lifecycle
+    async def start(self) -> None:
+        """Open the sockets and start the receive loop and the scheduler watchdog (in the loop)."""
+        self._actx = zmq.asyncio.Context()
+        self._recv_sock = self._actx.socket(zmq.PULL)
+        self._recv_sock.setsockopt(zmq.RCVHWM, 0)
+        self._recv_sock.bind(self.output_addr)
+        self._sctx = zmq.Context()
+        self._send_sock = self._sctx.socket(zmq.PUSH)
+        self._send_sock.setsockopt(zmq.SNDHWM, 0)
+        self._send_sock.setsockopt(zmq.LINGER, 2000)
+        self._send_sock.connect(self.input_addr)
+        self._tasks = [
+            asyncio.create_task(self._handle_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Abort everything, ask the scheduler to stop, and close the sockets."""
+        self.shutting_down = True
+        self.abort_all_local("server shutting down")
+        if not self.dead:
+            try:
+                await self._control(lambda req_id: ShutdownReq(req_id=req_id), timeout)
+            except (asyncio.TimeoutError, APIError):
+                logger.warning("scheduler did not acknowledge shutdown in %.0f s", timeout)
+        for task in self._tasks:
+            task.cancel()
+        self._recv_sock.close(linger=0)
+        self._send_sock.close(linger=500)
+        self._actx.term()
+        self._sctx.term()
+
+    # ---- tokenization and validation
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise invalid_request("this model has no tokenizer; send token ids instead", "text")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_input_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise invalid_request(f"'{param}' must not be empty", param, "invalid_value")
+        vocab = self.model_info.vocab_size
+        for t in ids:
+            if t < 0 or t >= vocab:
+                raise invalid_request(
+                    f"'{param}' contains token id {t}, outside the vocabulary [0, {vocab})",
+                    param, "invalid_value",
+                )
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest prompt + output a request may have (context length, bounded by the KV pool)."""
+        return min(self.model_info.context_len, self.model_info.max_total_tokens)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int, prompt_param: str,
+                     max_param: str) -> None:
+        limit = self.max_seq_len
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{prompt_len} tokens. Shorten '{prompt_param}'.",
+                400, param=prompt_param, code="context_length_exceeded",
+            )
+        if prompt_len + max_new_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{prompt_len} tokens and '{max_param}' asks for {max_new_tokens} more "
+                f"({prompt_len + max_new_tokens} in all). Lower '{max_param}' or the prompt.",
+                400, param=max_param, code="context_length_exceeded",
+            )
+
+    # ---- requests
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        event: asyncio.Event,
+        rid: str | None = None,
+        user_rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> ReqState:
+        """Send one sequence (params.n must be 1) to the scheduler and start tracking it."""
+        self._check_serving()
+        rid = rid or self.new_rid()
+        if rid in self.rid_to_state:
+            raise invalid_request(f"rid {rid!r} is already in use by a running request", "rid",
+                                  "duplicate_rid")
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strs
+            )
+        state = ReqState(rid, user_rid, prompt_ids, params, return_logprob, top_logprobs_num,
+                         detok, event)
+        self.rid_to_state[rid] = state
+        wire_params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+        wire_params["n"] = 1
+        self._send(
+            TokenizedGenerateReqInput(
+                rid=rid,
+                input_ids=prompt_ids,
+                sampling_params=wire_params,
+                return_logprob=state.return_logprob,
+                top_logprobs_num=top_logprobs_num,
+            )
+        )
+        return state
+
+    def check_rids_free(self, rids: list[str], param: str = "rid") -> None:
+        for rid in rids:
+            if rid in self.rid_to_state:
+                raise invalid_request(f"rid {rid!r} is already in use by a running request",
+                                      param, "duplicate_rid")
+
+    async def wait(self, event: asyncio.Event, raw_request: Any | None = None,
+                   poll: float = 1.0) -> None:
+        """Wait for any update of the group behind `event`; raise ClientDisconnected if the client
+        left (checked every `poll` seconds when `raw_request` is given)."""
+        while True:
+            if raw_request is None:
+                await event.wait()
+            else:
+                try:
+                    await asyncio.wait_for(event.wait(), poll)
+                except asyncio.TimeoutError:
+                    if await raw_request.is_disconnected():
+                        raise ClientDisconnected() from None
+                    continue
+            event.clear()
+            return
+
+    def abort_states(self, states: list[ReqState], message: str) -> None:
+        """Finish unfinished `states` now (their consumer is gone) and abort them in the scheduler."""
+        for state in states:
+            if not state.finished and state.rid in self.rid_to_state:
+                self._send(AbortReq(rid=state.rid, message=message))
+                self._finish(state, {"type": "abort", "message": message})
+
+    def abort_request(self, rid: str, message: str = "aborted by request") -> int:
+        """Abort live requests whose rid (or the rid the client gave to their group) is `rid`; they
+        finish with reason abort when the scheduler confirms. Returns how many were found."""
+        targets = [s for s in self.rid_to_state.values() if rid in (s.rid, s.user_rid)]
+        for state in targets:
+            self._send(AbortReq(rid=state.rid, message=message))
+        return len(targets)
+
+    def abort_all(self, message: str = "aborted by request") -> int:
+        count = len(self.rid_to_state)
+        self._send(AbortReq(abort_all=True, message=message))
+        return count
+
+    def abort_all_local(self, message: str) -> None:
+        """Finish every live request now (shutdown, dead scheduler) and tell the scheduler."""
+        if not self.dead:
+            try:
+                self._send(AbortReq(abort_all=True, message=message))
+            except zmq.ZMQError:
+                pass
+        for state in list(self.rid_to_state.values()):
+            self._finish(state, {"type": "abort", "message": message})
+
+    # ---- control
+    async def flush_cache(self, timeout: float = 0.0) -> tuple[bool, str]:
+        out = await self._control(lambda r: FlushCacheReqInput(req_id=r, timeout=timeout),
+                                  timeout + 10.0)
+        return out.success, out.message
+
+    async def get_load(self, timeout: float = 5.0) -> dict[str, Any]:
+        """Live scheduler counters; the last known ones if the scheduler does not answer in time."""
+        try:
+            out = await self._control(lambda r: GetLoadReqInput(req_id=r), timeout)
+            self._last_load = dict(out.data)
+        except (asyncio.TimeoutError, APIError):
+            if self._last_load is None:
+                raise
+        assert self._last_load is not None
+        return self._last_load
+
+    async def get_server_info(self, timeout: float = 5.0) -> dict[str, Any]:
+        out = await self._control(lambda r: GetServerInfoReqInput(req_id=r), timeout)
+        return dict(out.data)
+
+    async def _control(self, make: Callable[[str], msgspec.Struct], timeout: float) -> ControlReqOutput:
+        self._check_alive()
+        req_id = uuid.uuid4().hex
+        fut: asyncio.Future[ControlReqOutput] = asyncio.get_running_loop().create_future()
+        self._pending_control[req_id] = fut
+        try:
+            self._send(make(req_id))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pending_control.pop(req_id, None)
+
+    # ---- internals
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise APIError("the scheduler process is not running", 503, code="engine_dead",
+                           err_type="server_error")
+
+    def _check_serving(self) -> None:
+        self._check_alive()
+        if self.shutting_down:
+            raise APIError("the server is shutting down", 503, code="shutting_down",
+                           err_type="server_error")
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        self._send_sock.send(encode_message(msg))
+
+    async def _handle_loop(self) -> None:
+        while True:
+            data = await self._recv_sock.recv()
+            try:
+                msg = decode_output(data)
+                if isinstance(msg, BatchTokenIDOut):
+                    self._handle_batch(msg)
+                else:
+                    fut = self._pending_control.get(msg.req_id)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+            except Exception:  # one bad message must not stop serving
+                logger.exception("failed to handle a scheduler message")
+
+    def _handle_batch(self, msg: BatchTokenIDOut) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(msg.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue  # finished here already (client gone, stop string, shutdown)
+            new_ids = msg.new_token_ids[i]
+            if new_ids:
+                gap = None if state.last_token_time is None else now - state.last_token_time
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                    self.metrics.on_first_token(now - state.created)
+                state.last_token_time = now
+                self.metrics.on_tokens(len(new_ids), gap)
+                state.output_ids.extend(new_ids)
+                if state.return_logprob:
+                    state.output_token_logprobs.extend(_finite(x) for x in msg.new_token_logprobs[i])
+                    if state.top_logprobs_num > 0:
+                        state.output_top_logprobs.extend(
+                            [(_finite(lp), int(t)) for lp, t in row] for row in msg.new_top_logprobs[i]
+                        )
+                if state.detok is not None:
+                    state.detok.add(new_ids)
+            state.cached_tokens = msg.cached_tokens[i]
+            reason = msg.finished_reasons[i]
+            if reason is not None:
+                self._finish(state, dict(reason))
+            elif state.detok is not None and state.detok.stop_matched is not None:
+                # The text holds a stop string the scheduler has not acted on (yet): end it here.
+                self._send(AbortReq(rid=rid, message="stop string"))
+                self._finish(state, {"type": "stop", "matched": state.detok.stop_matched})
+            state.event.set()
+
+    def _finish(self, state: ReqState, reason: dict[str, Any]) -> None:
+        if state.finished:
+            return
+        if state.detok is not None:
+            state.detok.finish()
+        state.finished_reason = reason
+        state.finished_time = time.perf_counter()
+        self.rid_to_state.pop(state.rid, None)
+        e2e = state.finished_time - state.created
+        kind = str(reason.get("type", "unknown"))
+        self.metrics.on_finish(len(state.prompt_ids), state.cached_tokens, e2e, kind)
+        ttft = (state.first_token_time - state.created) if state.first_token_time else None
+        n_out = len(state.output_ids)
+        decode_time = (state.last_token_time or 0.0) - (state.first_token_time or 0.0)
+        rate = (n_out - 1) / decode_time if n_out > 1 and decode_time > 0 else 0.0
+        detail = f" ({reason['message']})" if kind == "abort" and reason.get("message") else ""
+        logger.info(
+            "req %s: %s%s | prompt %d tok (%d cached), output %d tok | ttft %s, %.1f tok/s, "
+            "e2e %.3f s",
+            state.rid[:12], kind, detail, len(state.prompt_ids), state.cached_tokens, n_out,
+            f"{ttft * 1000:.1f} ms" if ttft is not None else "-", rate, e2e,
+        )
+        state.event.set()
+
+    async def _watchdog(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if not self.scheduler_alive():
+                self.dead = True
+                logger.error("the scheduler process died; failing in-flight requests, stopping")
+                self.abort_all_local("the scheduler process died")
+                for fut in self._pending_control.values():
+                    if not fut.done():
+                        fut.set_exception(APIError("the scheduler process died", 503,
+                                                   code="engine_dead", err_type="server_error"))
+                self.on_fatal()
+                return
+
+
+def _finite(x: float) -> float:
+    return x if x > _NEG_INF_LOGPROB else _NEG_INF_LOGPROB
