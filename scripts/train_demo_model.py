@@ -25,11 +25,12 @@ import math
 import random
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -62,15 +63,18 @@ CHAT_TEMPLATE = (
 )
 
 # Standard-library modules whose docstrings supplement the reference topics.
-DOCSTRING_MODULES = (
-    "builtins", "abc", "argparse", "bisect", "collections", "contextlib", "csv", "dataclasses",
-    "datetime", "decimal", "difflib", "enum", "fractions", "functools", "heapq", "inspect",
-    "io", "itertools", "json", "logging", "math", "operator", "os", "pathlib", "pickle",
-    "random", "re", "shutil", "statistics", "string", "subprocess", "tempfile", "textwrap",
-    "threading", "typing", "unittest", "urllib.parse", "weakref", "zipfile",
-)  # fmt: skip
+DOCSTRING_MODULES = """
+    builtins abc argparse bisect collections contextlib csv dataclasses datetime
+    decimal difflib enum fractions functools heapq inspect io itertools json logging
+    math operator os pathlib pickle random re shutil statistics string subprocess
+    tempfile textwrap threading typing unittest urllib.parse weakref zipfile
+""".split()
 
 SAMPLE_PROMPTS = ["The for statement", "A class definition", "Exceptions are"]
+SAMPLING_MODES: dict[str, dict[str, object]] = {
+    "greedy": {"do_sample": False},
+    "sampled": {"do_sample": True, "temperature": 0.8, "top_p": 0.95},
+}
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class ModelShape:
 
 
 def clean(text: str) -> str:
-    """Normalise whitespace in a documentation topic."""
+    """Normalise line endings and blank lines in a document."""
     text = text.replace("\r\n", "\n")
     text = re.sub(r"[ \t]+\n", "\n", text)
     text = re.sub(r"\n{3,}", "\n\n", text)
@@ -117,16 +121,23 @@ def module_docstrings(module_name: str) -> str:
     """Docstrings of a module and its public classes, methods and functions."""
     module = importlib.import_module(module_name)
     parts = [own_doc(module)]
-    for name, obj in vars(module).items():
-        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-            continue
-        if not (inspect.isclass(obj) or inspect.isroutine(obj)):
-            continue
-        parts.append(own_doc(obj))
-        if inspect.isclass(obj):
-            for attr, member in vars(obj).items():
-                if not attr.startswith("_") and inspect.isroutine(member):
-                    parts.append(own_doc(member))
+    with (
+        warnings.catch_warnings()
+    ):  # deprecated aliases such as typing.io warn on access
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name, obj in vars(module).items():
+            if (
+                name.startswith("_")
+                or getattr(obj, "__module__", None) != module.__name__
+            ):
+                continue
+            if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+                continue
+            parts.append(own_doc(obj))
+            if inspect.isclass(obj):
+                for attr, member in vars(obj).items():
+                    if not attr.startswith("_") and inspect.isroutine(member):
+                        parts.append(own_doc(member))
     return clean("\n\n".join(p for p in parts if len(p) > 40))
 
 
@@ -180,7 +191,9 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> PreTrainedTokenizerFast
 
 
 def tokenize_corpus(
-    tokenizer: PreTrainedTokenizerFast, docs: list[str], chats: list[list[dict[str, str]]]
+    tokenizer: PreTrainedTokenizerFast,
+    docs: list[str],
+    chats: list[list[dict[str, str]]],
 ) -> list[int]:
     """Concatenate ``<bos> doc <eos>`` and rendered chats into one token stream."""
     backend = tokenizer.backend_tokenizer
@@ -189,12 +202,17 @@ def tokenize_corpus(
         pieces.append(backend.encode(doc).ids + [tokenizer.eos_token_id])
     for chat in chats:
         text = tokenizer.apply_chat_template(chat, tokenize=False)
-        pieces.append(backend.encode(text, add_special_tokens=False).ids + [tokenizer.eos_token_id])
+        pieces.append(
+            backend.encode(text, add_special_tokens=False).ids
+            + [tokenizer.eos_token_id]
+        )
     random.Random(0).shuffle(pieces)
     return [t for piece in pieces for t in piece]
 
 
-def make_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+def make_model(
+    shape: ModelShape, tokenizer: PreTrainedTokenizerFast
+) -> LlamaForCausalLM:
     """Build a freshly initialised Llama model for ``shape``."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -226,11 +244,15 @@ def sample_batch(
 def lm_loss(model: LlamaForCausalLM, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (labels are already shifted)."""
     logits = model(input_ids=x).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), y.reshape(-1)
+    )
 
 
 @torch.no_grad()
-def evaluate(model: LlamaForCausalLM, data: torch.Tensor, seq_len: int, max_batches: int = 8) -> float:
+def evaluate(
+    model: LlamaForCausalLM, data: torch.Tensor, seq_len: int, max_batches: int = 8
+) -> float:
     """Average loss over contiguous non-overlapping windows of ``data``."""
     model.eval()
     n = min(max_batches * 8, (data.numel() - 1) // seq_len)
@@ -267,18 +289,31 @@ def show_samples(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) ->
     torch.manual_seed(0)
     prompts = SAMPLE_PROMPTS + [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Tell me about the while statement in Python."}],
+            [
+                {
+                    "role": "user",
+                    "content": "Tell me about the while statement in Python.",
+                }
+            ],
             add_generation_prompt=True,
             tokenize=False,
         )
     ]
     for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=not prompt.startswith(BOS))
-        modes = {"greedy": {"do_sample": False}, "sampled": {"do_sample": True, "temperature": 0.8, "top_p": 0.95}}
-        for mode, kwargs in modes.items():
+        ids = tokenizer(
+            prompt, return_tensors="pt", add_special_tokens=not prompt.startswith(BOS)
+        )
+        for mode, kwargs in SAMPLING_MODES.items():
             with torch.no_grad():
-                out = model.generate(**ids, max_new_tokens=48, pad_token_id=tokenizer.pad_token_id, **kwargs)
-            text = tokenizer.decode(out[0][ids["input_ids"].shape[1] :], skip_special_tokens=False)
+                out = model.generate(
+                    **ids,
+                    max_new_tokens=48,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **kwargs,
+                )
+            text = tokenizer.decode(
+                out[0][ids["input_ids"].shape[1] :], skip_special_tokens=False
+            )
             print(f"--- {mode} | {prompt!r}\n{text}\n")
 
 
@@ -290,8 +325,12 @@ def dir_size(path: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tide/demo_model"))
-    parser.add_argument("--minutes", type=float, default=12.0, help="wall-clock training budget")
-    parser.add_argument("--steps", type=int, default=None, help="fixed step count (overrides --minutes)")
+    parser.add_argument(
+        "--minutes", type=float, default=12.0, help="wall-clock training budget"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="fixed step count (overrides --minutes)"
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -306,26 +345,32 @@ def main() -> None:
     shape = ModelShape()
 
     docs, chats = build_corpus()
-    print(f"corpus: {len(docs)} topics, {sum(map(len, docs))} chars, {len(chats)} chats")
+    n_chars = sum(map(len, docs))
+    print(f"corpus: {len(docs)} documents, {n_chars} chars, {len(chats)} chats")
     tokenizer = train_tokenizer(docs, shape.vocab_size)
     stream = torch.tensor(tokenize_corpus(tokenizer, docs, chats), dtype=torch.long)
     split = int(stream.numel() * 0.95)
     train_data, val_data = stream[:split], stream[split:]
-    print(f"tokens: {stream.numel()} (train {train_data.numel()}, val {val_data.numel()}), vocab {len(tokenizer)}")
+    print(f"tokens: {stream.numel()} (train {split}, val {stream.numel() - split})")
 
     model = make_model(shape, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters")
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=args.lr,
         betas=(0.9, 0.95),
     )
     gen = torch.Generator().manual_seed(args.seed)
-    total = args.steps if args.steps is not None else 10**9  # resolved after warmup when timing
+    total = (
+        args.steps if args.steps is not None else 10**9
+    )  # resolved after warmup when timing
     budget_s = args.minutes * 60.0
     start = time.perf_counter()
     loss_ema: float | None = None
@@ -342,23 +387,29 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         step += 1
-        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        loss_ema = (
+            loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        )
         elapsed = time.perf_counter() - start
         if args.steps is None and step == args.warmup:
             total = max(args.warmup + 1, int(budget_s / (elapsed / step)))
-            print(f"calibrated: {elapsed / step:.2f}s/step -> {total} steps (reproduce with --steps {total})")
+            print(f"calibrated: {elapsed / step:.2f}s/step -> {total} steps")
+            print(f"  (reproduce this schedule with --steps {total})")
         if step % 25 == 0 or step == total:
             shown_total = total if total < 10**9 else "?"
             print(
-                f"step {step:5d}/{shown_total}  loss {loss.item():.3f}  ema {loss_ema:.3f}"
-                f"  lr {lr:.2e}  {elapsed / 60:.1f} min",
+                f"step {step:5d}/{shown_total}  loss {loss.item():.3f}"
+                f"  ema {loss_ema:.3f}  lr {lr:.2e}  {elapsed / 60:.1f} min",
                 flush=True,
             )
         if step % 200 == 0:
-            print(f"  val loss {evaluate(model, val_data, args.seq_len):.3f}", flush=True)
+            print(
+                f"  val loss {evaluate(model, val_data, args.seq_len):.3f}", flush=True
+            )
     train_minutes = (time.perf_counter() - start) / 60
     val_loss = evaluate(model, val_data, args.seq_len)
-    print(f"done: {step} steps in {train_minutes:.1f} min, train loss (ema) {loss_ema:.3f}, val loss {val_loss:.3f}")
+    print(f"done: {step} steps in {train_minutes:.1f} min")
+    print(f"train loss (ema) {loss_ema:.3f}, val loss {val_loss:.3f}")
 
     show_samples(model, tokenizer)
 
@@ -372,6 +423,10 @@ def main() -> None:
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     make_config_portable(args.out)
+    for path in (
+        args.out.iterdir()
+    ):  # safetensors writes 0600; package data must be world-readable
+        path.chmod(0o644)
     stats = {
         "parameters": n_params,
         "steps": step,
@@ -388,7 +443,9 @@ def main() -> None:
     # Round-trip check from disk, as the engine will load it.
     reloaded = AutoModelForCausalLM.from_pretrained(args.out)
     AutoTokenizer.from_pretrained(args.out)
-    print(f"saved {args.out} ({dir_size(args.out) / 1e6:.2f} MB, dtype {reloaded.dtype})")
+    print(
+        f"saved {args.out} ({dir_size(args.out) / 1e6:.2f} MB, dtype {reloaded.dtype})"
+    )
 
 
 if __name__ == "__main__":

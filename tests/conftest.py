@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+# One intra-op thread by default: the models are tiny, and on a shared 2-core machine multi-threaded
+# kernels spin against other processes and run up to ~100x slower. TIDE_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("TIDE_TEST_THREADS", "1")))
 
 VOCAB = 512
 
@@ -99,3 +101,59 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_path(checkpoints) -> Path:
     return checkpoints["llama"]
+
+
+# ---- shared engines, HF reference models and prompts (session scoped: built once, reused)
+
+
+def random_prompts(seed: int, lengths, low: int = 2, high: int = VOCAB) -> list[list[int]]:
+    """Deterministic random token-id prompts (ids in [low, high), so no eos/bos by default)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(low, high) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def engine_for(checkpoints):
+    """`engine_for(arch)`: a default-options `tide.Engine` per checkpoint, shared by the session.
+
+    Shared engines keep their radix cache between tests; tests that read counters use deltas, and
+    tests that need a pristine engine build their own.
+    """
+    import tide
+
+    cache: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = tide.Engine(str(checkpoints[arch]))
+        return cache[arch]
+
+    yield get
+    for engine in cache.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def llama_engine(engine_for):
+    return engine_for("llama")
+
+
+@pytest.fixture(scope="session")
+def hf_model_for(checkpoints):
+    """`hf_model_for(arch)`: the fp32 `transformers` model of a checkpoint (eos disabled), cached."""
+    import transformers
+
+    cache: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                checkpoints[arch], dtype=torch.float32
+            ).eval()
+            model.generation_config.eos_token_id = None
+            cache[arch] = model
+        return cache[arch]
+
+    return get

@@ -75,12 +75,15 @@ class Engine:
             sp = SamplingParams.from_dict(params[i])
             self._check_length(ids, sp)
             top_n = top_nums[i]
-            if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
-                raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
+            vocab = self.model_config.vocab_size
+            if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:
+                raise ValueError(f"top_logprobs_num must be an integer in [0, {vocab}], got {top_n!r}")
             base = rids[i] or uuid.uuid4().hex
             for j in range(sp.n):
                 # n copies of a seeded request draw different samples, reproducibly.
-                sp_j = sp if j == 0 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + j)
+                sp_j = sp if j == 0 or sp.seed is None else dataclasses.replace(
+                    sp, seed=(sp.seed + j) % 2**63
+                )
                 reqs.append(
                     Req(
                         rid=base if sp.n == 1 else f"{base}-{j}",

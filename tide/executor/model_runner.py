@@ -50,6 +50,11 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.context_len = config.context_length or model_config.max_position_embeddings
+        if self.context_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"context_length {self.context_len} exceeds the model's max_position_embeddings "
+                f"{model_config.max_position_embeddings}"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = self._load_model()

@@ -30,6 +30,7 @@ class Req:
     kv_len: int = 0
     # accounting
     cached_tokens: int = 0
+    stop_check_offset: int = 0  # output text before this offset was already searched for stops
     num_retractions: int = 0
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)

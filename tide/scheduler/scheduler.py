@@ -65,6 +65,8 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = SchedulerStats()
+        # KV slots allocated for the forward in progress, not yet owned by a request's kv_len.
+        self._inflight_loc: torch.Tensor | None = None
 
     # ---- public surface
     @property
@@ -87,13 +89,39 @@ class Scheduler:
         return len(self.running) + (1 if self.chunked_req else 0)
 
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that got a token in it (finished ones included)."""
+        """Run one forward; return the requests that got a token in it (finished ones included).
+
+        If the forward or sampling raises, the requests of that batch finish with an abort that
+        carries the error, their KV is released, and the scheduler stays usable.
+        """
         batch = self._get_prefill_batch()
-        if batch:
-            return self._run_extend(batch)
-        if self.running:
-            return self._run_decode()
-        return []
+        reqs = [r for r, _ in batch] if batch else list(self.running)
+        try:
+            if batch:
+                return self._run_extend(batch)
+            if self.running:
+                return self._run_decode()
+            return []
+        except Exception as e:  # noqa: BLE001 - any failure must not leak KV or wedge the loop
+            logger.exception("forward failed; aborting %d request(s)", len(reqs))
+            return self._fail(reqs, f"internal error: {type(e).__name__}: {e}")
+
+    def _fail(self, reqs: list[Req], message: str) -> list[Req]:
+        if self._inflight_loc is not None:
+            self.allocator.free(self._inflight_loc)
+            self._inflight_loc = None
+        for req in reqs:
+            if req in self.running:
+                self.running.remove(req)
+            if self.chunked_req is req:
+                self.chunked_req = None
+            if req.finished_reason is None or req.finished_reason.get("type") != "abort":
+                req.finished_reason = {"type": "abort", "message": message}
+            if req.req_pool_idx is not None:
+                self.tree_cache.cache_finished_req(req)
+            elif req.last_node is not None:
+                self._unmatch_prefix(req)
+        return reqs
 
     def abort(self, rid: str | None = None, message: str = "aborted") -> list[Req]:
         """Finish the request `rid` (all requests if None) with finish_reason abort."""
@@ -230,6 +258,7 @@ class Scheduler:
     # ---- forward passes
     def _run_extend(self, batch: list[tuple[Req, int]]) -> list[Req]:
         out_cache_loc = self._alloc_kv(sum(n for _, n in batch))
+        self._inflight_loc = out_cache_loc
         input_ids: list[int] = []
         positions: list[int] = []
         pool_idx: list[int] = []
@@ -255,6 +284,7 @@ class Scheduler:
         )
         self.stats.num_forward_extend += 1
         self.stats.num_prefill_tokens += len(input_ids)
+        self._inflight_loc = None
 
         done_rows: list[int] = []
         for i, (req, n) in enumerate(batch):
@@ -277,6 +307,7 @@ class Scheduler:
         if not reqs:
             return []
         out_cache_loc = self._alloc_kv(len(reqs))
+        self._inflight_loc = out_cache_loc
         for i, req in enumerate(reqs):
             self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, out_cache_loc[i : i + 1])
         logits = self.runner.forward_decode(
@@ -286,6 +317,7 @@ class Scheduler:
             out_cache_loc,
         )
         self.stats.num_forward_decode += 1
+        self._inflight_loc = None
         for req in reqs:
             req.kv_len += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -332,8 +364,12 @@ class Scheduler:
         if token in params.stop_token_ids:  # type: ignore[operator]
             return {"type": "stop", "matched": token}
         if params.stop_strs and self.decode_text is not None:
+            # Search the decoded output from just before the last search point: a token count
+            # window would miss stops made of multi-byte characters split over many tokens.
+            text = self.decode_text(req.output_ids)
             longest = max(len(s) for s in params.stop_strs)
-            tail = self.decode_text(req.output_ids[-(longest + 4) :])
+            tail = text[max(0, req.stop_check_offset - longest) :]
+            req.stop_check_offset = len(text)
             for stop in params.stop_strs:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}

@@ -23,15 +23,19 @@ def _decode_stage1(
     sm_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPoolIdx + b)
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    # Short sequences use fewer, longer splits; programs past the last one exit at once.
+    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT_LEN)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    if start >= end:
+        return  # stage 2 only reads the splits that hold tokens
 
     offs_g = tl.arange(0, BLOCK_H)
     mask_h = offs_g < GROUP
@@ -68,9 +72,8 @@ def _decode_stage1(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log(l_i)
     tl.store(
         MidO + b * stride_mb + offs_h[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
         out,
@@ -81,25 +84,41 @@ def _decode_stage1(
 
 @triton.jit
 def _decode_stage2(
-    MidO, MidLse, Out,
+    MidO, MidLse, Out, SeqLens,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT_LEN)
+    active = tl.cdiv(seq_len, per_split)
     offs_s = tl.arange(0, NUM_SPLITS)
+    mask_s = offs_s < active
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s)
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp(lse - m)
     o = tl.load(
         MidO + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
-        mask=mask_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+MIN_SPLIT_LEN = 64
+
+
+def num_kv_splits(parallel_rows: int, max_splits: int) -> int:
+    """Splits per (request, kv head): enough programs to fill the GPU when the batch is small."""
+    splits = 1
+    while splits < max_splits and parallel_rows * splits < 1024:
+        splits *= 2
+    return splits
 
 
 def decode_attention(
@@ -117,7 +136,7 @@ def decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
-    num_splits = mid_lse.shape[2]
+    num_splits = num_kv_splits(batch * num_kv_heads, mid_lse.shape[2])
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
@@ -126,14 +145,14 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         sm_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         num_warps=4, num_stages=2,
     )
     _decode_stage2[(batch, num_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         num_warps=4,
     )
 

@@ -1,0 +1,292 @@
+"""Bad input raises ValueError naming the offending field, and leaves the engine usable."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import tide
+
+OK = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def baseline(llama_engine):
+    return llama_engine.generate(input_ids=[3, 4, 5], sampling_params=OK)["output_ids"]
+
+
+def _still_works(engine, baseline) -> None:
+    sched = engine.scheduler
+    assert not sched.has_work(), "a rejected call left work queued"
+    sched.check_invariants()
+    out = engine.generate(input_ids=[3, 4, 5], sampling_params=OK)
+    assert out["output_ids"] == baseline
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"max_new_tokens": 3.0}, "max_new_tokens"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"n": 0}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"temprature": 0.5}, "temprature"),
+        ({"not_a_param": 1}, "not_a_param"),
+    ],
+)
+def test_bad_sampling_params(llama_engine, baseline, params, match):
+    # Whole-word match: "stop" must not be satisfied by "stop_token_ids", nor "n" by any word.
+    with pytest.raises(ValueError, match=rf"\b{match}\b"):
+        llama_engine.generate(input_ids=[3, 4, 5], sampling_params={**OK, **params})
+    _still_works(llama_engine, baseline)
+
+
+def test_unknown_sampling_param_is_named_among_allowed(llama_engine, baseline):
+    with pytest.raises(ValueError, match=r"unknown sampling_params.*temprature") as info:
+        llama_engine.generate(input_ids=[3, 4, 5], sampling_params={"temprature": 0.5})
+    assert "temperature" in str(info.value)  # the allowed names help spot the typo
+    _still_works(llama_engine, baseline)
+
+
+def test_empty_prompt(llama_engine, baseline):
+    with pytest.raises(ValueError, match="prompt"):
+        llama_engine.generate(prompt="", sampling_params=OK)
+    with pytest.raises(ValueError, match="prompt"):
+        llama_engine.generate(prompt=["fine", ""], sampling_params=OK)
+    with pytest.raises(ValueError, match="prompt"):
+        llama_engine.generate(prompt=[], sampling_params=OK)
+    _still_works(llama_engine, baseline)
+
+
+def test_empty_or_bad_input_ids(llama_engine, baseline):
+    with pytest.raises(ValueError, match="input_ids"):
+        llama_engine.generate(input_ids=[], sampling_params=OK)
+    with pytest.raises(ValueError, match="input_ids"):
+        llama_engine.generate(input_ids=[[1, 2], []], sampling_params=OK)
+    with pytest.raises(ValueError, match="input_ids"):
+        llama_engine.generate(input_ids=[1, 512], sampling_params=OK)  # vocab is 512
+    with pytest.raises(ValueError, match="input_ids"):
+        llama_engine.generate(input_ids=[1, -1], sampling_params=OK)
+    with pytest.raises(ValueError, match="prompt|input_ids"):
+        llama_engine.generate(sampling_params=OK)
+    with pytest.raises(ValueError, match="prompt|input_ids"):
+        llama_engine.generate(prompt="hi", input_ids=[1], sampling_params=OK)
+    _still_works(llama_engine, baseline)
+
+
+def test_over_context_length(llama_engine, baseline):
+    ctx = llama_engine.context_len
+    assert ctx == 512
+    with pytest.raises(ValueError, match="max_new_tokens") as info:
+        llama_engine.generate(input_ids=[7] * (ctx - 10), sampling_params={**OK, "max_new_tokens": 11})
+    assert "context length" in str(info.value)
+    with pytest.raises(ValueError, match="context length"):
+        llama_engine.generate(input_ids=[7] * (ctx + 1), sampling_params={**OK, "max_new_tokens": 0})
+    # Exactly at the limit is allowed.
+    out = llama_engine.generate(input_ids=[7] * (ctx - 2), sampling_params={**OK, "max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
+    _still_works(llama_engine, baseline)
+
+
+def test_over_kv_capacity(llama_path):
+    engine = tide.Engine(str(llama_path), max_total_tokens=64)
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        engine.generate(input_ids=[7] * 40, sampling_params={**OK, "max_new_tokens": 30})
+    base = engine.generate(input_ids=[3, 4, 5], sampling_params=OK)["output_ids"]
+    _still_works(engine, base)
+
+
+def test_bad_item_rejects_whole_batch(llama_engine, baseline):
+    stats_before = llama_engine.scheduler.stats.num_generated_tokens
+    with pytest.raises(ValueError, match="top_p"):
+        llama_engine.generate(
+            input_ids=[[3, 4, 5], [6, 7, 8]],
+            sampling_params=[OK, {**OK, "top_p": 0.0}],
+        )
+    assert llama_engine.scheduler.stats.num_generated_tokens == stats_before
+    with pytest.raises(ValueError, match="sampling_params"):
+        llama_engine.generate(input_ids=[[3, 4, 5], [6, 7, 8]], sampling_params=[OK])
+    _still_works(llama_engine, baseline)
+
+
+def test_bad_top_logprobs_num(llama_engine, baseline):
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        llama_engine.generate(input_ids=[3, 4, 5], sampling_params=OK, top_logprobs_num=-1)
+    _still_works(llama_engine, baseline)
+
+
+# ---- engine construction
+
+
+def test_unknown_engine_option(llama_path):
+    with pytest.raises(ValueError, match="not_an_option"):
+        tide.Engine(str(llama_path), not_an_option=1)
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("max_total_tokens", 0),
+        ("chunked_prefill_size", -8),
+        ("max_running_requests", 0),
+        ("mem_fraction_static", 1.5),
+        ("dtype", "float64"),
+        ("load_format", "pickle"),
+    ],
+)
+def test_bad_engine_option_values(llama_path, option, value):
+    with pytest.raises(ValueError, match=option):
+        tide.Engine(str(llama_path), **{option: value})
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ValueError, match="model_path"):
+        tide.Engine(str(tmp_path / "nope"))
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unknown_architecture(llama_path, tmp_path):
+    path = _copy(llama_path, tmp_path / "foo")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="architectures") as info:
+        tide.Engine(str(path))
+    assert "FooForCausalLM" in str(info.value)
+
+
+def _rewrite_weights(path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",  # a shard of the fused qkv_proj
+        "model.layers.0.mlp.up_proj.weight",  # a shard of the fused gate_up_proj
+        "model.norm.weight",
+        "lm_head.weight",
+    ],
+)
+def test_missing_weight(llama_path, tmp_path, name):
+    path = _copy(llama_path, tmp_path / "missing")
+
+    def drop(tensors):
+        assert name in tensors
+        del tensors[name]
+
+    _rewrite_weights(path, drop)
+    with pytest.raises(ValueError, match="missing") as info:
+        tide.Engine(str(path))
+    assert name in str(info.value)
+
+
+def test_missing_weight_qwen2_bias(checkpoints, tmp_path):
+    name = "model.layers.0.self_attn.v_proj.bias"
+    path = _copy(checkpoints["qwen2"], tmp_path / "nobias")
+    _rewrite_weights(path, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match="missing") as info:
+        tide.Engine(str(path))
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name,shape",
+    [
+        ("model.layers.0.self_attn.q_proj.weight", (64, 63)),
+        ("model.layers.1.mlp.gate_proj.weight", (127, 64)),
+        ("model.embed_tokens.weight", (511, 64)),
+        ("model.layers.0.input_layernorm.weight", (65,)),
+    ],
+)
+def test_weight_shape_mismatch(llama_path, tmp_path, name, shape):
+    path = _copy(llama_path, tmp_path / "shape")
+    _rewrite_weights(path, lambda t: t.__setitem__(name, torch.zeros(shape)))
+    with pytest.raises(ValueError, match="shape") as info:
+        tide.Engine(str(path))
+    assert name in str(info.value)
+
+
+def test_unexpected_weight(llama_path, tmp_path):
+    path = _copy(llama_path, tmp_path / "extra")
+    _rewrite_weights(path, lambda t: t.__setitem__("model.layers.9.mlp.down_proj.weight", torch.zeros(64, 128)))
+    with pytest.raises(ValueError, match=r"model\.layers\.9"):
+        tide.Engine(str(path))
+
+
+def test_no_weights_file(llama_path, tmp_path):
+    path = _copy(llama_path, tmp_path / "noweights")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        tide.Engine(str(path))
+
+
+# ---- limits that must be rejected up front, not crash inside a step
+
+
+def test_top_logprobs_num_over_vocab(llama_path):
+    """More top logprobs than the vocabulary has must be a ValueError before anything is queued,
+    not a torch error inside step() that leaves the request's KV and request slot allocated."""
+    engine = tide.Engine(str(llama_path))  # own engine: a failure here must not poison others
+    vocab = engine.model_config.vocab_size
+    try:
+        with pytest.raises(ValueError, match="top_logprobs_num"):
+            engine.generate(input_ids=[3, 4, 5], sampling_params=OK, top_logprobs_num=vocab + 1)
+    finally:
+        engine.scheduler.check_invariants()  # no KV / request slot leaked either way
+    out = engine.generate(input_ids=[3, 4, 5], sampling_params=OK, top_logprobs_num=vocab)
+    assert all(len(top) == vocab for top in out["meta_info"]["output_top_logprobs"])
+
+
+def test_context_length_beyond_model_positions(llama_path):
+    """`context_length` above max_position_embeddings: either refused at construction (naming
+    context_length) or long prompts work; never an IndexError in the middle of a forward."""
+    try:
+        engine = tide.Engine(str(llama_path), context_length=1024)
+    except ValueError as exc:
+        assert "context_length" in str(exc)
+        return
+    prompt = [7] * 600  # the checkpoint has max_position_embeddings = 512
+    try:
+        out = engine.generate(input_ids=prompt, sampling_params=OK)
+    finally:
+        engine.scheduler.check_invariants()
+    assert len(out["output_ids"]) == 4
+
+
+def test_context_length_option_limits_requests(llama_path):
+    engine = tide.Engine(str(llama_path), context_length=64)
+    assert engine.context_len == 64
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(input_ids=[7] * 60, sampling_params={**OK, "max_new_tokens": 5})
+    out = engine.generate(input_ids=[7] * 60, sampling_params={**OK, "max_new_tokens": 4})
+    assert len(out["output_ids"]) == 4
