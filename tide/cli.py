@@ -1,4 +1,4 @@
-"""Command line: `tide generate` (and later `tide serve`, `tide bench`)."""
+"""Command line: `tide generate`, `tide serve` (and later `tide bench`)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tide.config import EngineConfig
+    from tide.server import ServerArgs, launch_server
+
+    kwargs = engine_kwargs(args)
+    for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path"):
+        if getattr(args, key, None) is not None:
+            kwargs[key] = getattr(args, key)
+    log_level = kwargs.pop("log_level", None) or "info"
+    server_args = ServerArgs(
+        engine=EngineConfig.from_kwargs(**kwargs, log_level=log_level),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        served_model_name=args.served_model_name,
+        log_level=log_level,
+    )
+    return launch_server(server_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tide", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+    srv = sub.add_parser("serve", help="serve the OpenAI and sglang-native HTTP API")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    srv.add_argument("--admin-api-key", default=None,
+                     help="require this key on admin routes (flush_cache, abort_all, ...)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: the model path; tide-demo for the demo)")
+    srv.add_argument("--tokenizer-path", default=None)
+    srv.add_argument("--max-running-requests", type=int, default=None)
+    srv.add_argument("--mem-fraction-static", type=float, default=None)
+    _add_engine_args(srv)
+    srv.set_defaults(func=_cmd_serve)
     return parser
 
 

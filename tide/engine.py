@@ -35,7 +35,7 @@ class Engine:
         torch.manual_seed(self.config.seed)
         self.model_config = ModelConfig.from_dir(self.config.model_path)
         get_model_class(self.model_config.architecture)  # unknown architecture -> ValueError early
-        self.tokenizer = _load_tokenizer(self.config)
+        self.tokenizer = load_tokenizer(self.config)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -213,7 +213,7 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def _load_tokenizer(config: EngineConfig) -> Any:
+def load_tokenizer(config: EngineConfig) -> Any:
     from transformers import AutoTokenizer
 
     path = config.tokenizer_path or config.model_path

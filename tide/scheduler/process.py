@@ -194,12 +194,16 @@ class SchedulerProcess:
             self._send_outputs([req])
 
     def _handle_abort(self, msg: AbortReq) -> None:
-        rid = None if msg.abort_all else msg.rid
-        if rid is None and not msg.abort_all:
-            return
-        aborted = self.scheduler.abort(rid, message=msg.message)
+        aborted = []
+        if msg.abort_all:
+            aborted = self.scheduler.abort(None, message=msg.message)
+        else:
+            for rid in msg.rids:
+                aborted += self.scheduler.abort(rid, message=msg.message)
         if aborted:
             self._send_outputs(aborted)
+        if msg.req_id is not None:
+            self._reply(msg.req_id, True, data={"num_aborted": len(aborted)})
 
     def _handle_flush(self, msg: FlushCacheReqInput) -> None:
         ok, message = self.scheduler.flush_cache()

@@ -16,7 +16,8 @@ can send `visible_text[sent:]` at any time.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
@@ -41,6 +42,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self.text = ""  # decoded output so far (complete characters unless finished)
+        self._emitted = 0  # chars of the pending text (after _read_offset) already in `text`
         self._stops = [s for s in stop if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._scanned = 0
@@ -57,12 +59,18 @@ class IncrementalDetokenizer:
         if not token_ids or self.stop_matched is not None:
             return
         self._ids.extend(token_ids)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self.text += full[len(prefix) :]
+        new = self._pending_text()
+        if new.endswith(_REPLACEMENT):
+            # Show what is complete; keep the unfinished character(s) for later.
+            safe = new.rstrip(_REPLACEMENT)
+            if len(safe) > self._emitted:
+                self.text += safe[self._emitted :]
+                self._emitted = len(safe)
+        else:
+            self.text += new[self._emitted :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
+            self._emitted = 0
         self._scan_stops()
 
     def finish(self) -> None:
@@ -70,13 +78,18 @@ class IncrementalDetokenizer:
         if self.finished:
             return
         if self.stop_matched is None and self._read_offset < len(self._ids):
-            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            full = self._decode(self._ids[self._prefix_offset :])
-            if len(full) > len(prefix):
-                self.text += full[len(prefix) :]
+            new = self._pending_text()
+            self.text += new[self._emitted :]
             self._read_offset = len(self._ids)
+            self._emitted = 0
             self._scan_stops()
         self.finished = True
+
+    def _pending_text(self) -> str:
+        """Text of the tokens after `_read_offset`, decoded with the tokens before it as context."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
 
     def _scan_stops(self) -> None:
         if not self._stops or self.stop_matched is not None:

@@ -72,21 +72,40 @@ def from_validation_error(err: ValidationError, prefix: str | None = None) -> AP
     param = _loc_to_param(first["loc"])
     if prefix:
         param = f"{prefix}.{param}" if param else prefix
-    same_field = [e for e in errors if _loc_to_param(e["loc"]) == _loc_to_param(first["loc"])]
+    union_tags = _union_tags(errors, first["loc"])
     if first["type"] == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
         return APIError(message, 400, param=param, code="unknown_field")
     if first["type"] == "missing":
         return APIError(f"Missing required parameter: '{param}'", 400, param=param,
                         code="missing_required_parameter")
-    if len(same_field) > 1:  # a union: say what was given rather than one branch's complaint
-        got = type(first.get("input")).__name__ if "input" in first else "value"
-        message = f"Invalid type for '{param}': got {_json_type(got)}"
+    if union_tags:  # a union: list the accepted shapes rather than one branch's complaint
+        param = _loc_to_param(first["loc"][: _first_tag_index(first["loc"])])
+        if prefix:
+            param = f"{prefix}.{param}" if param else prefix
+        message = f"Invalid type for '{param}': expected one of {', '.join(union_tags)}"
         return APIError(message, 400, param=param, code="invalid_type")
     code = "invalid_type" if first["type"].endswith("_type") or first["type"] in (
         "int_from_float", "string_type", "bool_type", "list_type", "dict_type", "model_type",
     ) else "invalid_value"
     return APIError(f"Invalid value for '{param}': {first['msg']}", 400, param=param, code=code)
+
+
+def _first_tag_index(loc: tuple[Any, ...]) -> int:
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and _TAG_RE.search(part):
+            return i
+    return len(loc)
+
+
+def _union_tags(errors: list[Any], loc: tuple[Any, ...]) -> list[str]:
+    """The union members tried for the field of `loc` (empty if that field is no union)."""
+    i = _first_tag_index(loc)
+    if i == len(loc):
+        return []
+    head = loc[:i]
+    tags = [e["loc"][i] for e in errors if e["loc"][:i] == head and len(e["loc"]) > i]
+    return list(dict.fromkeys(t for t in tags if isinstance(t, str) and _TAG_RE.search(t)))
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
@@ -97,8 +116,3 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str:
         elif isinstance(part, str) and not _TAG_RE.search(part):
             parts.append(part)
     return ".".join(parts)
-
-
-def _json_type(py_type: str) -> str:
-    return {"str": "string", "int": "integer", "float": "number", "bool": "boolean",
-            "list": "array", "dict": "object", "NoneType": "null"}.get(py_type, py_type)

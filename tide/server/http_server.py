@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tide
 from tide.sampling_params import SamplingParams
@@ -81,6 +82,24 @@ class Auth:
                        code="invalid_api_key")
 
 
+class AuthMiddleware:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from the
+    routes) that rejects requests without a good enough key before any route runs."""
+
+    def __init__(self, app: ASGIApp, auth: Auth) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            try:
+                self.auth.check(Request(scope), admin=scope["path"] in ADMIN_PATHS)
+            except APIError as e:
+                await e.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -> FastAPI:
     """The app for one server; `tm` is started and stopped by the app's lifespan."""
 
@@ -101,13 +120,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     native = NativeServing(tm)
     started = int(time.time())
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        try:
-            auth.check(request, admin=request.url.path in ADMIN_PATHS)
-        except APIError as e:
-            return e.response()
-        return await call_next(request)
+    app.add_middleware(AuthMiddleware, auth=auth)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -164,9 +177,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         body = await parse_body(request, AbortReqInput)
         if body.abort_all:
             auth.check(request, admin=True)
-            count = tm.abort_all()
+            count = await tm.abort_request(None)
         elif body.rid:
-            count = tm.abort_request(body.rid)
+            count = await tm.abort_request(body.rid)
         else:
             raise APIError("Give 'rid' or 'abort_all': true", 400, param="rid",
                            code="invalid_value")
@@ -204,7 +217,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         state = tm.submit(prompt, params, event, rid=f"health-{tm.new_rid()}")
         try:
             await asyncio.wait_for(_until_finished(tm, state, event), timeout=20.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             tm.abort_states([state], "health check timed out")
             return Response(status_code=503)
         ok = state.finished_reason is not None and state.finished_reason.get("type") != "abort"
@@ -234,7 +247,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     async def get_metrics() -> Response:
         try:
             metrics.set_load(await tm.get_load())
-        except (asyncio.TimeoutError, APIError):
+        except (TimeoutError, APIError):
             pass  # counters and histograms are still worth serving
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

@@ -26,11 +26,14 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag=True):
 
 
 class AbortReq(msgspec.Struct, tag=True):
-    """Abort one request (`rid`) or every request (`abort_all`); aborted ones are reported finished."""
+    """Abort the requests `rids` (or every request with `abort_all`); they are reported finished
+    with reason abort. With a `req_id`, the scheduler also replies (`data["num_aborted"]`) after
+    those outputs, so the caller knows the aborts have landed."""
 
-    rid: str | None = None
+    rids: list[str] = []
     abort_all: bool = False
     message: str = "aborted"
+    req_id: str | None = None
 
 
 class FlushCacheReqInput(msgspec.Struct, tag=True):

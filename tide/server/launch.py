@@ -13,6 +13,7 @@ the scheduler gets SIGKILL from the kernel (PR_SET_PDEATHSIG) or notices the par
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing as mp
 import os
@@ -51,7 +52,13 @@ class _Server(uvicorn.Server):
             logger.info("received %s: aborting %d in-flight requests and shutting down",
                         signal.Signals(sig).name, len(self.tm.rid_to_state))
             self.tm.shutting_down = True
-            self.tm.abort_all_local("server shutting down")
+            # Run the abort as a loop callback, not inside whatever code the signal interrupted.
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.tm.abort_all_local("server shutting down")
+            else:
+                loop.call_soon_threadsafe(self.tm.abort_all_local, "server shutting down")
         super().handle_exit(sig, frame)
 
 
@@ -66,7 +73,7 @@ def setup_logging(level: str) -> None:
 
 def launch_server(args: ServerArgs) -> int:
     """Run `tide serve` in this process; returns the exit code."""
-    from tide.engine import _load_tokenizer
+    from tide.engine import load_tokenizer
     from tide.scheduler.process import run_scheduler_process
     from tide.server.http_server import create_app
     from tide.server.tokenizer_manager import ModelInfo, TokenizerManager
@@ -89,7 +96,7 @@ def launch_server(args: ServerArgs) -> int:
         proc.start()
         ready_send.close()
         logger.info("loading %s (scheduler pid %d)", args.engine.model_path, proc.pid)
-        tokenizer = _load_tokenizer(args.engine)
+        tokenizer = load_tokenizer(args.engine)
         info = _wait_ready(ready_recv, proc, args.startup_timeout)
         model_info = ModelInfo.from_ready(info)
         metrics = ServerMetrics(args.model_names[0])
@@ -99,12 +106,18 @@ def launch_server(args: ServerArgs) -> int:
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level.lower(),
             access_log=args.log_level.lower() == "debug", timeout_graceful_shutdown=10,
-            timeout_keep_alive=5, lifespan="on",
+            timeout_keep_alive=5, lifespan="on", log_config=None,  # one log format for all
         )
         server = _Server(config, tm)
         tm.on_fatal = lambda: setattr(server, "should_exit", True)
-        signal.signal(signal.SIGTERM, previous_term)
-        server.run()
+        # uvicorn handles SIGINT/SIGTERM while it runs and re-raises the signal once it has shut
+        # down; a no-op handler then lets this function clean up and return normally.
+        signal.signal(signal.SIGTERM, _ignore_signal)
+        previous_int = signal.signal(signal.SIGINT, _ignore_signal)
+        try:
+            server.run()
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
         if tm.dead:
             return 1
         return 0 if server.started else 1
@@ -119,6 +132,10 @@ def launch_server(args: ServerArgs) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         _stop_process(proc)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _ignore_signal(signum: int, frame: FrameType | None) -> None:
+    pass
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:

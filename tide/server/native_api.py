@@ -21,7 +21,12 @@ from starlette.requests import Request
 from tide.sampling_params import SamplingParams
 from tide.server.errors import APIError, invalid_request
 from tide.server.protocol import GenerateReqInput
-from tide.server.tokenizer_manager import ClientDisconnected, ReqState, TokenizerManager
+from tide.server.tokenizer_manager import (
+    ClientDisconnected,
+    DisconnectWatch,
+    ReqState,
+    TokenizerManager,
+)
 from tide.server.utils import SSE_DONE, SSE_HEADERS, make_sampling_params, sse
 
 
@@ -51,8 +56,9 @@ class NativeServing:
             )
         states = self._submit(items, event)
         try:
-            while not all(s.finished for s in states):
-                await self.tm.wait(event, raw_request)
+            async with DisconnectWatch(raw_request, event) as watch:
+                while not all(s.finished for s in states):
+                    await self.tm.wait(event, watch)
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
@@ -69,7 +75,7 @@ class NativeServing:
                 for j in range(n):
                     seed = item.params.seed
                     params = dataclasses.replace(
-                        item.params, n=1, seed=None if seed is None else seed + j
+                        item.params, n=1, seed=None if seed is None else (seed + j) % 2**63
                     )
                     states.append(self.tm.submit(
                         item.prompt_ids, params, event,
@@ -89,9 +95,10 @@ class NativeServing:
         except APIError as e:
             yield sse(e.body())
             return
-        reported = [(-1, False)] * len(states)  # (tokens, finished) last sent per sequence
+        reported = [(0, False)] * len(states)  # (tokens, finished) last sent per sequence
         try:
             while True:
+                all_finished = all(s.finished for s in states)  # before the scan: none is missed
                 for i, s in enumerate(states):
                     mark = (len(s.output_ids), s.finished)
                     if mark != reported[i]:
@@ -99,7 +106,7 @@ class NativeServing:
                         out = self._output(s, text_in_logprobs)
                         out["index"] = i
                         yield sse(out)
-                if all(s.finished for s in states):
+                if all_finished:
                     break
                 await self.tm.wait(event)
             yield SSE_DONE
@@ -145,8 +152,8 @@ class NativeServing:
         for k, ids in enumerate(prompts):
             sfx = "" if single else f".{k}"
             params = make_sampling_params(sp_list[k], "sampling_params" + sfx)
-            tm.check_length(len(ids), params.max_new_tokens, prompt_param + sfx,
-                            f"sampling_params{sfx}.max_new_tokens")
+            tm.resolve_max_new_tokens(len(ids), params.max_new_tokens, prompt_param + sfx,
+                                      f"sampling_params{sfx}.max_new_tokens")
             if tops[k] < 0 or tops[k] > 100:
                 raise invalid_request("'top_logprobs_num' must be in [0, 100]",
                                       "top_logprobs_num" + sfx, "invalid_value")
@@ -176,7 +183,7 @@ class NativeServing:
         if s.return_logprob:
             decode = self._token_text if text_in_logprobs else (lambda _t: None)
             meta["output_token_logprobs"] = [
-                [lp, t, decode(t)] for lp, t in zip(s.output_token_logprobs, s.output_ids)
+                [lp, t, decode(t)] for lp, t in zip(s.output_token_logprobs, s.output_ids, strict=False)
             ]
             if s.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [

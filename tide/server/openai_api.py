@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,12 @@ from starlette.requests import Request
 from tide.sampling_params import SamplingParams
 from tide.server.errors import APIError, invalid_request
 from tide.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
-from tide.server.tokenizer_manager import ClientDisconnected, ReqState, TokenizerManager
+from tide.server.tokenizer_manager import (
+    ClientDisconnected,
+    DisconnectWatch,
+    ReqState,
+    TokenizerManager,
+)
 from tide.server.utils import SSE_DONE, SSE_HEADERS, make_sampling_params, sse
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
@@ -93,7 +99,7 @@ class OpenAIServingBase:
         try:
             for i, prompt in enumerate(prompts):
                 for j in range(n):
-                    seed = None if params.seed is None else params.seed + j
+                    seed = None if params.seed is None else (params.seed + j) % 2**63
                     sub = rid if rid and len(prompts) * n == 1 else (f"{rid}-{i * n + j}" if rid
                                                                      else None)
                     states.append(self.tm.submit(
@@ -110,8 +116,9 @@ class OpenAIServingBase:
                        raw_request: Request) -> bool:
         """Wait for every state to finish; False if the client went away (requests aborted)."""
         try:
-            while not all(s.finished for s in states):
-                await self.tm.wait(event, raw_request)
+            async with DisconnectWatch(raw_request, event) as watch:
+                while not all(s.finished for s in states):
+                    await self.tm.wait(event, watch)
         except ClientDisconnected:
             return False
         finally:
@@ -120,7 +127,18 @@ class OpenAIServingBase:
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server
     def token_str(self, token_id: int) -> str:
-        return self.tm.tokenizer.decode([token_id]) if self.tm.tokenizer is not None else ""
+        """A token's text as shown in logprobs (special tokens included)."""
+        tok = self.tm.tokenizer
+        return tok.decode([token_id]) if tok is not None else ""
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's raw UTF-8 bytes, also for tokens holding part of a character."""
+        text = self.token_str(token_id)
+        if "\ufffd" not in text or self.tm.tokenizer is None:
+            return list(text.encode())
+        raw = raw_token_bytes(self.tm.tokenizer, token_id)
+        return list(raw) if raw is not None else list(text.encode())
 
     @staticmethod
     def usage(prompt_tokens: int, states: list[ReqState]) -> dict[str, Any]:
@@ -140,14 +158,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
         prompts = self._prompts(req)
-        for k, p in enumerate(prompts):
-            max_new = req.max_tokens
-            if max_new is None:
-                max_new = max(0, self.tm.max_seq_len - len(p.ids))
-            self.tm.check_length(len(p.ids), max_new, "prompt", "max_tokens")
-        max_tokens = req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(0, self.tm.max_seq_len - max(len(p.ids) for p in prompts))
+        # With max_tokens null, every prompt gets the room the longest one leaves.
+        max_tokens = min(self.tm.resolve_max_new_tokens(len(p.ids), req.max_tokens, "prompt",
+                                                        "max_tokens") for p in prompts)
         params = self.sampling_params(req, max_tokens)
         if req.echo:
             for p in prompts:
@@ -227,7 +240,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
             token_logprobs.append(s.output_token_logprobs[k] if k < len(s.output_token_logprobs)
                                   else None)
             if s.top_logprobs_num > 0 and k < len(s.output_top_logprobs):
-                top.append({self.token_str(t): lp for lp, t in s.output_top_logprobs[k]})
+                entry: dict[str, float] = {}
+                for lp, t in s.output_top_logprobs[k]:  # best first: keep it when texts collide
+                    entry.setdefault(self.token_str(t), lp)
+                top.append(entry)
             else:
                 top.append(None)
         text_offset = []
@@ -313,9 +329,7 @@ class OpenAIServingChat(OpenAIServingBase):
         prompt_ids = self._apply_template(req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        if max_new is None:
-            max_new = max(0, self.tm.max_seq_len - len(prompt_ids))
-        self.tm.check_length(len(prompt_ids), max_new, "messages", max_param)
+        max_new = self.tm.resolve_max_new_tokens(len(prompt_ids), max_new, "messages", max_param)
         params = self.sampling_params(req, max_new)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.rid:
@@ -388,11 +402,10 @@ class OpenAIServingChat(OpenAIServingBase):
             tok = self.token_str(s.output_ids[k])
             top = []
             if s.top_logprobs_num > 0 and k < len(s.output_top_logprobs):
-                top = [{"token": self.token_str(t), "logprob": lp,
-                        "bytes": list(self.token_str(t).encode())}
+                top = [{"token": self.token_str(t), "logprob": lp, "bytes": self.token_bytes(t)}
                        for lp, t in s.output_top_logprobs[k]]
             out.append({"token": tok, "logprob": s.output_token_logprobs[k],
-                        "bytes": list(tok.encode()), "top_logprobs": top})
+                        "bytes": self.token_bytes(s.output_ids[k]), "top_logprobs": top})
         return out
 
     async def _stream(self, req: ChatCompletionRequest, prompts: list[_Prompt],
@@ -448,6 +461,36 @@ class OpenAIServingChat(OpenAIServingBase):
             yield SSE_DONE
         finally:
             self.tm.abort_states(states, "client disconnected")
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """The byte-level BPE alphabet: printable bytes stand for themselves, the rest for 256 + k."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    """Bytes of a byte-level BPE token or a SentencePiece byte-fallback token; None otherwise."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return None
+    m = _BYTE_FALLBACK.match(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    table = _byte_level_table()
+    if piece and all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return None
 
 
 def models_response(names: list[str], model_path: str, context_len: int,

@@ -53,7 +53,7 @@ class _OpenAISampling(BaseModel):
 class CompletionRequest(_OpenAISampling):
     """`POST /v1/completions`."""
 
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -68,7 +68,7 @@ class TextContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextContentPart], None] = None
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
 
@@ -91,13 +91,13 @@ class GenerateReqInput(BaseModel):
 
     model_config = _STRICT
 
-    text: Union[str, list[str], None] = None
-    input_ids: Union[TokenIds, list[TokenIds], None] = None
-    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
-    rid: Union[str, list[str], None] = None
-    return_logprob: Union[bool, list[bool]] = False
-    logprob_start_len: Union[int, list[int]] = -1
-    top_logprobs_num: Union[int, list[int]] = 0
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
 

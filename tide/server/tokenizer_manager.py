@@ -18,8 +18,9 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -59,7 +60,7 @@ class ModelInfo:
     raw: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_ready(cls, info: dict[str, Any]) -> "ModelInfo":
+    def from_ready(cls, info: dict[str, Any]) -> ModelInfo:
         return cls(
             model_path=info["model_path"],
             context_len=int(info["context_length"]),
@@ -77,6 +78,7 @@ class ReqState:
         self,
         rid: str,
         user_rid: str | None,
+        wire_rid: str,
         prompt_ids: list[int],
         params: SamplingParams,
         return_logprob: bool,
@@ -86,6 +88,7 @@ class ReqState:
     ) -> None:
         self.rid = rid
         self.user_rid = user_rid
+        self.wire_rid = wire_rid
         self.prompt_ids = prompt_ids
         self.params = params
         self.return_logprob = return_logprob or top_logprobs_num > 0
@@ -120,6 +123,33 @@ class ClientDisconnected(Exception):
     """The HTTP client went away; its requests were aborted."""
 
 
+class DisconnectWatch:
+    """Listens for the client's `http.disconnect` while a non-streaming request waits, and wakes
+    the waiter through the group's event. (Streaming responses are cancelled by Starlette.)"""
+
+    def __init__(self, raw_request: Any, event: asyncio.Event) -> None:
+        self.gone = False
+        self._receive = raw_request.receive
+        self._event = event
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> DisconnectWatch:
+        self._task = asyncio.create_task(self._listen())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _listen(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self._event.set()
+                return
+
+
 class TokenizerManager:
     """Tokenizes, submits and tracks requests; talks to the scheduler process over zmq."""
 
@@ -138,7 +168,9 @@ class TokenizerManager:
         self.output_addr = output_addr
         self.metrics = metrics
         self.scheduler_alive = scheduler_alive
-        self.rid_to_state: dict[str, ReqState] = {}
+        self.rid_to_state: dict[str, ReqState] = {}  # by the rid the client sees
+        self.wire_to_state: dict[str, ReqState] = {}  # by the scheduler's (never reused) rid
+        self._wire_seq = 0
         self._pending_control: dict[str, asyncio.Future[ControlReqOutput]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._last_load: dict[str, Any] | None = None
@@ -170,7 +202,7 @@ class TokenizerManager:
         if not self.dead:
             try:
                 await self._control(lambda req_id: ShutdownReq(req_id=req_id), timeout)
-            except (asyncio.TimeoutError, APIError):
+            except (TimeoutError, APIError):
                 logger.warning("scheduler did not acknowledge shutdown in %.0f s", timeout)
         for task in self._tasks:
             task.cancel()
@@ -201,22 +233,27 @@ class TokenizerManager:
         """Longest prompt + output a request may have (context length, bounded by the KV pool)."""
         return min(self.model_info.context_len, self.model_info.max_total_tokens)
 
-    def check_length(self, prompt_len: int, max_new_tokens: int, prompt_param: str,
-                     max_param: str) -> None:
+    def resolve_max_new_tokens(self, prompt_len: int, requested: int | None, prompt_param: str,
+                               max_param: str) -> int:
+        """The output budget of a prompt: `requested`, or all the room left when None. A 400
+        (`context_length_exceeded`) names the prompt when it leaves no room, else `max_param`."""
         limit = self.max_seq_len
+        if requested is not None and prompt_len + requested <= limit:
+            return requested
         if prompt_len >= limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens, but the prompt has "
                 f"{prompt_len} tokens. Shorten '{prompt_param}'.",
                 400, param=prompt_param, code="context_length_exceeded",
             )
-        if prompt_len + max_new_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens; the prompt has "
-                f"{prompt_len} tokens and '{max_param}' asks for {max_new_tokens} more "
-                f"({prompt_len + max_new_tokens} in all). Lower '{max_param}' or the prompt.",
-                400, param=max_param, code="context_length_exceeded",
-            )
+        if requested is None:
+            return limit - prompt_len
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens; the prompt has "
+            f"{prompt_len} tokens and '{max_param}' asks for {requested} more "
+            f"({prompt_len + requested} in all). Lower '{max_param}' or the prompt.",
+            400, param=max_param, code="context_length_exceeded",
+        )
 
     # ---- requests
     def new_rid(self) -> str:
@@ -243,14 +280,19 @@ class TokenizerManager:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strs
             )
-        state = ReqState(rid, user_rid, prompt_ids, params, return_logprob, top_logprobs_num,
-                         detok, event)
+        # The scheduler sees a fresh id, so a late output for an earlier request that used the same
+        # client rid can never land on this one.
+        self._wire_seq += 1
+        wire_rid = f"{rid}@{self._wire_seq}"
+        state = ReqState(rid, user_rid, wire_rid, prompt_ids, params, return_logprob,
+                         top_logprobs_num, detok, event)
         self.rid_to_state[rid] = state
+        self.wire_to_state[wire_rid] = state
         wire_params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
         wire_params["n"] = 1
         self._send(
             TokenizedGenerateReqInput(
-                rid=rid,
+                rid=wire_rid,
                 input_ids=prompt_ids,
                 sampling_params=wire_params,
                 return_logprob=state.return_logprob,
@@ -265,42 +307,37 @@ class TokenizerManager:
                 raise invalid_request(f"rid {rid!r} is already in use by a running request",
                                       param, "duplicate_rid")
 
-    async def wait(self, event: asyncio.Event, raw_request: Any | None = None,
-                   poll: float = 1.0) -> None:
-        """Wait for any update of the group behind `event`; raise ClientDisconnected if the client
-        left (checked every `poll` seconds when `raw_request` is given)."""
-        while True:
-            if raw_request is None:
-                await event.wait()
-            else:
-                try:
-                    await asyncio.wait_for(event.wait(), poll)
-                except asyncio.TimeoutError:
-                    if await raw_request.is_disconnected():
-                        raise ClientDisconnected() from None
-                    continue
-            event.clear()
-            return
+    async def wait(self, event: asyncio.Event, watch: DisconnectWatch | None = None) -> None:
+        """Wait for any update of the group behind `event`; raise ClientDisconnected if `watch`
+        saw the client leave."""
+        await event.wait()
+        event.clear()
+        if watch is not None and watch.gone:
+            raise ClientDisconnected()
 
     def abort_states(self, states: list[ReqState], message: str) -> None:
         """Finish unfinished `states` now (their consumer is gone) and abort them in the scheduler."""
-        for state in states:
-            if not state.finished and state.rid in self.rid_to_state:
-                self._send(AbortReq(rid=state.rid, message=message))
-                self._finish(state, {"type": "abort", "message": message})
+        live = [s for s in states if not s.finished and s.wire_rid in self.wire_to_state]
+        if not live:
+            return
+        self._send(AbortReq(rids=[s.wire_rid for s in live], message=message))
+        for state in live:
+            self._finish(state, {"type": "abort", "message": message})
 
-    def abort_request(self, rid: str, message: str = "aborted by request") -> int:
-        """Abort live requests whose rid (or the rid the client gave to their group) is `rid`; they
-        finish with reason abort when the scheduler confirms. Returns how many were found."""
-        targets = [s for s in self.rid_to_state.values() if rid in (s.rid, s.user_rid)]
-        for state in targets:
-            self._send(AbortReq(rid=state.rid, message=message))
-        return len(targets)
-
-    def abort_all(self, message: str = "aborted by request") -> int:
-        count = len(self.rid_to_state)
-        self._send(AbortReq(abort_all=True, message=message))
-        return count
+    async def abort_request(self, rid: str | None, message: str = "aborted by request") -> int:
+        """Abort live requests whose rid (or the rid the client gave to their group) is `rid`, or
+        all requests if `rid` is None. Returns once the scheduler has finished them (their streams
+        end with reason abort), with how many it aborted."""
+        rids: list[str] = []
+        if rid is not None:
+            rids = [s.wire_rid for s in self.wire_to_state.values() if rid in (s.rid, s.user_rid)]
+            if not rids:
+                return 0
+        out = await self._control(
+            lambda req_id: AbortReq(rids=rids, abort_all=rid is None, message=message, req_id=req_id),
+            30.0,
+        )
+        return int(out.data.get("num_aborted", 0))
 
     def abort_all_local(self, message: str) -> None:
         """Finish every live request now (shutdown, dead scheduler) and tell the scheduler."""
@@ -309,7 +346,7 @@ class TokenizerManager:
                 self._send(AbortReq(abort_all=True, message=message))
             except zmq.ZMQError:
                 pass
-        for state in list(self.rid_to_state.values()):
+        for state in list(self.wire_to_state.values()):
             self._finish(state, {"type": "abort", "message": message})
 
     # ---- control
@@ -323,7 +360,7 @@ class TokenizerManager:
         try:
             out = await self._control(lambda r: GetLoadReqInput(req_id=r), timeout)
             self._last_load = dict(out.data)
-        except (asyncio.TimeoutError, APIError):
+        except (TimeoutError, APIError):
             if self._last_load is None:
                 raise
         assert self._last_load is not None
@@ -375,8 +412,8 @@ class TokenizerManager:
 
     def _handle_batch(self, msg: BatchTokenIDOut) -> None:
         now = time.perf_counter()
-        for i, rid in enumerate(msg.rids):
-            state = self.rid_to_state.get(rid)
+        for i, wire_rid in enumerate(msg.rids):
+            state = self.wire_to_state.get(wire_rid)
             if state is None:
                 continue  # finished here already (client gone, stop string, shutdown)
             new_ids = msg.new_token_ids[i]
@@ -402,7 +439,7 @@ class TokenizerManager:
                 self._finish(state, dict(reason))
             elif state.detok is not None and state.detok.stop_matched is not None:
                 # The text holds a stop string the scheduler has not acted on (yet): end it here.
-                self._send(AbortReq(rid=rid, message="stop string"))
+                self._send(AbortReq(rids=[wire_rid], message="stop string"))
                 self._finish(state, {"type": "stop", "matched": state.detok.stop_matched})
             state.event.set()
 
@@ -413,7 +450,9 @@ class TokenizerManager:
             state.detok.finish()
         state.finished_reason = reason
         state.finished_time = time.perf_counter()
-        self.rid_to_state.pop(state.rid, None)
+        self.wire_to_state.pop(state.wire_rid, None)
+        if self.rid_to_state.get(state.rid) is state:
+            del self.rid_to_state[state.rid]
         e2e = state.finished_time - state.created
         kind = str(reason.get("type", "unknown"))
         self.metrics.on_finish(len(state.prompt_ids), state.cached_tokens, e2e, kind)
@@ -425,7 +464,7 @@ class TokenizerManager:
         logger.info(
             "req %s: %s%s | prompt %d tok (%d cached), output %d tok | ttft %s, %.1f tok/s, "
             "e2e %.3f s",
-            state.rid[:12], kind, detail, len(state.prompt_ids), state.cached_tokens, n_out,
+            state.rid, kind, detail, len(state.prompt_ids), state.cached_tokens, n_out,
             f"{ttft * 1000:.1f} ms" if ttft is not None else "-", rate, e2e,
         )
         state.event.set()

@@ -1,0 +1,193 @@
+"""`tide serve` auth (--api-key / --admin-api-key) and process lifecycle (signals, no orphans)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import ServerProcess, assert_error, serve_model_path
+
+API_KEY = "user-key-123"
+ADMIN_KEY = "admin-key-456"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return serve_model_path(tmp_path_factory.mktemp("serve-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    srv = ServerProcess(model_path, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+                        "--served-model-name", "m", api_key=API_KEY,
+                        log_dir=tmp_path_factory.mktemp("server-log"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ---------------------------------------------------------------- auth (acceptance 6)
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/get_model_info", "/metrics",
+                                  "/get_server_info"])
+def test_routes_need_the_api_key(server, path):
+    err = assert_error(server.get(path, headers={}), 401, None)
+    assert err["code"] == "missing_api_key"
+    err = assert_error(server.get(path, headers=_bearer("wrong")), 401, None)
+    assert err["code"] == "invalid_api_key"
+    assert server.get(path, headers=_bearer(API_KEY)).status_code == 200
+    assert server.get(path, headers=_bearer(ADMIN_KEY)).status_code == 200  # admin key works too
+
+
+def test_generation_routes_need_the_api_key(server):
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
+    assert_error(server.post("/generate", body, headers={}), 401)
+    assert_error(server.post("/generate", body, headers=_bearer("nope")), 401)
+    assert server.post("/generate", body, headers=_bearer(API_KEY)).status_code == 200
+
+    good = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    out = good.completions.create(model="m", prompt="Hello", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=2)
+
+
+def test_admin_routes_need_the_admin_key(server):
+    server.post("/generate", {"text": "Fill the cache", "sampling_params": {"max_new_tokens": 2}})
+    cached = server.get("/get_server_info").json()["kv_cached_slots"]
+    assert cached > 0
+    for key in (None, "wrong", API_KEY):
+        assert_error(server.post("/flush_cache", headers=_bearer(key)), 401)
+        assert_error(server.get("/flush_cache", headers=_bearer(key)), 401)
+        assert_error(server.post("/abort_request", {"abort_all": True}, headers=_bearer(key)),
+                     401)
+    # a refused key changed nothing
+    assert server.get("/get_server_info").json()["kv_cached_slots"] == cached
+    assert server.post("/flush_cache", headers=_bearer(ADMIN_KEY)).status_code == 200
+    assert server.get("/get_server_info").json()["kv_cached_slots"] == 0
+    resp = server.post("/abort_request", {"abort_all": True}, headers=_bearer(ADMIN_KEY))
+    assert resp.status_code == 200
+    # aborting one's own request by rid needs only the API key
+    assert server.post("/abort_request", {"rid": "x"}, headers=_bearer(API_KEY)).status_code == 200
+
+
+def test_wrong_key_does_not_abort(server):
+    async def run() -> tuple[int, dict]:
+        body = {"text": "Hello", "stream": True,
+                "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+        last: dict = {}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers=_bearer(API_KEY)) as http:
+            async with http.stream("POST", "/generate", json=body) as resp:
+                status = 0
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        if not last:
+                            r = await http.post("/abort_request", json={"abort_all": True})
+                            status = r.status_code
+                        last = json.loads(line[6:])
+        return status, last
+
+    status, last = asyncio.run(run())
+    assert status == 401
+    assert last["meta_info"]["finish_reason"]["type"] == "length"
+    assert last["meta_info"]["completion_tokens"] == 60
+
+
+# ---------------------------------------------------------------- shutdown (runs last here)
+def test_sigterm_aborts_in_flight_and_leaves_no_processes(server):
+    sched_pid = server.get("/get_server_info").json()["scheduler_pid"]
+    assert _alive(sched_pid)
+    results: dict = {}
+
+    async def stream_then_signal() -> None:
+        body = {"text": "Hello", "stream": True,
+                "sampling_params": {"max_new_tokens": 480, "ignore_eos": True, "n": 8}}
+        last: dict[int, dict] = {}
+        done = False
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers=_bearer(API_KEY)) as http:
+            async with http.stream("POST", "/generate", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        if not last:
+                            server.proc.send_signal(signal.SIGTERM)
+                        event = json.loads(line[6:])
+                        last[event["index"]] = event
+        results["last"], results["done"] = last, done
+
+    asyncio.run(stream_then_signal())
+    assert results["done"]
+    reasons = {i: e["meta_info"]["finish_reason"] for i, e in results["last"].items()}
+    assert len(reasons) == 8
+    assert all(r["type"] == "abort" for r in reasons.values()), reasons
+    assert server.proc.wait(20) == 0, server.log()
+    assert _wait_gone(sched_pid), "scheduler process outlived the server"
+    assert server.group_pids() == []
+    assert "aborting" in server.log()
+
+
+def test_scheduler_dies_with_a_killed_server(model_path, tmp_path):
+    srv = ServerProcess(model_path, log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        sched_pid = srv.get("/get_server_info").json()["scheduler_pid"]
+        assert _alive(sched_pid)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        assert _wait_gone(sched_pid), "orphaned scheduler process"
+    finally:
+        srv.stop()
+
+
+def test_server_exits_when_scheduler_dies(model_path, tmp_path):
+    srv = ServerProcess(model_path, log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        sched_pid = srv.get("/get_server_info").json()["scheduler_pid"]
+        os.kill(sched_pid, signal.SIGKILL)
+        assert srv.proc.wait(20) != 0
+        assert "scheduler process died" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_bad_model_path_fails_fast(tmp_path):
+    srv = ServerProcess(tmp_path / "missing", log_dir=tmp_path)
+    try:
+        assert srv.proc.wait(60) == 2
+        assert "model_path" in srv.log()
+    finally:
+        srv.stop()
