@@ -5,19 +5,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import torch
 
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
+from tide.memory.device import empty_device_cache
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
 from tide.scheduler.scheduler import Scheduler
+from tide.weights.update import LOAD_FORMATS, WeightUpdateOptions, WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,10 @@ class Engine:
             self._decode if self.tokenizer is not None else None,
         )
         self.context_len = self.model_runner.context_len
+        self.weight_updater = WeightUpdater(self.model_runner.model, self.model_runner.device)
+        # One lock for the scheduler and the model: generate() from several threads, and pause /
+        # update / continue from another, interleave only between steps.
+        self._cond = threading.Condition(threading.RLock())
 
     # ---- generation
     def generate(
@@ -94,18 +101,29 @@ class Engine:
                     )
                 )
         start = time.perf_counter()
-        for req in reqs:
-            self.scheduler.add_request(req)
-        pending = {id(r) for r in reqs if not r.finished}
-        while pending:
-            if not self.scheduler.has_work():
-                raise RuntimeError("scheduler went idle with requests still pending")
-            for req in self.scheduler.step():
-                if req.finished:
-                    pending.discard(id(req))
+        with self._cond:
+            for req in reqs:
+                self.scheduler.add_request(req)
+        self._run_until_finished(reqs)
         latency = time.perf_counter() - start
         outputs = [self._make_output(r, latency) for r in reqs]
         return outputs[0] if single and len(outputs) == 1 else outputs
+
+    def _run_until_finished(self, reqs: list[Req]) -> None:
+        """Step the scheduler until every request in `reqs` has finished. Any thread that holds the
+        lock steps for everyone; while paused (or while a weight update drains), wait."""
+        while True:
+            with self._cond:
+                if all(r.finished for r in reqs):
+                    return
+                sched = self.scheduler
+                if sched.paused is not None or (sched.admission_blocked and not sched.running):
+                    self._cond.wait(timeout=0.05)
+                    continue
+                if not sched.has_work():
+                    raise RuntimeError("scheduler went idle with requests still pending")
+                sched.step()
+                self._cond.notify_all()
 
     def _normalize_prompts(
         self, prompt: Any, input_ids: Any
@@ -166,6 +184,7 @@ class Engine:
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": req.finished_reason,
+            "weight_version": req.weight_version,
             "prompt_tokens": len(req.origin_input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
@@ -178,13 +197,201 @@ class Engine:
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # ---- cache and lifecycle
-    def flush_cache(self) -> bool:
-        """Reset radix cache, request pool and KV allocator when idle; False (with a log line giving
-        the queued/running counts) otherwise."""
-        ok, message = self.scheduler.flush_cache()
+    def flush_cache(self, empty_cache: bool = True) -> bool:
+        """Reset radix cache, request pool and KV allocator when fully idle (and, if `empty_cache`,
+        empty the device allocator cache); False with a log line of the queued/running counts
+        otherwise."""
+        with self._cond:
+            ok, message = self.scheduler.flush_cache(empty_cache)
         if not ok:
             logger.warning(message)
         return ok
+
+    # ---- training <-> rollout handover (sglang's names, bodies and defaults)
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """`abort`, `retract` or `in_place` (see `Scheduler.pause_generation`). Requests submitted
+        while paused queue until `continue_generation`."""
+        with self._cond:
+            try:
+                count = self.scheduler.pause_generation(mode)
+            except ValueError as e:
+                return _result(False, str(e))
+            self._cond.notify_all()
+        return _result(True, f"paused ({mode}); {count} request(s) affected", count)
+
+    def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, Any]:
+        """Resume. With `torch_empty_cache`, empty the allocator cache first, while still paused
+        (the one release point that undoes fragmentation from in-place updates)."""
+        with self._cond:
+            if torch_empty_cache:
+                before = _reserved_bytes()
+                empty_device_cache(reason="continue_generation")
+                logger.info("continue_generation: reserved %.1f MiB -> %.1f MiB",
+                            before / 2**20, _reserved_bytes() / 2**20)
+            self.scheduler.continue_generation()
+            self._cond.notify_all()
+        return _result(True, "continued")
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None = None,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        torch_empty_cache: bool = False,
+    ) -> dict[str, Any]:
+        """Load an HF safetensors directory (same names as the initial load) into the live model."""
+        opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
+
+        def load() -> int:
+            if load_format not in (None, "auto", "safetensors"):
+                raise ValueError(f"load_format {load_format!r} is not supported for disk updates")
+            if not isinstance(model_path, str) or not os.path.isdir(model_path):
+                raise ValueError(f"model_path {model_path!r} is not a directory")
+            return self.weight_updater.load_from_disk(model_path)
+
+        return self._update_weights(opts, load)
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Any = None,
+        serialized_named_tensors: str | bytes | list[str] | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        torch_empty_cache: bool = False,
+    ) -> dict[str, Any]:
+        """In-process tensors: `named_tensors` as [(name, tensor), ...], or with
+        `load_format="flattened_bucket"` a `FlattenedBucket` (or a list, one per dtype). From another
+        process: `serialized_named_tensors` made by `tide.weights.serialize_named_tensors`."""
+        opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
+
+        def load() -> int:
+            if load_format not in LOAD_FORMATS:
+                raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+            if (named_tensors is None) == (serialized_named_tensors is None):
+                raise ValueError("give exactly one of named_tensors or serialized_named_tensors")
+            if serialized_named_tensors is not None:
+                payload = serialized_named_tensors
+                if isinstance(payload, list):
+                    if len(payload) != 1:
+                        raise ValueError("serialized_named_tensors must hold one payload per rank (1)")
+                    payload = payload[0]
+                return self.weight_updater.load_serialized(payload, load_format)
+            if load_format == "flattened_bucket":
+                return self.weight_updater.load_buckets(named_tensors)
+            return self.weight_updater.load_named_tensors(named_tensors)
+
+        return self._update_weights(opts, load)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
+        try:
+            self.weight_updater.init_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend
+            )
+        except (ValueError, RuntimeError) as e:
+            return _result(False, f"init_weights_update_group failed: {e}")
+        return _result(True, f"joined {group_name} as rank {rank_offset} of {world_size}")
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        try:
+            self.weight_updater.destroy_group(group_name)
+        except ValueError as e:
+            return _result(False, str(e))
+        return _result(True, f"destroyed {group_name}")
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        torch_empty_cache: bool = False,
+    ) -> dict[str, Any]:
+        """Receive the tensors the trainer (rank 0) broadcasts, in `names` order (one broadcast per
+        tensor, or per dtype with `load_format="flattened_bucket"`)."""
+        opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
+
+        def load() -> int:
+            if load_format not in LOAD_FORMATS:
+                raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+            return self.weight_updater.load_from_distributed(
+                names, dtypes, shapes, group_name, load_format
+            )
+
+        return self._update_weights(opts, load)
+
+    def update_weights_from_ipc(
+        self,
+        serialized_buckets: str | bytes,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        torch_empty_cache: bool = False,
+    ) -> dict[str, Any]:
+        """A colocated trainer's bucket buffers, shared as CUDA IPC handles
+        (`serialize_named_tensors(flatten_by_dtype(...))`); copied in, then the handles released."""
+        opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
+        return self._update_weights(opts, lambda: self.weight_updater.load_from_ipc(serialized_buckets))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` values of checkpoint tensor `name`, flattened."""
+        with self._cond:
+            return self.weight_updater.get_weights_by_name(name, truncate_size)
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict[str, Any]:
+        if not isinstance(new_version, str) or not new_version:
+            return _result(False, "new_version must be a non-empty string")
+        with self._cond:
+            if abort_all_requests:
+                self.scheduler.abort(message="aborted by update_weight_version")
+            self.scheduler.weight_version = new_version
+            self._cond.notify_all()
+        return _result(True, f"weight version is {new_version}")
+
+    def _update_weights(self, opts: WeightUpdateOptions, load: Callable[[], int]) -> dict[str, Any]:
+        """Shared by every path: wait for in-flight work (or abort it), load, version, flush."""
+        with self._cond:
+            sched = self.scheduler
+            if opts.abort_all_requests:
+                sched.abort(message="aborted by weight update")
+            sched.admission_blocked = True
+            try:
+                while not sched.can_update_weights():
+                    sched.step()  # drain the running batch; new requests wait behind the update
+                    self._cond.notify_all()
+                start = time.perf_counter()
+                try:
+                    count = load()
+                except ValueError as e:
+                    return _result(False, str(e), self._num_paused())
+                if opts.weight_version is not None:
+                    sched.weight_version = opts.weight_version
+                sched.flush_cache_after_weight_update(opts.flush_cache, opts.torch_empty_cache)
+                elapsed = time.perf_counter() - start
+            finally:
+                sched.admission_blocked = False
+                self._cond.notify_all()
+        return _result(True, f"updated {count} tensors in {elapsed * 1e3:.1f} ms", self._num_paused())
+
+    def _num_paused(self) -> int:
+        sched = self.scheduler
+        return sched.num_holding_kv() + sched.num_queued() if sched.paused is not None else 0
 
     def get_server_info(self) -> dict[str, Any]:
         return {
@@ -196,13 +403,24 @@ class Engine:
         }
 
     def shutdown(self) -> None:
-        self.scheduler.abort(message="engine shutdown")
+        with self._cond:
+            self.scheduler.abort(message="engine shutdown")
+            for name in list(self.weight_updater.groups):
+                self.weight_updater.destroy_group(name)
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _result(success: bool, message: str, num_paused_requests: int = 0) -> dict[str, Any]:
+    return {"success": success, "message": message, "num_paused_requests": num_paused_requests}
+
+
+def _reserved_bytes() -> int:
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:

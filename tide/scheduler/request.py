@@ -30,6 +30,7 @@ class Req:
     kv_len: int = 0
     # accounting
     cached_tokens: int = 0
+    weight_version: str | None = None  # the engine's weight version when the request finished
     stop_check_offset: int = 0  # output text before this offset was already searched for stops
     num_retractions: int = 0
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)

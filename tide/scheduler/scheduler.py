@@ -21,11 +21,13 @@ import torch
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
 from tide.layers.sampler import Sampler
+from tide.memory.device import empty_device_cache
 from tide.memory.radix_cache import RadixCache
 from tide.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 
+PAUSE_MODES = ("abort", "retract", "in_place")
 CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
@@ -67,6 +69,11 @@ class Scheduler:
         self.stats = SchedulerStats()
         # KV slots allocated for the forward in progress, not yet owned by a request's kv_len.
         self._inflight_loc: torch.Tensor | None = None
+        # Handover state: a pause mode ("abort" | "retract" | "in_place") or None; admission is
+        # blocked while a weight update waits for running requests to drain.
+        self.paused: str | None = None
+        self.admission_blocked = False
+        self.weight_version = "default"
 
     # ---- public surface
     @property
@@ -90,11 +97,14 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one forward; return the requests that got a token in it (finished ones included).
+        Does nothing while paused.
 
         If the forward or sampling raises, the requests of that batch finish with an abort that
         carries the error, their KV is released, and the scheduler stays usable.
         """
-        batch = self._get_prefill_batch()
+        if self.paused is not None:
+            return []
+        batch = [] if self.admission_blocked else self._get_prefill_batch()
         reqs = [r for r, _ in batch] if batch else list(self.running)
         try:
             if batch:
@@ -117,6 +127,7 @@ class Scheduler:
                 self.chunked_req = None
             if req.finished_reason is None or req.finished_reason.get("type") != "abort":
                 req.finished_reason = {"type": "abort", "message": message}
+            req.weight_version = self.weight_version
             if req.req_pool_idx is not None:
                 self.tree_cache.cache_finished_req(req)
             elif req.last_node is not None:
@@ -139,21 +150,79 @@ class Scheduler:
             self.chunked_req = None
         for req in aborted:
             req.finished_reason = {"type": "abort", "message": message}
+            req.weight_version = self.weight_version
             if req.req_pool_idx is not None:
                 self.tree_cache.cache_finished_req(req)
         return aborted
 
-    def flush_cache(self) -> tuple[bool, str]:
-        """Reset the radix cache, request slots and KV allocator; only when nothing is queued/running."""
+    def flush_cache(self, empty_cache: bool = True) -> tuple[bool, str]:
+        """Reset the radix cache, request slots and KV allocator; only when nothing is queued or
+        running. Empties the device allocator cache only if `empty_cache`."""
         if self.has_work():
             return False, (
                 f"cannot flush cache: {self.num_queued()} queued and {self.num_running()} "
                 "running requests"
             )
+        self._reset_kv_state()
+        if empty_cache:
+            empty_device_cache(reason="flush_cache")
+        return True, "cache flushed"
+
+    def _reset_kv_state(self) -> None:
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
-        return True, "cache flushed"
+
+    # ---- training <-> rollout handover
+    def num_holding_kv(self) -> int:
+        """Requests that own KV slots (running, or a prompt mid-chunk)."""
+        return len(self.running) + (1 if self.chunked_req is not None else 0)
+
+    def can_update_weights(self) -> bool:
+        """Not paused, an update waits until no request holds KV; paused, it may go at once."""
+        return self.paused is not None or self.num_holding_kv() == 0
+
+    def pause_generation(self, mode: str) -> int:
+        """Stop scheduling. `abort`: every in-flight request (queued ones too) finishes now with its
+        partial output; `retract`: running requests give up their KV and re-queue (recomputed on
+        continue); `in_place`: running requests keep their KV and wait. Returns how many requests
+        were affected."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode == "abort":
+            count = len(self.abort(message="paused with mode=abort"))
+        elif mode == "retract":
+            held = list(self.running)
+            if self.chunked_req is not None:
+                held.append(self.chunked_req)
+                self.chunked_req = None
+            for req in reversed(held):  # re-queue in admission order, ahead of new arrivals
+                if req in self.running:
+                    self.running.remove(req)
+                self.tree_cache.cache_finished_req(req)
+                req.reset_for_retract()
+                self.waiting.appendleft(req)
+            self.stats.num_retractions += len(held)
+            count = len(held)
+        else:
+            count = self.num_holding_kv()
+        self.paused = mode
+        return count
+
+    def continue_generation(self) -> None:
+        self.paused = None
+
+    def flush_cache_after_weight_update(self, flush_cache: bool, torch_empty_cache: bool) -> None:
+        """After new weights: cached KV was computed with the old ones. With no request holding KV,
+        reset every pool (queued requests hold none); paused in place, drop every cached prefix no
+        held request uses and leave the held requests' KV alone."""
+        if flush_cache:
+            if self.num_holding_kv() == 0:
+                self._reset_kv_state()
+            else:
+                self.tree_cache.evict(self.tree_cache.evictable_size())
+        if torch_empty_cache:
+            empty_device_cache(reason="weight_update")
 
     def check_invariants(self) -> None:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""
@@ -351,6 +420,7 @@ class Scheduler:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             req.finished_reason = self._check_finished(req, token)
             if req.finished_reason is not None:
+                req.weight_version = self.weight_version
                 if not newly_prefilled:
                     self.running.remove(req)
                 self.tree_cache.cache_finished_req(req)

@@ -1,5 +1,12 @@
 """Checkpoint loading and the one place that maps checkpoint names to tide's parameters."""
 
+from tide.weights.bucket import (
+    FlattenedBucket,
+    deserialize_named_tensors,
+    flatten_by_dtype,
+    serialize_named_tensors,
+)
+from tide.weights.distributed import WeightUpdateGroup, init_custom_process_group
 from tide.weights.loader import (
     checkpoint_files,
     init_dummy_weights,
@@ -10,6 +17,12 @@ from tide.weights.loader import (
 from tide.weights.mapping import WeightMap, WeightTarget
 
 __all__ = [
+    "FlattenedBucket",
+    "WeightUpdateGroup",
+    "deserialize_named_tensors",
+    "flatten_by_dtype",
+    "init_custom_process_group",
+    "serialize_named_tensors",
     "WeightMap",
     "WeightTarget",
     "checkpoint_files",

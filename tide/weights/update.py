@@ -1,0 +1,239 @@
+"""Writing new weights into a live model, all-or-nothing at the validation level.
+
+Every path first validates the complete list of (name, shape, dtype) against the model and only then
+writes. A bad name, shape or dtype raises `ValueError` naming the tensor before any parameter changes.
+Tensor paths (in-process, buckets, distributed, IPC) require the model's exact dtype; the disk path
+casts like the initial load does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from tide.weights.bucket import FlattenedBucket, deserialize_named_tensors, flatten_by_dtype
+from tide.weights.distributed import WeightUpdateGroup, init_custom_process_group
+from tide.weights.loader import iter_checkpoint, read_checkpoint_shapes
+from tide.weights.mapping import WeightMap, WeightTarget
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = (None, "flattened_bucket")
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class WeightUpdateOptions:
+    """The flags every update request carries (sglang's names and defaults)."""
+
+    flush_cache: bool = True
+    torch_empty_cache: bool = False
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    key = str(value).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"dtype {value!r} is not supported; allowed: {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+class WeightUpdater:
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.weight_map = WeightMap(model)
+        self.groups: dict[str, WeightUpdateGroup] = {}
+
+    # ---- validation
+    def plan(
+        self,
+        metas: Iterable[tuple[str, Sequence[int], torch.dtype]],
+        exact_dtype: bool,
+        require_complete: bool = False,
+    ) -> list[WeightTarget]:
+        metas = [(name, tuple(shape), dtype) for name, shape, dtype in metas]
+        if not metas:
+            raise ValueError("the update names no weights")
+        targets = self.weight_map.plan(metas, require_complete=require_complete)
+        if exact_dtype:
+            by_name = {name: dtype for name, _, dtype in metas}
+            for t in targets:
+                want = self.weight_map.params[t.param_name].dtype
+                if by_name[t.name] != want:
+                    raise ValueError(
+                        f"weight {t.name!r} has dtype {by_name[t.name]}, the model's is {want}"
+                    )
+        return targets
+
+    # ---- paths
+    def load_from_disk(self, model_path: str) -> int:
+        targets = {t.name: t for t in self.plan(read_checkpoint_shapes(model_path), False, True)}
+        for name, tensor in iter_checkpoint(model_path):
+            target = targets.get(name)
+            if target is not None:
+                self.weight_map.write(target, tensor)
+        self._sync()
+        return len(targets)
+
+    def load_named_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
+        named = list(named)
+        for item in named:
+            if (
+                not isinstance(item, (tuple, list))
+                or len(item) != 2
+                or not isinstance(item[0], str)
+                or not isinstance(item[1], torch.Tensor)
+            ):
+                raise ValueError("named_tensors must be a list of (name, tensor) pairs")
+        targets = self.plan([(n, t.shape, t.dtype) for n, t in named], exact_dtype=True)
+        tensors = dict(named)
+        for target in targets:
+            self.weight_map.write(target, tensors[target.name])
+        self._sync()
+        return len(targets)
+
+    def load_buckets(self, buckets: Sequence[FlattenedBucket]) -> int:
+        if isinstance(buckets, FlattenedBucket):
+            buckets = [buckets]
+        named: list[tuple[str, torch.Tensor]] = []
+        for bucket in buckets:
+            if not isinstance(bucket, FlattenedBucket):
+                raise ValueError("a flattened_bucket payload must hold FlattenedBucket objects")
+            named.extend(bucket.named_tensors())
+        return self.load_named_tensors(named)
+
+    def load_serialized(self, payload: str | bytes, load_format: str | None) -> int:
+        obj = deserialize_named_tensors(payload)
+        if load_format == "flattened_bucket":
+            return self.load_buckets(obj)
+        return self.load_named_tensors(obj)
+
+    def load_from_ipc(self, payload: str | bytes) -> int:
+        """`payload`: serialized FlattenedBucket(s) whose buffers are CUDA IPC handles of the
+        trainer's memory. Copies into the parameters, then drops the mapped buffers."""
+        obj = deserialize_named_tensors(payload)
+        try:
+            return self.load_buckets(obj)
+        finally:
+            del obj
+
+    # ---- distributed
+    def init_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str,
+    ) -> None:
+        if group_name in self.groups:
+            raise ValueError(f"group_name {group_name!r} already exists; destroy it first")
+        self.groups[group_name] = init_custom_process_group(
+            backend, master_address, master_port, rank_offset, world_size, group_name
+        )
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise ValueError(f"group_name {group_name!r} is not an open weight update group")
+        shutdown = getattr(group.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def load_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str | torch.dtype],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        load_format: str | None,
+    ) -> int:
+        """Receive broadcasts from rank 0 (one per tensor, or one per dtype for flattened_bucket,
+        grouped in first-seen dtype order). A request that fails validation still receives every
+        broadcast (into scratch memory) so the trainer never hangs, then raises ValueError."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise ValueError(f"group_name {group_name!r} is not an open weight update group")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError("names, dtypes and shapes must be non-empty lists of equal length")
+        metas = [(n, tuple(s), parse_dtype(d)) for n, s, d in zip(names, shapes, dtypes)]
+        error: ValueError | None = None
+        targets: dict[str, WeightTarget] = {}
+        try:
+            targets = {t.name: t for t in self.plan(metas, exact_dtype=True)}
+        except ValueError as e:
+            error = e
+        comm_device = self.device if group.backend == "nccl" else torch.device("cpu")
+        if load_format == "flattened_bucket":
+            order: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+            for name, shape, dtype in metas:
+                order.setdefault(dtype, []).append((name, shape))
+            for dtype, items in order.items():
+                numel = sum(_numel(s) for _, s in items)
+                flat = torch.empty(numel, dtype=dtype, device=comm_device)
+                group.broadcast(flat)
+                if error is None:
+                    offset = 0
+                    for name, shape in items:
+                        n = _numel(shape)
+                        target = targets.get(name)
+                        if target is not None:
+                            self.weight_map.write(target, flat[offset : offset + n].view(shape))
+                        offset += n
+        else:
+            for name, shape, dtype in metas:
+                target = targets.get(name)
+                dest = self._direct_view(target) if error is None and target is not None else None
+                if dest is not None and dest.device == comm_device:
+                    group.broadcast(dest)  # straight into the parameter's rows
+                    continue
+                buf = torch.empty(shape, dtype=dtype, device=comm_device)
+                group.broadcast(buf)
+                if error is None and target is not None:
+                    self.weight_map.write(target, buf)
+        if error is not None:
+            raise error
+        self._sync()
+        return len(targets)
+
+    def _direct_view(self, target: WeightTarget) -> torch.Tensor | None:
+        param = self.weight_map.params[target.param_name]
+        rows = param.data[target.row_start : target.row_start + target.shape[0]]
+        return rows if rows.is_contiguous() else None
+
+    # ---- inspection
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        target = self.weight_map.resolve(name)
+        if target is None:
+            raise ValueError(f"weight {name!r} is not stored by this model")
+        param = self.weight_map.params[target.param_name]
+        rows = param.data[target.row_start : target.row_start + target.shape[0]]
+        return rows.reshape(-1)[: max(0, truncate_size)].float().cpu().tolist()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+__all__ = [
+    "FlattenedBucket",
+    "LOAD_FORMATS",
+    "WeightUpdateOptions",
+    "WeightUpdater",
+    "flatten_by_dtype",
+    "parse_dtype",
+]
