@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -55,6 +56,10 @@ class Engine:
         # One lock for the scheduler and the model: generate() from several threads, and pause /
         # update / continue from another, interleave only between steps.
         self._cond = threading.Condition(threading.RLock())
+        # Control calls waiting for the lock; a stepping thread yields to them between steps (a
+        # plain lock is not fair: the stepping thread would re-take it before anyone else).
+        self._controls_waiting = 0
+        self._controls_lock = threading.Lock()
 
     # ---- generation
     def generate(
@@ -109,6 +114,22 @@ class Engine:
         outputs = [self._make_output(r, latency) for r in reqs]
         return outputs[0] if single and len(outputs) == 1 else outputs
 
+    @contextlib.contextmanager
+    def _control(self) -> Iterator[None]:
+        """Hold the engine lock for a control operation, ahead of any stepping thread."""
+        with self._controls_lock:
+            self._controls_waiting += 1
+        try:
+            self._cond.acquire()
+        finally:
+            with self._controls_lock:
+                self._controls_waiting -= 1
+        try:
+            yield
+        finally:
+            self._cond.notify_all()
+            self._cond.release()
+
     def _run_until_finished(self, reqs: list[Req]) -> None:
         """Step the scheduler until every request in `reqs` has finished. Any thread that holds the
         lock steps for everyone; while paused (or while a weight update drains), wait."""
@@ -117,7 +138,11 @@ class Engine:
                 if all(r.finished for r in reqs):
                     return
                 sched = self.scheduler
-                if sched.paused is not None or (sched.admission_blocked and not sched.running):
+                if (
+                    self._controls_waiting
+                    or sched.paused is not None
+                    or (sched.admission_blocked and not sched.running)
+                ):
                     self._cond.wait(timeout=0.05)
                     continue
                 if not sched.has_work():
@@ -201,7 +226,7 @@ class Engine:
         """Reset radix cache, request pool and KV allocator when fully idle (and, if `empty_cache`,
         empty the device allocator cache); False with a log line of the queued/running counts
         otherwise."""
-        with self._cond:
+        with self._control():
             ok, message = self.scheduler.flush_cache(empty_cache)
         if not ok:
             logger.warning(message)
@@ -211,25 +236,23 @@ class Engine:
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """`abort`, `retract` or `in_place` (see `Scheduler.pause_generation`). Requests submitted
         while paused queue until `continue_generation`."""
-        with self._cond:
+        with self._control():
             try:
                 count = self.scheduler.pause_generation(mode)
             except ValueError as e:
                 return _result(False, str(e))
-            self._cond.notify_all()
         return _result(True, f"paused ({mode}); {count} request(s) affected", count)
 
     def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, Any]:
         """Resume. With `torch_empty_cache`, empty the allocator cache first, while still paused
         (the one release point that undoes fragmentation from in-place updates)."""
-        with self._cond:
+        with self._control():
             if torch_empty_cache:
                 before = _reserved_bytes()
                 empty_device_cache(reason="continue_generation")
                 logger.info("continue_generation: reserved %.1f MiB -> %.1f MiB",
                             before / 2**20, _reserved_bytes() / 2**20)
             self.scheduler.continue_generation()
-            self._cond.notify_all()
         return _result(True, "continued")
 
     def update_weights_from_disk(
@@ -351,22 +374,21 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The first `truncate_size` values of checkpoint tensor `name`, flattened."""
-        with self._cond:
+        with self._control():
             return self.weight_updater.get_weights_by_name(name, truncate_size)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict[str, Any]:
         if not isinstance(new_version, str) or not new_version:
             return _result(False, "new_version must be a non-empty string")
-        with self._cond:
+        with self._control():
             if abort_all_requests:
                 self.scheduler.abort(message="aborted by update_weight_version")
             self.scheduler.weight_version = new_version
-            self._cond.notify_all()
         return _result(True, f"weight version is {new_version}")
 
     def _update_weights(self, opts: WeightUpdateOptions, load: Callable[[], int]) -> dict[str, Any]:
         """Shared by every path: wait for in-flight work (or abort it), load, version, flush."""
-        with self._cond:
+        with self._control():
             sched = self.scheduler
             if opts.abort_all_requests:
                 sched.abort(message="aborted by weight update")
@@ -386,8 +408,7 @@ class Engine:
                 elapsed = time.perf_counter() - start
             finally:
                 sched.admission_blocked = False
-                self._cond.notify_all()
-        return _result(True, f"updated {count} tensors in {elapsed * 1e3:.1f} ms", self._num_paused())
+            return _result(True, f"updated {count} tensors in {elapsed * 1e3:.1f} ms", self._num_paused())
 
     def _num_paused(self) -> int:
         sched = self.scheduler
@@ -403,7 +424,7 @@ class Engine:
         }
 
     def shutdown(self) -> None:
-        with self._cond:
+        with self._control():
             self.scheduler.abort(message="engine shutdown")
             for name in list(self.weight_updater.groups):
                 self.weight_updater.destroy_group(name)

@@ -10,7 +10,6 @@ from tide.weights.distributed import WeightUpdateGroup, init_custom_process_grou
 from tide.weights.loader import (
     checkpoint_files,
     init_dummy_weights,
-    iter_checkpoint,
     load_checkpoint,
     read_checkpoint_shapes,
 )
@@ -27,7 +26,6 @@ __all__ = [
     "WeightTarget",
     "checkpoint_files",
     "init_dummy_weights",
-    "iter_checkpoint",
     "load_checkpoint",
     "read_checkpoint_shapes",
 ]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from tide.weights.mapping import WeightMap
+from tide.weights.mapping import WeightMap, WeightTarget
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -26,6 +26,7 @@ _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _PROGRESS_BYTES = 1 << 30
+_MAX_READERS = 8
 
 
 def checkpoint_files(model_path: str) -> list[str]:
@@ -62,25 +63,40 @@ def read_checkpoint_shapes(model_path: str) -> list[tuple[str, tuple[int, ...], 
     return out
 
 
-def iter_checkpoint(model_path: str, show_progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    files = checkpoint_files(model_path)
-    if show_progress is None:
-        show_progress = sum(os.path.getsize(p) for p in files) >= _PROGRESS_BYTES
-    for path in tqdm(files, desc="loading weights", unit="shard", disable=not show_progress):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 def load_checkpoint(model: nn.Module, model_path: str, show_progress: bool | None = None) -> None:
     """Validate the whole checkpoint against the model (names, shapes, completeness), then load it."""
     weight_map = WeightMap(model)
     targets = {t.name: t for t in weight_map.plan(read_checkpoint_shapes(model_path), True)}
-    for name, tensor in iter_checkpoint(model_path, show_progress):
-        target = targets.get(name)
-        if target is not None:
-            weight_map.write(target, tensor)
+    write_checkpoint(weight_map, targets, model_path, show_progress)
     _sync(model)
+
+
+def write_checkpoint(
+    weight_map: WeightMap,
+    targets: dict[str, WeightTarget],
+    model_path: str,
+    show_progress: bool | None = None,
+) -> None:
+    """Copy every validated tensor of the checkpoint into the model, one reader thread per shard
+    (reading from the page cache and the host-to-device copies overlap across shards)."""
+    files = checkpoint_files(model_path)
+    if show_progress is None:
+        show_progress = sum(os.path.getsize(p) for p in files) >= _PROGRESS_BYTES
+
+    def load_file(path: str) -> None:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                target = targets.get(name)
+                if target is not None:
+                    weight_map.write(target, f.get_tensor(name))
+
+    workers = min(len(files), _MAX_READERS)
+    bar = tqdm(total=len(files), desc="loading weights", unit="shard", disable=not show_progress)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for future in [pool.submit(load_file, p) for p in files]:
+            future.result()
+            bar.update(1)
+    bar.close()
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from torch import nn
 
 from tide.weights.bucket import FlattenedBucket, deserialize_named_tensors, flatten_by_dtype
 from tide.weights.distributed import WeightUpdateGroup, init_custom_process_group
-from tide.weights.loader import iter_checkpoint, read_checkpoint_shapes
+from tide.weights.loader import read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,7 @@ class WeightUpdater:
     # ---- paths
     def load_from_disk(self, model_path: str) -> int:
         targets = {t.name: t for t in self.plan(read_checkpoint_shapes(model_path), False, True)}
-        for name, tensor in iter_checkpoint(model_path):
-            target = targets.get(name)
-            if target is not None:
-                self.weight_map.write(target, tensor)
+        write_checkpoint(self.weight_map, targets, model_path)
         self._sync()
         return len(targets)
 
