@@ -157,3 +157,95 @@ def hf_model_for(checkpoints):
         return cache[arch]
 
     return get
+
+
+# ---- training <-> rollout handover helpers (tests/test_weight_update.py, tests/test_pause.py)
+
+
+def sgd_steps(model, steps: int, lr: float, seed: int, batch: int = 4, seq_len: int = 24) -> None:
+    """A few plain SGD steps of next-token loss on random token batches: an RL trainer's update in
+    miniature. Large `lr` moves the weights enough that greedy outputs change."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        ids = torch.randint(2, VOCAB, (batch, seq_len), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def named_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """(checkpoint name, detached copy) of every parameter of an HF model, in module order."""
+    return [(name, p.detach().clone()) for name, p in model.named_parameters()]
+
+
+def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """HF greedy tokens and the log-softmax of the raw logits at each chosen token (fp32)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logp = torch.log_softmax(torch.stack([s[0] for s in out.logits]).float(), dim=-1)
+    return tokens, logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InThread:
+    """Run `fn(*args)` in a daemon thread; `result(timeout)` re-raises its exception, and fails the
+    test (instead of hanging it) if the call has not returned in time."""
+
+    def __init__(self, fn, *args, name: str = "helper", **kwargs) -> None:
+        import threading
+
+        self.value = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.value = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def result(self, timeout: float = 60.0):
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            pytest.fail(f"thread {self.thread.name!r} did not finish within {timeout} s (hang)")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `predicate` (no sleeps for correctness: only a bounded wait for another thread)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.001)

@@ -71,6 +71,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         admin_api_key=args.admin_api_key,
         served_model_name=args.served_model_name,
         log_level=log_level,
+        allowed_weight_roots=tuple(args.allowed_weight_roots) if args.allowed_weight_roots else None,
+        weight_version=args.weight_version,
     )
     return launch_server(server_args)
 
@@ -93,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=30000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
     srv.add_argument("--admin-api-key", default=None,
-                     help="require this key on admin routes (flush_cache, abort_all, ...)")
+                     help="require this key on admin routes (flush_cache, abort_all, weight updates, "
+                          "pause/continue, ...)")
+    srv.add_argument("--allowed-weight-roots", nargs="+", default=None, metavar="DIR",
+                     help="directories /update_weights_from_disk may read under (symlinks and .. "
+                          "are resolved first; default: the model directory's parent)")
+    srv.add_argument("--weight-version", default="default",
+                     help="the weight version reported before the first update (default: default)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the model path; tide-demo for the demo)")
     srv.add_argument("--tokenizer-path", default=None)

@@ -267,14 +267,14 @@ class Engine:
         """Load an HF safetensors directory (same names as the initial load) into the live model."""
         opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
 
-        def load() -> int:
+        def prepare() -> Callable[[], int]:
             if load_format not in (None, "auto", "safetensors"):
                 raise ValueError(f"load_format {load_format!r} is not supported for disk updates")
             if not isinstance(model_path, str) or not os.path.isdir(model_path):
                 raise ValueError(f"model_path {model_path!r} is not a directory")
-            return self.weight_updater.load_from_disk(model_path)
+            return self.weight_updater.prepare_from_disk(model_path)
 
-        return self._update_weights(opts, load)
+        return self._update_weights(opts, prepare)
 
     def update_weights_from_tensor(
         self,
@@ -291,7 +291,7 @@ class Engine:
         process: `serialized_named_tensors` made by `tide.weights.serialize_named_tensors`."""
         opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
 
-        def load() -> int:
+        def prepare() -> Callable[[], int]:
             if load_format not in LOAD_FORMATS:
                 raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
             if (named_tensors is None) == (serialized_named_tensors is None):
@@ -302,12 +302,12 @@ class Engine:
                     if len(payload) != 1:
                         raise ValueError("serialized_named_tensors must hold one payload per rank (1)")
                     payload = payload[0]
-                return self.weight_updater.load_serialized(payload, load_format)
+                return self.weight_updater.prepare_serialized(payload, load_format)
             if load_format == "flattened_bucket":
-                return self.weight_updater.load_buckets(named_tensors)
-            return self.weight_updater.load_named_tensors(named_tensors)
+                return self.weight_updater.prepare_buckets(named_tensors)
+            return self.weight_updater.prepare_named_tensors(named_tensors)
 
-        return self._update_weights(opts, load)
+        return self._update_weights(opts, prepare)
 
     def init_weights_update_group(
         self,
@@ -350,14 +350,15 @@ class Engine:
         tensor, or per dtype with `load_format="flattened_bucket"`)."""
         opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
 
-        def load() -> int:
+        def prepare() -> Callable[[], int]:
             if load_format not in LOAD_FORMATS:
                 raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-            return self.weight_updater.load_from_distributed(
+            # Validation happens while receiving: the trainer's broadcasts must be drained anyway.
+            return lambda: self.weight_updater.load_from_distributed(
                 names, dtypes, shapes, group_name, load_format
             )
 
-        return self._update_weights(opts, load)
+        return self._update_weights(opts, prepare)
 
     def update_weights_from_ipc(
         self,
@@ -370,7 +371,7 @@ class Engine:
         """A colocated trainer's bucket buffers, shared as CUDA IPC handles
         (`serialize_named_tensors(flatten_by_dtype(...))`); copied in, then the handles released."""
         opts = WeightUpdateOptions(flush_cache, torch_empty_cache, abort_all_requests, weight_version)
-        return self._update_weights(opts, lambda: self.weight_updater.load_from_ipc(serialized_buckets))
+        return self._update_weights(opts, lambda: self.weight_updater.prepare_from_ipc(serialized_buckets))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The first `truncate_size` values of checkpoint tensor `name`, flattened."""
@@ -386,10 +387,17 @@ class Engine:
             self.scheduler.weight_version = new_version
         return _result(True, f"weight version is {new_version}")
 
-    def _update_weights(self, opts: WeightUpdateOptions, load: Callable[[], int]) -> dict[str, Any]:
-        """Shared by every path: wait for in-flight work (or abort it), load, version, flush."""
+    def _update_weights(
+        self, opts: WeightUpdateOptions, prepare: Callable[[], Callable[[], int]]
+    ) -> dict[str, Any]:
+        """Shared by every path: validate (a bad request changes nothing, aborts nothing), then wait
+        for in-flight work (or abort it), write, set the version, flush."""
         with self._control():
             sched = self.scheduler
+            try:
+                load = prepare()
+            except (ValueError, TypeError) as e:
+                return _result(False, str(e), self._num_paused())
             if opts.abort_all_requests:
                 sched.abort(message="aborted by weight update")
             sched.admission_blocked = True
@@ -400,7 +408,7 @@ class Engine:
                 start = time.perf_counter()
                 try:
                     count = load()
-                except ValueError as e:
+                except (ValueError, TypeError) as e:
                     return _result(False, str(e), self._num_paused())
                 if opts.weight_version is not None:
                     sched.weight_version = opts.weight_version

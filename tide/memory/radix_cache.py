@@ -5,6 +5,8 @@ Invariants:
 - `lock_ref > 0` on a node means a running request uses it (and so all its ancestors); locked nodes are
   never evicted. `evictable_size() + protected_size()` equals the number of slots the tree holds.
 - With `disable=True` nothing is cached: requests free all their KV when they finish.
+- A `retired` tree (its KV predates the current weights) takes no new entries: finishing requests
+  free their own KV, and its nodes are freed as their last user lets go. It is never matched.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class RadixCache:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_allocator
         self.disable = disable
+        self.retired = False
         self.reset()
 
     def reset(self) -> None:
@@ -174,14 +177,20 @@ class RadixCache:
         return out
 
     # ---- request lifecycle
-    def cache_finished_req(self, req: "Req") -> None:
-        """Hand a finished (or retracted) request's KV to the tree, free its request slot."""
+    def cache_finished_req(self, req: "Req", insert: bool = True) -> None:
+        """Hand a finished (or retracted) request's KV to the tree, free its request slot. With
+        `insert=False` (KV computed with weights since replaced) the request's own KV is freed."""
         slot = req.req_pool_idx
         assert slot is not None
         kv = self.req_to_token_pool.req_to_token[slot, : req.kv_len].clone()
         prefix_len = len(req.prefix_indices)
         if self.disable:
             self.allocator.free(kv)
+        elif self.retired or not insert:
+            self.allocator.free(kv[prefix_len:])
+            self.dec_lock_ref(req.last_node)
+            if self.retired:
+                self.evict(self.evictable_size())
         else:
             tokens = req.all_token_ids()[: req.kv_len]
             cached = self.insert(tokens, kv)
@@ -193,8 +202,9 @@ class RadixCache:
         req.last_node = None
 
     def cache_unfinished_req(self, req: "Req") -> None:
-        """After a prompt chunk: publish its KV in the tree and move the request's lock forward."""
-        if self.disable:
+        """After a prompt chunk: publish its KV in the tree and move the request's lock forward
+        (in a retired tree the request simply keeps its KV)."""
+        if self.disable or self.retired:
             return
         slot = req.req_pool_idx
         assert slot is not None

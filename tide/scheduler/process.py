@@ -3,8 +3,24 @@
 Loop (`SchedulerProcess.run`):
 
     while running:
-        take every waiting message (block on the socket only when there is no work)
-        if there is work: step once and send the new tokens of every request that got one
+        take every waiting message (block on the socket only when there is nothing to run)
+        reply to finished trainer-group joins; apply weight updates that may go now
+        if there is runnable work: step once and send the new tokens of every request that got one
+
+Admin messages (sglang's semantics):
+
+- Weight updates (disk, tensor, IPC, distributed) are checked at receipt where that is cheap (a
+  tensor payload is decoded and its names/shapes/dtypes validated; a disk checkpoint's headers are
+  read), so a bad request fails at once and changes nothing. Otherwise, with `abort_all_requests`
+  every request is aborted now; admission is blocked and the update waits, while the loop keeps
+  stepping and streaming, until no request holds KV (or generation is paused), then the `Engine`
+  method applies it at once and the reply goes out. Updates apply in arrival order; requests that
+  arrive meanwhile queue behind them.
+- `pause_generation`, `continue_generation`, `update_weight_version`, `get_weights_by_name` and
+  `destroy_weights_update_group` are immediate.
+- `init_weights_update_group` joins the trainer's group in a helper thread (the rendezvous blocks until
+  the trainer joins), so the loop keeps serving meanwhile; the reply goes out when the join is done.
+  `update_weights_from_distributed` blocks the loop until every broadcast has arrived.
 
 The process owns a full in-process `Engine` (model, KV pools, scheduler, tokenizer for stop strings)
 and never talks HTTP. It exits when asked (`ShutdownReq`), when its parent dies (PR_SET_PDEATHSIG on
@@ -17,27 +33,43 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import zmq
 
 from tide.config import EngineConfig
+from tide.memory.device import MEMORY_LEDGER
 from tide.server.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    ContinueGenerationReqInput,
     ControlReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
     FlushCacheReqInput,
     GetLoadReqInput,
     GetServerInfoReqInput,
+    GetWeightsByNameReqInput,
+    InitWeightsUpdateGroupReqInput,
+    PauseGenerationReqInput,
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromIPCReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightVersionReqInput,
+    WeightUpdateReq,
     decode_input,
     encode_message,
 )
@@ -45,7 +77,14 @@ from tide.server.io_struct import (
 logger = logging.getLogger("tide.scheduler.process")
 
 _IDLE_POLL_MS = 1000  # how often an idle loop checks that the parent is alive
+_BUSY_POLL_MS = 50  # while something waits on time or a helper thread (flush timeout, group join)
 _PR_SET_PDEATHSIG = 1
+_WEIGHT_UPDATES = (
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromIPCReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
 
 
 @dataclass
@@ -54,8 +93,22 @@ class _PendingFlush:
     deadline: float
 
 
+@dataclass
+class _PendingUpdate:
+    """A weight update waiting for running requests to drain. `payload`: the tensor path's decoded
+    and validated tensors (decoded once, at receipt)."""
+
+    msg: WeightUpdateReq
+    payload: Any = None
+
+
 def run_scheduler_process(
-    config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, ready: Connection
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    ready: Connection,
+    weight_version: str | None = None,
 ) -> None:
     """Entry point of the spawned process: build the engine, report readiness, run the loop."""
     _die_with_parent(parent_pid)
@@ -66,6 +119,8 @@ def run_scheduler_process(
         from tide.engine import Engine
 
         engine = Engine(config.model_path, **_config_kwargs(config))
+        if weight_version is not None:
+            engine.scheduler.weight_version = weight_version
         proc = SchedulerProcess(engine, input_addr, output_addr, parent_pid)
     except Exception as e:  # reported to the parent, which prints it and exits
         msg = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
@@ -98,26 +153,54 @@ class SchedulerProcess:
         self.send_sock.connect(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.recv_sock, zmq.POLLIN)
+        self.live: dict[str, Any] = {}  # rid -> Req, until its finish has been sent
         self.sent_len: dict[str, int] = {}  # rid -> output tokens already sent
         self.pending_flushes: list[_PendingFlush] = []
+        self.pending_updates: deque[_PendingUpdate] = deque()
+        self.joins: dict[str, threading.Thread] = {}  # group_name -> joining thread
+        self.join_results: queue.SimpleQueue[tuple[str, str, dict[str, Any]]] = queue.SimpleQueue()
         self.running = True
 
     # ---- loop
     def run(self) -> None:
         while self.running:
-            self._recv_requests(block=not self.scheduler.has_work() and not self.pending_flushes)
+            self._recv_requests(block=not self._has_ready_work())
             if not self.running:
                 break
-            if self.scheduler.has_work():
-                try:
-                    reqs = self.scheduler.step()
-                except Exception as e:  # a bug or device error: fail the requests, keep serving
-                    logger.error("scheduler step failed:\n%s", traceback.format_exc())
-                    self._abort_everything(f"internal error in scheduler step: {type(e).__name__}: {e}")
-                    continue
-                if reqs:
-                    self._send_outputs(reqs)
-            self._retry_flushes()
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One turn of the loop after the messages are in: joins, updates, a step, flushes."""
+        self._finish_joins()
+        self._apply_pending_updates()
+        if self._can_step():
+            try:
+                reqs = self._step()
+            except Exception as e:  # a bug or device error: fail the requests, keep serving
+                logger.error("scheduler step failed:\n%s", traceback.format_exc())
+                self._abort_everything(f"internal error in scheduler step: {type(e).__name__}: {e}")
+                return
+            if reqs:
+                self._send_outputs(reqs)
+        self._retry_flushes()
+
+    def _can_step(self) -> bool:
+        """A step would make progress: not paused, and (while an update waits) something holds KV."""
+        sched = self.scheduler
+        if sched.paused is not None or not sched.has_work():
+            return False
+        if sched.admission_blocked:
+            return sched.num_holding_kv() > 0
+        return True
+
+    def _has_ready_work(self) -> bool:
+        return self._can_step() or bool(
+            self.pending_updates and self.scheduler.can_update_weights()
+        )
+
+    def _step(self) -> list[Any]:
+        # While admission is blocked the scheduler still finishes a half-prefilled (chunked) prompt.
+        return self.scheduler.step()
 
     def _abort_everything(self, message: str) -> None:
         """Finish every live request with an abort, including any a failed step left in limbo."""
@@ -126,7 +209,19 @@ class SchedulerProcess:
             self._send_outputs(aborted)
         for rid in list(self.sent_len):  # requests the scheduler no longer knows about
             self.sent_len.pop(rid)
+            self.live.pop(rid, None)
             self._send_finished(rid, {"type": "abort", "message": message})
+
+    def _abort_all(self, message: str) -> None:
+        aborted = self.scheduler.abort(None, message=message)
+        if aborted:
+            self._send_outputs(aborted)
+
+    def _report_finished(self) -> None:
+        """Send the finish of every tracked request an engine call finished (e.g. pause abort)."""
+        done = [req for req in self.live.values() if req.finished]
+        if done:
+            self._send_outputs(done)
 
     def close(self) -> None:
         self.recv_sock.close(linger=0)
@@ -136,8 +231,8 @@ class SchedulerProcess:
     def _recv_requests(self, block: bool) -> None:
         if block:
             timeout = _IDLE_POLL_MS
-            if self.pending_flushes:
-                timeout = 50
+            if self.pending_flushes or self.joins:
+                timeout = _BUSY_POLL_MS
             if not self.poller.poll(timeout):
                 if os.getppid() != self.parent_pid:
                     logger.warning("parent process is gone; scheduler exits")
@@ -166,8 +261,35 @@ class SchedulerProcess:
             self._reply(msg.req_id, True, data=self.load_info())
         elif isinstance(msg, GetServerInfoReqInput):
             self._reply(msg.req_id, True, data={**self.static_info(), **self.load_info()})
+        elif isinstance(msg, _WEIGHT_UPDATES):
+            self._handle_weight_update(msg)
+        elif isinstance(msg, PauseGenerationReqInput):
+            result = self.engine.pause_generation(msg.mode)
+            self._report_finished()  # mode=abort finished every request
+            self._reply_result(msg.req_id, result)
+        elif isinstance(msg, ContinueGenerationReqInput):
+            self._reply_result(msg.req_id, self.engine.continue_generation(msg.torch_empty_cache))
+        elif isinstance(msg, UpdateWeightVersionReqInput):
+            self._handle_weight_version(msg)
+        elif isinstance(msg, GetWeightsByNameReqInput):
+            try:
+                values = self.engine.get_weights_by_name(msg.name, msg.truncate_size)
+            except ValueError as e:
+                self._reply(msg.req_id, False, str(e))
+            else:
+                self._reply(msg.req_id, True, data={"values": values})
+        elif isinstance(msg, InitWeightsUpdateGroupReqInput):
+            self._handle_init_group(msg)
+        elif isinstance(msg, DestroyWeightsUpdateGroupReqInput):
+            if msg.group_name in self.joins:
+                self._reply(msg.req_id, False, f"group_name {msg.group_name!r} is still joining")
+            else:
+                self._reply_result(msg.req_id, self.engine.destroy_weights_update_group(msg.group_name))
         elif isinstance(msg, ShutdownReq):
             self._abort_everything("server shutting down")
+            for pending in self.pending_updates:
+                self._reply(pending.msg.req_id, False, "server shutting down")
+            self.pending_updates.clear()
             self._reply(msg.req_id, True, "scheduler stopped")
             self.running = False
 
@@ -189,6 +311,7 @@ class SchedulerProcess:
             top_logprobs_num=msg.top_logprobs_num,
         )
         self.sent_len[req.rid] = 0
+        self.live[req.rid] = req
         self.scheduler.add_request(req)
         if req.finished:  # e.g. max_new_tokens == 0
             self._send_outputs([req])
@@ -228,13 +351,148 @@ class SchedulerProcess:
                 still.append(pending)
         self.pending_flushes = still
 
+    # ---- handover: weight updates, versions, trainer groups
+    def _handle_weight_update(self, msg: WeightUpdateReq) -> None:
+        try:
+            payload = self._precheck_update(msg)
+        except Exception as e:  # noqa: BLE001 - any decoding/validation failure is bad input
+            message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            self._reply(msg.req_id, False, message, self._result_data(0))
+            return
+        if msg.abort_all_requests:
+            self._abort_all("aborted by weight update")
+        self.scheduler.admission_blocked = True
+        self.pending_updates.append(_PendingUpdate(msg, payload))
+
+    def _precheck_update(self, msg: WeightUpdateReq) -> Any:
+        """Decode and validate what can be checked before the update waits its turn (raises
+        ValueError naming the problem); the tensor path returns its decoded tensors."""
+        from tide.weights import deserialize_named_tensors, read_checkpoint_shapes
+        from tide.weights.bucket import FlattenedBucket
+
+        updater = self.engine.weight_updater
+        if isinstance(msg, UpdateWeightsFromTensorReqInput):
+            obj = deserialize_named_tensors(msg.serialized_named_tensors)
+            if msg.load_format == "flattened_bucket":
+                buckets = [obj] if isinstance(obj, FlattenedBucket) else obj
+                if not isinstance(buckets, (list, tuple)) or not all(
+                    isinstance(b, FlattenedBucket) for b in buckets
+                ):
+                    raise ValueError("a flattened_bucket payload must hold FlattenedBucket objects")
+                named = [nt for bucket in buckets for nt in bucket.named_tensors()]
+            else:
+                if not isinstance(obj, (list, tuple)) or not all(
+                    isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor) for item in obj
+                ):
+                    raise ValueError(
+                        "serialized_named_tensors must decode to a list of (name, tensor) pairs")
+                named = list(obj)
+            updater.plan([(n, t.shape, t.dtype) for n, t in named], exact_dtype=True)
+            return obj
+        if isinstance(msg, UpdateWeightFromDiskReqInput):
+            if msg.load_format not in (None, "auto", "safetensors"):
+                raise ValueError(f"load_format {msg.load_format!r} is not supported for disk updates")
+            if not os.path.isdir(msg.model_path):
+                raise ValueError(f"model_path {msg.model_path!r} is not a directory")
+            updater.plan(read_checkpoint_shapes(msg.model_path), exact_dtype=False,
+                         require_complete=True)
+        # Distributed updates are validated by the engine, which still receives every broadcast of
+        # a bad request so the trainer never hangs; IPC handles are opened only once, when applied.
+        return None
+
+    def _apply_pending_updates(self) -> None:
+        sched = self.scheduler
+        while self.pending_updates and sched.can_update_weights():
+            pending = self.pending_updates.popleft()
+            try:
+                result = self._apply_update(pending)
+            except Exception as e:  # noqa: BLE001 - report it; the loop must keep serving
+                logger.error("weight update failed:\n%s", traceback.format_exc())
+                result = {"success": False, "message": f"weight update failed: "
+                          f"{type(e).__name__}: {e}", "num_paused_requests": 0}
+            finally:
+                sched.admission_blocked = bool(self.pending_updates)
+            self._report_finished()
+            self._reply_result(pending.msg.req_id, result)
+
+    def _apply_update(self, pending: _PendingUpdate) -> dict[str, Any]:
+        msg = pending.msg
+        engine = self.engine
+        # Requests were aborted at receipt; ones that arrived since are queued behind the update.
+        flags = dict(flush_cache=msg.flush_cache, abort_all_requests=False,
+                     weight_version=msg.weight_version, torch_empty_cache=msg.torch_empty_cache)
+        if isinstance(msg, UpdateWeightFromDiskReqInput):
+            return engine.update_weights_from_disk(msg.model_path, load_format=msg.load_format,
+                                                   **flags)
+        if isinstance(msg, UpdateWeightsFromTensorReqInput):
+            return engine.update_weights_from_tensor(named_tensors=pending.payload,
+                                                     load_format=msg.load_format, **flags)
+        if isinstance(msg, UpdateWeightsFromIPCReqInput):
+            return engine.update_weights_from_ipc(msg.serialized_buckets, **flags)
+        return engine.update_weights_from_distributed(
+            msg.names, msg.dtypes, msg.shapes, group_name=msg.group_name,
+            load_format=msg.load_format, **flags,
+        )
+
+    def _handle_weight_version(self, msg: UpdateWeightVersionReqInput) -> None:
+        if not msg.new_version:
+            self._reply(msg.req_id, False, "new_version must be a non-empty string")
+            return
+        if msg.abort_all_requests:
+            self._abort_all("aborted by update_weight_version")
+        result = self.engine.update_weight_version(msg.new_version, abort_all_requests=False)
+        self._reply_result(msg.req_id, result, new_version=self.scheduler.weight_version)
+
+    def _handle_init_group(self, msg: InitWeightsUpdateGroupReqInput) -> None:
+        name = msg.group_name
+        if name in self.joins or name in self.engine.weight_updater.groups:
+            self._reply(msg.req_id, False, f"group_name {name!r} already exists; destroy it first")
+            return
+
+        def join() -> None:
+            try:
+                result = self.engine.init_weights_update_group(
+                    msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                    group_name=name, backend=msg.backend,
+                )
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                result = {"success": False, "num_paused_requests": 0,
+                          "message": f"init_weights_update_group failed: {type(e).__name__}: {e}"}
+            self.join_results.put((msg.req_id, name, result))
+
+        thread = threading.Thread(target=join, name=f"tide-join-{name}", daemon=True)
+        self.joins[name] = thread
+        thread.start()
+
+    def _finish_joins(self) -> None:
+        while True:
+            try:
+                req_id, name, result = self.join_results.get_nowait()
+            except queue.Empty:
+                return
+            thread = self.joins.pop(name, None)
+            if thread is not None:
+                thread.join()
+            self._reply_result(req_id, result)
+
     # ---- replies
+    def _result_data(self, num_paused_requests: int, **extra: Any) -> dict[str, Any]:
+        return {"num_paused_requests": num_paused_requests, "paused": self.scheduler.paused,
+                "weight_version": self.scheduler.weight_version, **extra}
+
+    def _reply_result(self, req_id: str, result: dict[str, Any], **extra: Any) -> None:
+        """Reply with an `Engine` handover result ({success, message, num_paused_requests})."""
+        data = self._result_data(int(result.get("num_paused_requests", 0)), **extra)
+        self._reply(req_id, bool(result["success"]), str(result["message"]), data)
+
     def _reply(self, req_id: str, success: bool, message: str = "", data: dict | None = None) -> None:
         out = ControlReqOutput(req_id=req_id, success=success, message=message, data=data or {})
         self.send_sock.send(encode_message(out))
 
     def _send_finished(self, rid: str, reason: dict[str, Any]) -> None:
-        out = BatchTokenIDOut([rid], [[]], [[]], [[]], [reason], [0])
+        out = BatchTokenIDOut([rid], [[]], [[]], [[]], [reason], [0],
+                              [self.scheduler.weight_version])
         self.send_sock.send(encode_message(out))
 
     def _send_outputs(self, reqs: list[Any]) -> None:
@@ -244,6 +502,7 @@ class SchedulerProcess:
         new_tops: list[list[list[tuple[float, int]]]] = []
         reasons: list[dict[str, Any] | None] = []
         cached: list[int] = []
+        versions: list[str | None] = []
         for req in reqs:
             start = self.sent_len.get(req.rid, 0)
             rids.append(req.rid)
@@ -260,11 +519,14 @@ class SchedulerProcess:
                 new_tops.append([])
             reasons.append(req.finished_reason)
             cached.append(req.cached_tokens)
+            versions.append(req.weight_version if req.finished and req.weight_version is not None
+                            else self.scheduler.weight_version)
             if req.finished:
                 self.sent_len.pop(req.rid, None)
+                self.live.pop(req.rid, None)
             else:
                 self.sent_len[req.rid] = len(req.output_ids)
-        out = BatchTokenIDOut(rids, new_ids, new_lps, new_tops, reasons, cached)
+        out = BatchTokenIDOut(rids, new_ids, new_lps, new_tops, reasons, cached, versions)
         self.send_sock.send(encode_message(out))
 
     # ---- info
@@ -278,6 +540,7 @@ class SchedulerProcess:
             eos_token_ids=list(engine.eos_token_ids),
             max_running_requests=engine.config.max_running_requests,
             scheduler_pid=os.getpid(),
+            weight_version=engine.scheduler.weight_version,
         )
         return info
 
@@ -307,6 +570,12 @@ class SchedulerProcess:
             "num_generated_tokens": stats.num_generated_tokens,
             "num_retractions": stats.num_retractions,
             "invariants_ok": invariants_ok,
+            "weight_version": sched.weight_version,
+            "paused": sched.paused,
+            "admission_blocked": sched.admission_blocked,
+            "num_pending_weight_updates": len(self.pending_updates),
+            "weight_update_groups": sorted(self.engine.weight_updater.groups),
+            "memory_ledger": MEMORY_LEDGER.totals(),
         }
 
 

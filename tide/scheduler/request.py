@@ -27,6 +27,8 @@ class Req:
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: Any = None
+    tree: Any = None  # the RadixCache that holds `last_node` (it may have been retired since)
+    kv_epoch: int = 0  # the scheduler's KV epoch when this request's KV was started
     kv_len: int = 0
     # accounting
     cached_tokens: int = 0

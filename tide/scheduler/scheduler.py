@@ -72,6 +72,9 @@ class Scheduler:
         # Handover state: a pause mode ("abort" | "retract" | "in_place") or None; admission is
         # blocked while a weight update waits for running requests to drain.
         self.paused: str | None = None
+        self.retired_trees: list[RadixCache] = []  # trees whose KV predates a weight update
+        # Bumped by every flush after a weight update: KV of an older epoch is never cached.
+        self.kv_epoch = 0
         self.admission_blocked = False
         self.weight_version = "default"
 
@@ -104,7 +107,7 @@ class Scheduler:
         """
         if self.paused is not None:
             return []
-        batch = [] if self.admission_blocked else self._get_prefill_batch()
+        batch = self._get_prefill_batch()
         reqs = [r for r, _ in batch] if batch else list(self.running)
         try:
             if batch:
@@ -129,7 +132,7 @@ class Scheduler:
                 req.finished_reason = {"type": "abort", "message": message}
             req.weight_version = self.weight_version
             if req.req_pool_idx is not None:
-                self.tree_cache.cache_finished_req(req)
+                self._release_kv(req)
             elif req.last_node is not None:
                 self._unmatch_prefix(req)
         return reqs
@@ -152,7 +155,7 @@ class Scheduler:
             req.finished_reason = {"type": "abort", "message": message}
             req.weight_version = self.weight_version
             if req.req_pool_idx is not None:
-                self.tree_cache.cache_finished_req(req)
+                self._release_kv(req)
         return aborted
 
     def flush_cache(self, empty_cache: bool = True) -> tuple[bool, str]:
@@ -168,7 +171,16 @@ class Scheduler:
             empty_device_cache(reason="flush_cache")
         return True, "cache flushed"
 
+    def _release_kv(self, req: Req) -> None:
+        """A finished, aborted or retracted request gives its KV to its tree (or frees it)."""
+        tree = req.tree or self.tree_cache
+        tree.cache_finished_req(req, insert=req.kv_epoch == self.kv_epoch)
+        req.tree = None
+        if tree.retired and tree.total_size() == 0 and tree in self.retired_trees:
+            self.retired_trees.remove(tree)
+
     def _reset_kv_state(self) -> None:
+        self.retired_trees.clear()
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
@@ -199,7 +211,7 @@ class Scheduler:
             for req in reversed(held):  # re-queue in admission order, ahead of new arrivals
                 if req in self.running:
                     self.running.remove(req)
-                self.tree_cache.cache_finished_req(req)
+                self._release_kv(req)
                 req.reset_for_retract()
                 self.waiting.appendleft(req)
             self.stats.num_retractions += len(held)
@@ -217,21 +229,31 @@ class Scheduler:
         reset every pool (queued requests hold none); paused in place, drop every cached prefix no
         held request uses and leave the held requests' KV alone."""
         if flush_cache:
+            self.kv_epoch += 1
             if self.num_holding_kv() == 0:
                 self._reset_kv_state()
             else:
-                self.tree_cache.evict(self.tree_cache.evictable_size())
+                # Held requests keep their (old-weight) KV; nothing new may match it.
+                old = self.tree_cache
+                old.evict(old.evictable_size())
+                if old.total_size():
+                    old.retired = True
+                    self.retired_trees.append(old)
+                    self.tree_cache = RadixCache(
+                        self.req_to_token_pool, self.allocator, disable=self.config.disable_radix_cache
+                    )
         if torch_empty_cache:
             empty_device_cache(reason="weight_update")
 
     def check_invariants(self) -> None:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""
         held = sum(r.kv_len - len(r.prefix_indices) for r in self._live_reqs())
-        total = self.allocator.available_size() + self.tree_cache.total_size() + held
+        cached = self.tree_cache.total_size() + sum(t.total_size() for t in self.retired_trees)
+        total = self.allocator.available_size() + cached + held
         if total != self.max_total_tokens:
             raise RuntimeError(
                 f"KV slot leak: free {self.allocator.available_size()} + cached "
-                f"{self.tree_cache.total_size()} + held {held} != {self.max_total_tokens}"
+                f"{cached} + held {held} != {self.max_total_tokens}"
             )
         live_slots = sum(1 for r in self._live_reqs() if r.req_pool_idx is not None)
         if self.req_to_token_pool.available_size() + live_slots != self.req_to_token_pool.size:
@@ -252,7 +274,7 @@ class Scheduler:
 
     def _get_prefill_batch(self) -> list[tuple[Req, int]]:
         """Pick (req, number of new tokens) to extend this step, locking their cached prefixes."""
-        if not self.waiting and self.chunked_req is None:
+        if self.chunked_req is None and (not self.waiting or self.admission_blocked):
             return []
         candidates: list[Req] = []
         if self.chunked_req is not None:
@@ -262,7 +284,8 @@ class Scheduler:
         reserved = self._reserved_decode_tokens(self.running)
         batch: list[tuple[Req, int]] = []
         used = 0
-        waiting_iter = iter(list(self.waiting))
+        # While a weight update waits, only a prompt already mid-chunk may go on.
+        waiting_iter = iter([] if self.admission_blocked else list(self.waiting))
         while True:
             req = candidates.pop() if candidates else next(waiting_iter, None)
             if req is None or budget <= 0:
@@ -306,12 +329,15 @@ class Scheduler:
         key = req.all_token_ids()[: req.seq_len - 1]  # always compute at least one token
         indices, node = self.tree_cache.match_prefix(key)
         self.tree_cache.inc_lock_ref(node)
+        req.tree = self.tree_cache
+        req.kv_epoch = self.kv_epoch
         req.prefix_indices = indices
         req.last_node = node
         req.kv_len = len(indices)
 
     def _unmatch_prefix(self, req: Req) -> None:
-        self.tree_cache.dec_lock_ref(req.last_node)
+        (req.tree or self.tree_cache).dec_lock_ref(req.last_node)
+        req.tree = None
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node = None
         req.kv_len = 0
@@ -359,7 +385,8 @@ class Scheduler:
         for i, (req, n) in enumerate(batch):
             req.kv_len += n
             if req.kv_len < req.seq_len:
-                self.tree_cache.cache_unfinished_req(req)
+                if req.kv_epoch == self.kv_epoch:  # stale chunks stay private to the request
+                    (req.tree or self.tree_cache).cache_unfinished_req(req)
                 self.chunked_req = req
             else:
                 done_rows.append(i)
@@ -401,7 +428,7 @@ class Scheduler:
             if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
                 return
             req = self.running.pop()
-            self.tree_cache.cache_finished_req(req)
+            self._release_kv(req)
             req.reset_for_retract()
             self.waiting.appendleft(req)
             self.stats.num_retractions += 1
@@ -423,7 +450,7 @@ class Scheduler:
                 req.weight_version = self.weight_version
                 if not newly_prefilled:
                     self.running.remove(req)
-                self.tree_cache.cache_finished_req(req)
+                self._release_kv(req)
             elif newly_prefilled:
                 self.running.append(req)
 

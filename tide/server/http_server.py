@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes, sglang-native routes, admin routes, auth and error handling.
 
 Auth: with `--api-key`, every route needs `Authorization: Bearer <key>`; with `--admin-api-key`, admin
-routes (`ADMIN_PATHS`, and `/abort_request` with `abort_all`) need that key (without one they need the
+routes (`ADMIN_PATHS`: `/flush_cache` and the handover routes of `admin_api`, and `/abort_request` with
+`abort_all`) need that key (without one they need the
 API key, if any). The admin key is accepted wherever the API key is. A missing or wrong key is a 401
 and nothing happens.
 """
@@ -25,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tide
 from tide.sampling_params import SamplingParams
+from tide.server.admin_api import ADMIN_HANDOVER_PATHS, add_admin_routes
 from tide.server.errors import APIError
 from tide.server.metrics import CONTENT_TYPE, ServerMetrics
 from tide.server.native_api import NativeServing
@@ -42,7 +44,7 @@ from tide.server.utils import parse_body
 
 logger = logging.getLogger("tide.server")
 
-ADMIN_PATHS = frozenset({"/flush_cache"})
+ADMIN_PATHS = frozenset({"/flush_cache"}) | ADMIN_HANDOVER_PATHS
 
 
 class Auth:
@@ -200,6 +202,8 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
             return PlainTextResponse("Cache flushed.\n", status_code=200)
         return PlainTextResponse(f"Cache not flushed: {message}\n", status_code=400)
 
+    add_admin_routes(app, tm, args.weight_roots, metrics)
+
     @app.get("/health")
     async def health() -> Response:
         if tm.dead or tm.shutting_down:
@@ -210,6 +214,14 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     async def health_generate() -> Response:
         if tm.dead or tm.shutting_down:
             return Response(status_code=503)
+        if tm.paused is not None:
+            # Paused for a weight handover: a generation would wait for continue_generation, and a
+            # probe must not turn a training step into a restart. The scheduler answers, so it lives.
+            try:
+                await tm.get_load(timeout=5.0)
+            except (TimeoutError, APIError):
+                return Response(status_code=503)
+            return Response(status_code=200)
         event = asyncio.Event()
         bos = tm.tokenizer.bos_token_id if tm.tokenizer is not None else None
         prompt = [bos if isinstance(bos, int) else 0]
@@ -233,6 +245,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
             "architecture": tm.model_info.raw.get("architecture"),
             "context_length": tm.model_info.context_len,
             "vocab_size": tm.model_info.vocab_size,
+            "weight_version": tm.weight_version,
         }
 
     @app.get("/get_server_info")

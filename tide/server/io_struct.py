@@ -4,8 +4,10 @@ Everything on the wire is a `msgspec.Struct` tagged with its class name and enco
 both sides decode into typed objects (`decode_message`) and an unknown message is an error, not a
 silent `dict`. Names follow sglang (`TokenizedGenerateReqInput`, `BatchTokenIDOut`, `AbortReq`, ...).
 
-Control messages (flush, info, load, shutdown) carry a `req_id`; the scheduler answers each with one
-`ControlReqOutput` bearing the same `req_id`, so the HTTP side can match replies to callers.
+Control messages (flush, info, load, shutdown, and the admin messages: weight updates, pause/continue,
+weight version) carry a `req_id`; the scheduler answers each with one `ControlReqOutput` bearing the same
+`req_id`, so the HTTP side can match replies to callers. Admin replies put sglang's
+`num_paused_requests` (and anything else a route returns) in `data`.
 """
 
 from __future__ import annotations
@@ -61,11 +63,109 @@ class ShutdownReq(msgspec.Struct, tag=True):
     req_id: str
 
 
+class UpdateWeightFromDiskReqInput(msgspec.Struct, tag=True):
+    """Load an HF safetensors directory (already checked against `--allowed-weight-roots`)."""
+
+    req_id: str
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromTensorReqInput(msgspec.Struct, tag=True):
+    """`serialized_named_tensors` made by `tide.weights.serialize_named_tensors` (one payload)."""
+
+    req_id: str
+    serialized_named_tensors: str
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightsFromIPCReqInput(msgspec.Struct, tag=True):
+    """Serialized flattened buckets whose buffers are CUDA IPC handles of a colocated trainer."""
+
+    req_id: str
+    serialized_buckets: str
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    torch_empty_cache: bool = False
+
+
+class InitWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
+    """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
+
+    req_id: str
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
+    req_id: str
+    group_name: str = "weight_update_group"
+
+
+class UpdateWeightsFromDistributedReqInput(msgspec.Struct, tag=True):
+    """Receive the tensors rank 0 broadcasts over `group_name`, in `names` order."""
+
+    req_id: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    torch_empty_cache: bool = False
+
+
+class GetWeightsByNameReqInput(msgspec.Struct, tag=True):
+    req_id: str
+    name: str
+    truncate_size: int = 100
+
+
+class UpdateWeightVersionReqInput(msgspec.Struct, tag=True):
+    req_id: str
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class PauseGenerationReqInput(msgspec.Struct, tag=True):
+    req_id: str
+    mode: str = "abort"
+
+
+class ContinueGenerationReqInput(msgspec.Struct, tag=True):
+    req_id: str
+    torch_empty_cache: bool = True
+
+
+WeightUpdateReq = Union[
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromIPCReqInput,
+    UpdateWeightsFromDistributedReqInput,
+]
+
+
 class BatchTokenIDOut(msgspec.Struct, tag=True):
     """Incremental outputs of one scheduler step: for each request that got tokens, the new ids.
 
     All lists are parallel to `rids`. Logprob lists are empty for requests that did not ask for them;
-    `finished_reasons[i]` is None while request i is running.
+    `finished_reasons[i]` is None while request i is running. `weight_versions[i]` is the weight
+    version the new tokens were generated with (for a finished request, the one it finished with).
     """
 
     rids: list[str]
@@ -74,6 +174,7 @@ class BatchTokenIDOut(msgspec.Struct, tag=True):
     new_top_logprobs: list[list[list[tuple[float, int]]]]
     finished_reasons: list[dict[str, Any] | None]
     cached_tokens: list[int]
+    weight_versions: list[str | None] = []
 
 
 class ControlReqOutput(msgspec.Struct, tag=True):
@@ -99,6 +200,16 @@ SchedulerInput = Union[
     GetLoadReqInput,
     GetServerInfoReqInput,
     ShutdownReq,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromIPCReqInput,
+    InitWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    GetWeightsByNameReqInput,
+    UpdateWeightVersionReqInput,
+    PauseGenerationReqInput,
+    ContinueGenerationReqInput,
 ]
 SchedulerOutput = Union[BatchTokenIDOut, ControlReqOutput]
 

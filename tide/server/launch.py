@@ -87,7 +87,7 @@ def launch_server(args: ServerArgs) -> int:
     engine_config = args.engine.replace(log_level=args.log_level)
     proc = ctx.Process(
         target=run_scheduler_process,
-        args=(engine_config, input_addr, output_addr, os.getpid(), ready_send),
+        args=(engine_config, input_addr, output_addr, os.getpid(), ready_send, args.weight_version),
         name="tide-scheduler",
         daemon=True,
     )

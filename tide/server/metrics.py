@@ -2,7 +2,12 @@
 
 Counters and histograms are updated by the TokenizerManager as outputs arrive; gauges describing the
 scheduler (running/queued requests, KV slots, radix hit rate) are refreshed from a live `GetLoadReqInput`
-round trip on every scrape.
+round trip on every scrape. So are the handover metrics, which a custom collector reports from that same
+snapshot: the memory ledger's totals per release reason (`tide:memory_releases_total`,
+`tide:memory_release_stall_seconds_total`, `tide:memory_release_freed_bytes_total`, label `reason`;
+known reasons are reported at 0 before their first release), the weight version
+(`tide:weight_version_info{weight_version=...} 1`) and the pause state (`tide:generation_paused` 0/1,
+label `mode`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -27,7 +34,60 @@ _ITL_BUCKETS = (
     0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0,
 )  # fmt: skip
 
+_UPDATE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+)  # fmt: skip
+# Release points named by the design; reported at zero until they first happen.
+KNOWN_RELEASE_REASONS = ("flush_cache", "weight_update", "continue_generation", "release_memory",
+                         "oom_recovery")
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _HandoverCollector(Collector):
+    """Memory ledger totals, weight version and pause state from the last scheduler snapshot."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.load: dict[str, Any] = {}
+
+    def collect(self) -> Any:
+        load, name = self.load, self.model_name
+        ledger: dict[str, dict[str, float]] = {r: {} for r in KNOWN_RELEASE_REASONS}
+        ledger.update(load.get("memory_ledger") or {})
+        labels = ["model_name", "reason"]
+        count = CounterMetricFamily("tide:memory_releases",
+                                    "Device allocator cache releases (empty_device_cache) by reason",
+                                    labels=labels)
+        stall = CounterMetricFamily("tide:memory_release_stall_seconds",
+                                    "Host time blocked in allocator cache releases, by reason",
+                                    labels=labels)
+        freed = CounterMetricFamily("tide:memory_release_freed_bytes",
+                                    "Reserved bytes returned to the device by releases, by reason",
+                                    labels=labels)
+        for reason, totals in sorted(ledger.items()):
+            count.add_metric([name, reason], float(totals.get("count", 0)))
+            stall.add_metric([name, reason], float(totals.get("stall_s", 0.0)))
+            freed.add_metric([name, reason], float(totals.get("freed_bytes", 0)))
+        yield from (count, stall, freed)
+        if "weight_version" in load:
+            info = InfoMetricFamily("tide:weight_version", "Version of the weights being served",
+                                    labels=["model_name"])
+            info.add_metric([name], {"weight_version": str(load["weight_version"])})
+            yield info
+        if "paused" in load:
+            paused = GaugeMetricFamily(
+                "tide:generation_paused",
+                "1 while generation is paused (pause_generation), with the pause mode",
+                labels=["model_name", "mode"])
+            mode = load["paused"]
+            paused.add_metric([name, mode or "none"], 1.0 if mode else 0.0)
+            yield paused
+            blocked = GaugeMetricFamily(
+                "tide:num_pending_weight_updates",
+                "Weight updates waiting for running requests to finish", labels=["model_name"])
+            blocked.add_metric([name], float(load.get("num_pending_weight_updates", 0)))
+            yield blocked
 
 
 class ServerMetrics:
@@ -71,6 +131,15 @@ class ServerMetrics:
         self.retractions = Gauge(
             "tide:num_retractions", "Requests retracted for lack of KV slots (since start)", labels,
             registry=r)
+        self.weight_updates = Counter(
+            "tide:weight_updates", "Weight update requests by source and outcome",
+            labels + ["source", "success"], registry=r)
+        self.weight_update_time = Histogram(
+            "tide:weight_update_seconds",
+            "Weight update time as the client sees it (waiting for running requests included)",
+            labels + ["source"], buckets=_UPDATE_BUCKETS, registry=r)
+        self.handover = _HandoverCollector(model_name)
+        r.register(self.handover)
         self.label = {"model_name": model_name}
 
     def on_first_token(self, ttft: float) -> None:
@@ -91,7 +160,12 @@ class ServerMetrics:
         self.requests.labels(finish_reason=reason, **self.label).inc()
         self.e2e.labels(**self.label).observe(e2e)
 
+    def on_weight_update(self, source: str, success: bool, seconds: float) -> None:
+        self.weight_updates.labels(source=source, success=str(success).lower(), **self.label).inc()
+        self.weight_update_time.labels(source=source, **self.label).observe(seconds)
+
     def set_load(self, load: dict[str, Any]) -> None:
+        self.handover.load = dict(load)
         lb = self.label
         self.running.labels(**lb).set(load["num_running_reqs"])
         self.queued.labels(**lb).set(load["num_queued_reqs"])

@@ -1,9 +1,11 @@
 """sglang-compatible `POST /generate`: one item or a batch, by text or token ids, streamed or not.
 
 Output per sequence (as sglang): `{"text", "output_ids", "meta_info": {"id", "finish_reason",
-"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "output_token_logprobs",
-"output_top_logprobs"}}`; logprob entries are `[logprob, token_id, token_text_or_null]`. A single item
-with `n == 1` returns one object, anything else a list. Streaming sends `data: {...}` events whose `text`
+"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "weight_version",
+"output_token_logprobs", "output_top_logprobs"}}` (`weight_version`: the weights the tokens so far were
+generated with; once finished, the version it finished with); logprob entries are
+`[logprob, token_id, token_text_or_null]`. A single item with `n == 1` returns one object, anything else
+a list. Streaming sends `data: {...}` events whose `text`
 and `output_ids` are cumulative (each event also has `index`, the sequence's place in the list), then
 `data: [DONE]`.
 """
@@ -179,6 +181,8 @@ class NativeServing:
             "completion_tokens": len(s.output_ids),
             "cached_tokens": s.cached_tokens,
             "e2e_latency": s.e2e_latency,
+            "weight_version": s.weight_version if s.weight_version is not None
+            else self.tm.weight_version,
         }
         if s.return_logprob:
             decode = self._token_text if text_in_logprobs else (lambda _t: None)

@@ -7,6 +7,8 @@ A completions stream also puts the running `usage` on the chunk that finishes th
 client that does not ask for it still gets the totals. Finish reasons: `stop`, `length`, or `abort`
 (aborted by `/abort_request`, shutdown, or the server).
 
+Non-streaming responses carry sglang's `"metadata": {"weight_version": ...}` (streams do not).
+
 Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`, prompt logprobs with `echo`
 beyond `null` entries for prompt tokens.
 """
@@ -140,6 +142,11 @@ class OpenAIServingBase:
         raw = raw_token_bytes(self.tm.tokenizer, token_id)
         return list(raw) if raw is not None else list(text.encode())
 
+    def metadata(self, states: list[ReqState]) -> dict[str, Any]:
+        """sglang's `metadata` of non-streaming responses: the weights the output came from."""
+        version = states[0].weight_version if states else None
+        return {"weight_version": version if version is not None else self.tm.weight_version}
+
     @staticmethod
     def usage(prompt_tokens: int, states: list[ReqState]) -> dict[str, Any]:
         completion = sum(len(s.output_ids) for s in states)
@@ -190,7 +197,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         body = {
             "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
             "choices": choices, "usage": self.usage(sum(len(p.ids) for p in prompts), states),
-            "system_fingerprint": None,
+            "system_fingerprint": None, "metadata": self.metadata(states),
         }
         return JSONResponse(body)
 
@@ -358,7 +365,7 @@ class OpenAIServingChat(OpenAIServingBase):
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
             "choices": choices, "usage": self.usage(len(prompt_ids), states),
-            "system_fingerprint": None,
+            "system_fingerprint": None, "metadata": self.metadata(states),
         })
 
     def _apply_template(self, req: ChatCompletionRequest) -> list[int]:

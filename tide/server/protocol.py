@@ -115,3 +115,87 @@ class FlushCacheInput(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     timeout: float = Field(default=0.0, ge=0.0, le=3600.0)
+
+
+# ---- admin: training <-> rollout handover (sglang's paths, bodies and defaults)
+class _WeightUpdateFlags(BaseModel):
+    """What every weight update carries: flush the (now stale) KV caches afterwards, empty the
+    device allocator cache too, abort requests instead of waiting for them, the new version."""
+
+    model_config = _STRICT
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightFromDiskInput(_WeightUpdateFlags):
+    """`POST /update_weights_from_disk`: an HF safetensors directory under --allowed-weight-roots."""
+
+    model_path: str = Field(min_length=1)
+    load_format: Literal["auto", "safetensors"] | None = None
+
+
+class UpdateWeightsFromTensorInput(_WeightUpdateFlags):
+    """`POST /update_weights_from_tensor`: `tide.weights.serialize_named_tensors` output, as one
+    string or (sglang's per-rank list) a list of one string."""
+
+    serialized_named_tensors: str | list[str]
+    load_format: Literal["flattened_bucket"] | None = None
+
+
+class UpdateWeightsFromIPCInput(_WeightUpdateFlags):
+    """`POST /update_weights_from_ipc`: serialized flattened buckets of CUDA IPC handles."""
+
+    serialized_buckets: str | list[str]
+
+
+class InitWeightsUpdateGroupInput(BaseModel):
+    """`POST /init_weights_update_group`: join the trainer's group as rank `rank_offset`."""
+
+    model_config = _STRICT
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = Field(default="weight_update_group", min_length=1)
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class DestroyWeightsUpdateGroupInput(BaseModel):
+    model_config = _STRICT
+    group_name: str = Field(default="weight_update_group", min_length=1)
+
+
+class UpdateWeightsFromDistributedInput(_WeightUpdateFlags):
+    """`POST /update_weights_from_distributed`: tensors rank 0 broadcasts, in `names` order."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str] = Field(min_length=1)
+    shapes: list[list[int]] = Field(min_length=1)
+    group_name: str = Field(default="weight_update_group", min_length=1)
+    load_format: Literal["flattened_bucket"] | None = None
+
+
+class GetWeightsByNameInput(BaseModel):
+    """`GET|POST /get_weights_by_name` (JSON body, or query parameters on GET)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    truncate_size: int = Field(default=100, ge=0, le=1 << 24)
+
+
+class UpdateWeightVersionInput(BaseModel):
+    model_config = _STRICT
+    new_version: str = Field(min_length=1)
+    abort_all_requests: bool = True
+
+
+class PauseGenerationInput(BaseModel):
+    model_config = _STRICT
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationInput(BaseModel):
+    model_config = _STRICT
+    torch_empty_cache: bool = True

@@ -25,6 +25,9 @@ class ServerArgs:
     served_model_name: str | None = None
     log_level: str = "info"
     startup_timeout: float = 600.0
+    # Directories `/update_weights_from_disk` may read from (default: the model's parent dir).
+    allowed_weight_roots: tuple[str, ...] | None = None
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -35,6 +38,22 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value:
                 raise ValueError(f"{name} must not be empty")
+        if self.allowed_weight_roots is not None:
+            if isinstance(self.allowed_weight_roots, str) or not self.allowed_weight_roots:
+                raise ValueError("allowed_weight_roots must be a non-empty list of directories")
+            for root in self.allowed_weight_roots:
+                if not os.path.isdir(root):
+                    raise ValueError(f"allowed_weight_roots: {root!r} is not a directory")
+        if not isinstance(self.weight_version, str) or not self.weight_version:
+            raise ValueError("weight_version must be a non-empty string")
+
+    @property
+    def weight_roots(self) -> list[str]:
+        """The resolved directories `/update_weights_from_disk` may read under."""
+        roots = self.allowed_weight_roots
+        if roots is None:
+            roots = (os.path.dirname(os.path.realpath(self.engine.model_path)),)
+        return list(dict.fromkeys(os.path.realpath(r) for r in roots))
 
     @property
     def model_names(self) -> list[str]:
@@ -52,5 +71,6 @@ class ServerArgs:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
         out["api_key"] = "***" if self.api_key else None
         out["admin_api_key"] = "***" if self.admin_api_key else None
+        out["allowed_weight_roots"] = self.weight_roots
         out.update(dataclasses.asdict(self.engine))
         return out

@@ -7,8 +7,8 @@ detokenization, finishes requests (scheduler finish, or a stop string found in t
 event. Consumers read whatever is new since their last look, so a slow client sees tokens coalesced
 rather than a growing queue.
 
-Control calls (flush, load, info) get a `req_id` and await the scheduler's `ControlReqOutput` with the
-same id.
+Control calls (flush, load, info, and the admin calls: weight updates, pause/continue, versions) get a
+`req_id` and await the scheduler's `ControlReqOutput` with the same id.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class ReqState:
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.finished_reason: dict[str, Any] | None = None
         self.cached_tokens = 0
+        self.weight_version: str | None = None  # of the tokens so far (of the finish, once finished)
         self.created = time.perf_counter()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -174,6 +175,9 @@ class TokenizerManager:
         self._pending_control: dict[str, asyncio.Future[ControlReqOutput]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._last_load: dict[str, Any] | None = None
+        # Last known scheduler state, from replies and outputs (for routes that must not wait).
+        self.weight_version: str | None = model_info.raw.get("weight_version")
+        self.paused: str | None = None
         self.on_fatal: Callable[[], None] = lambda: None
         self.dead = False
         self.shutting_down = False
@@ -360,6 +364,7 @@ class TokenizerManager:
         try:
             out = await self._control(lambda r: GetLoadReqInput(req_id=r), timeout)
             self._last_load = dict(out.data)
+            self._note_state(out.data)
         except (TimeoutError, APIError):
             if self._last_load is None:
                 raise
@@ -370,7 +375,22 @@ class TokenizerManager:
         out = await self._control(lambda r: GetServerInfoReqInput(req_id=r), timeout)
         return dict(out.data)
 
-    async def _control(self, make: Callable[[str], msgspec.Struct], timeout: float) -> ControlReqOutput:
+    async def admin(self, make: Callable[[str], msgspec.Struct],
+                    timeout: float | None = None) -> ControlReqOutput:
+        """Send an admin message and wait for its reply (no time limit by default: a weight update
+        waits for running requests to finish; a dead scheduler fails the wait with a 503)."""
+        out = await self._control(make, timeout)
+        self._note_state(out.data)
+        return out
+
+    def _note_state(self, data: dict[str, Any]) -> None:
+        if "weight_version" in data:
+            self.weight_version = data["weight_version"]
+        if "paused" in data:
+            self.paused = data["paused"]
+
+    async def _control(self, make: Callable[[str], msgspec.Struct],
+                       timeout: float | None) -> ControlReqOutput:
         self._check_alive()
         req_id = uuid.uuid4().hex
         fut: asyncio.Future[ControlReqOutput] = asyncio.get_running_loop().create_future()
@@ -434,6 +454,8 @@ class TokenizerManager:
                 if state.detok is not None:
                     state.detok.add(new_ids)
             state.cached_tokens = msg.cached_tokens[i]
+            if msg.weight_versions:
+                state.weight_version = msg.weight_versions[i]
             reason = msg.finished_reasons[i]
             if reason is not None:
                 self._finish(state, dict(reason))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
@@ -50,12 +51,8 @@ def read_checkpoint_shapes(model_path: str) -> list[tuple[str, tuple[int, ...], 
     """(name, shape, dtype) of every tensor, read from the file headers only."""
     out = []
     for path in checkpoint_files(model_path):
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+        header, _ = _read_header(path)
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
             dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
             if dtype is None:
                 raise ValueError(f"weight {name!r} has unsupported dtype {info['dtype']}")
@@ -76,27 +73,124 @@ def write_checkpoint(
     targets: dict[str, WeightTarget],
     model_path: str,
     show_progress: bool | None = None,
+    staging: "PinnedStaging | None" = None,
 ) -> None:
-    """Copy every validated tensor of the checkpoint into the model, one reader thread per shard
-    (reading from the page cache and the host-to-device copies overlap across shards)."""
+    """Copy every validated tensor of the checkpoint into the model. Reader threads each take a
+    share of the tensors. For CUDA parameters of the checkpoint's dtype, bytes go page cache ->
+    pinned staging buffer -> device with async copies (each thread double-buffers on its own stream);
+    anything else (casts, CPU models) goes through `WeightMap.write`."""
     files = checkpoint_files(model_path)
     if show_progress is None:
         show_progress = sum(os.path.getsize(p) for p in files) >= _PROGRESS_BYTES
+    work: list[tuple[str, str, dict[str, Any], int]] = []
+    for path in files:
+        header, data_start = _read_header(path)
+        work.extend((path, name, header[name], data_start) for name in header if name in targets)
+    device = next(iter(weight_map.params.values())).device
+    own_staging = staging is None and device.type == "cuda"
+    if own_staging:
+        staging = PinnedStaging(device)
+    workers = max(1, min(len(work), _MAX_READERS))
+    bar = tqdm(total=len(work), desc="loading weights", unit="tensor", disable=not show_progress)
+    maps: dict[str, mmap.mmap] = {}
+    try:
+        for path in files:
+            with open(path, "rb") as f:
+                maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
-    def load_file(path: str) -> None:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                target = targets.get(name)
-                if target is not None:
-                    weight_map.write(target, f.get_tensor(name))
+        def load_share(worker: int, share: list[tuple[str, str, dict[str, Any], int]]) -> None:
+            lane = staging.lane(worker) if staging is not None else None
+            for path, name, info, data_start in share:
+                begin, end = info["data_offsets"]
+                raw = torch.frombuffer(maps[path], dtype=torch.uint8, count=end - begin,
+                                       offset=data_start + begin)
+                dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+                target = targets[name]
+                dest = weight_map.rows(target)
+                if lane is not None and dest.dtype == dtype and dest.is_contiguous():
+                    lane.copy(raw, dest.view(-1).view(torch.uint8))
+                else:
+                    weight_map.write(target, raw.view(dtype).view(info["shape"]))
+                bar.update(1)
+            if lane is not None:
+                lane.finish()
 
-    workers = min(len(files), _MAX_READERS)
-    bar = tqdm(total=len(files), desc="loading weights", unit="shard", disable=not show_progress)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for future in [pool.submit(load_file, p) for p in files]:
-            future.result()
-            bar.update(1)
-    bar.close()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(load_share, i, work[i::workers]) for i in range(workers)]
+            for future in futures:
+                future.result()
+    finally:
+        bar.close()
+        for m in maps.values():
+            m.close()
+        if own_staging and staging is not None:
+            staging.close()
+
+
+class PinnedStaging:
+    """Per-reader pairs of pinned host buffers and a copy stream each; reusable across loads."""
+
+    CHUNK = 32 << 20
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._lanes: dict[int, _Lane] = {}
+
+    def lane(self, worker: int) -> "_Lane":
+        if worker not in self._lanes:
+            self._lanes[worker] = _Lane(self.device, self.CHUNK)
+        return self._lanes[worker]
+
+    def close(self) -> None:
+        self._lanes.clear()
+
+
+class _Lane:
+    def __init__(self, device: torch.device, chunk: int) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.chunk = chunk
+        self.turn = 0
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Host bytes `src` -> device bytes `dst`, through the two pinned buffers in turn."""
+        for off in range(0, src.numel(), self.chunk):
+            n = min(self.chunk, src.numel() - off)
+            i = self.turn
+            self.turn ^= 1
+            event = self.events[i]
+            if event is not None:
+                event.synchronize()  # the device has finished reading this buffer
+            buf = self.bufs[i][:n]
+            buf.copy_(src[off : off + n])
+            with torch.cuda.stream(self.stream):
+                dst[off : off + n].copy_(buf, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.events[i] = event
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+
+
+def _read_header(path: str) -> tuple[dict[str, Any], int]:
+    """The tensor table of a safetensors file and where its data starts; ValueError if the file
+    is malformed or shorter than its table says (checked before anything is read into a model)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"checkpoint shard {path!r} is not a valid safetensors file: {e}") from e
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + n + end > size:
+        raise ValueError(f"checkpoint shard {path!r} is truncated ({size} bytes, needs {8 + n + end})")
+    return header, 8 + n
 
 
 @torch.no_grad()

@@ -96,10 +96,13 @@ class WeightMap:
                     f" and {len(names) - 8} more" if len(names) > 8 else ""))
         return targets
 
-    def write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
+    def rows(self, target: WeightTarget) -> torch.Tensor:
+        """The parameter memory `target` writes to (a view)."""
         param = self.params[target.param_name]
-        rows = param.data[target.row_start : target.row_start + target.shape[0]]
-        rows.copy_(tensor, non_blocking=True)
+        return param.data[target.row_start : target.row_start + target.shape[0]]
+
+    def write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
+        self.rows(target).copy_(tensor, non_blocking=True)
 
 
 def _describe(param_name: str, shard: str | int | None) -> str:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from tide.weights.bucket import FlattenedBucket, deserialize_named_tensors, flatten_by_dtype
 from tide.weights.distributed import WeightUpdateGroup, init_custom_process_group
-from tide.weights.loader import read_checkpoint_shapes, write_checkpoint
+from tide.weights.loader import PinnedStaging, read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class WeightUpdater:
         self.device = device
         self.weight_map = WeightMap(model)
         self.groups: dict[str, WeightUpdateGroup] = {}
+        self._staging: PinnedStaging | None = None
 
     # ---- validation
     def plan(
@@ -76,14 +77,22 @@ class WeightUpdater:
                     )
         return targets
 
-    # ---- paths
-    def load_from_disk(self, model_path: str) -> int:
+    # ---- paths: each `prepare_*` validates everything and returns the function that writes
+    def prepare_from_disk(self, model_path: str) -> Callable[[], int]:
         targets = {t.name: t for t in self.plan(read_checkpoint_shapes(model_path), False, True)}
-        write_checkpoint(self.weight_map, targets, model_path)
-        self._sync()
-        return len(targets)
 
-    def load_named_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
+        def apply() -> int:
+            if self.device.type == "cuda" and self._staging is None:
+                self._staging = PinnedStaging(self.device)  # kept: pinning memory is slow
+            write_checkpoint(self.weight_map, targets, model_path, staging=self._staging)
+            self._sync()
+            return len(targets)
+
+        return apply
+
+    def prepare_named_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], int]:
+        if not isinstance(named, (list, tuple)):
+            raise ValueError("named_tensors must be a list of (name, tensor) pairs")
         named = list(named)
         for item in named:
             if (
@@ -95,35 +104,55 @@ class WeightUpdater:
                 raise ValueError("named_tensors must be a list of (name, tensor) pairs")
         targets = self.plan([(n, t.shape, t.dtype) for n, t in named], exact_dtype=True)
         tensors = dict(named)
-        for target in targets:
-            self.weight_map.write(target, tensors[target.name])
-        self._sync()
-        return len(targets)
 
-    def load_buckets(self, buckets: Sequence[FlattenedBucket]) -> int:
+        def apply() -> int:
+            for target in targets:
+                self.weight_map.write(target, tensors[target.name])
+            self._sync()
+            return len(targets)
+
+        return apply
+
+    def prepare_buckets(self, buckets: Sequence[FlattenedBucket] | FlattenedBucket) -> Callable[[], int]:
         if isinstance(buckets, FlattenedBucket):
             buckets = [buckets]
+        if not isinstance(buckets, (list, tuple)):
+            raise ValueError("a flattened_bucket payload must be a FlattenedBucket or a list of them")
         named: list[tuple[str, torch.Tensor]] = []
         for bucket in buckets:
             if not isinstance(bucket, FlattenedBucket):
                 raise ValueError("a flattened_bucket payload must hold FlattenedBucket objects")
             named.extend(bucket.named_tensors())
-        return self.load_named_tensors(named)
+        return self.prepare_named_tensors(named)
 
-    def load_serialized(self, payload: str | bytes, load_format: str | None) -> int:
+    def prepare_serialized(self, payload: str | bytes, load_format: str | None) -> Callable[[], int]:
         obj = deserialize_named_tensors(payload)
         if load_format == "flattened_bucket":
-            return self.load_buckets(obj)
-        return self.load_named_tensors(obj)
+            return self.prepare_buckets(obj)
+        return self.prepare_named_tensors(obj)
 
-    def load_from_ipc(self, payload: str | bytes) -> int:
+    def prepare_from_ipc(self, payload: str | bytes) -> Callable[[], int]:
         """`payload`: serialized FlattenedBucket(s) whose buffers are CUDA IPC handles of the
-        trainer's memory. Copies into the parameters, then drops the mapped buffers."""
-        obj = deserialize_named_tensors(payload)
-        try:
-            return self.load_buckets(obj)
-        finally:
-            del obj
+        trainer's memory. The mapped buffers are dropped once copied."""
+        holder = [deserialize_named_tensors(payload)]
+        write = self.prepare_buckets(holder[0])
+
+        def apply() -> int:
+            try:
+                return write()
+            finally:
+                holder.clear()
+
+        return apply
+
+    def load_from_disk(self, model_path: str) -> int:
+        return self.prepare_from_disk(model_path)()
+
+    def load_named_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
+        return self.prepare_named_tensors(named)()
+
+    def load_buckets(self, buckets: Sequence[FlattenedBucket]) -> int:
+        return self.prepare_buckets(buckets)()
 
     # ---- distributed
     def init_group(
@@ -201,8 +230,7 @@ class WeightUpdater:
         return len(targets)
 
     def _direct_view(self, target: WeightTarget) -> torch.Tensor | None:
-        param = self.weight_map.params[target.param_name]
-        rows = param.data[target.row_start : target.row_start + target.shape[0]]
+        rows = self.weight_map.rows(target)
         return rows if rows.is_contiguous() else None
 
     # ---- inspection
@@ -210,8 +238,7 @@ class WeightUpdater:
         target = self.weight_map.resolve(name)
         if target is None:
             raise ValueError(f"weight {name!r} is not stored by this model")
-        param = self.weight_map.params[target.param_name]
-        rows = param.data[target.row_start : target.row_start + target.shape[0]]
+        rows = self.weight_map.rows(target)
         return rows.reshape(-1)[: max(0, truncate_size)].float().cpu().tolist()
 
     def _sync(self) -> None:
