@@ -121,3 +121,46 @@ def test_cuda_graph_greedy_equals_eager(gqa_checkpoint):
         outs[graphs] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
         del engine
     assert outs[True] == outs[False]
+
+
+def _ipc_sender(names_shapes, queue, done) -> None:
+    """A colocated 'trainer': makes new weights on the GPU and shares them as CUDA IPC handles."""
+    import torch
+
+    from tide.weights import flatten_by_dtype, serialize_named_tensors
+
+    torch.manual_seed(123)
+    named = [(n, torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.05) for n, s in names_shapes]
+    buckets = flatten_by_dtype(named)
+    queue.put((serialize_named_tensors(buckets), [(n, t.float().reshape(-1)[:50].tolist()) for n, t in named]))
+    done.wait(120)  # keep the shared memory alive until the engine has copied it
+
+
+def test_update_weights_from_ipc(gqa_checkpoint):
+    import torch.multiprocessing as mp
+
+    engine = tide.Engine(str(gqa_checkpoint), dtype="bfloat16", max_total_tokens=65536,
+                         max_running_requests=64)
+    names_shapes = [("model.layers.0.self_attn.q_proj.weight", (512, 512)),
+                    ("model.layers.1.mlp.up_proj.weight", (1024, 512)),
+                    ("lm_head.weight", (512, 512))]
+    names_shapes = [(n, s) for n, s in names_shapes
+                    if engine.weight_updater.weight_map.resolve(n).shape == s]
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_ipc_sender, args=(names_shapes, queue, done))
+    proc.start()
+    try:
+        payload, expected = queue.get(timeout=120)
+        before = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 8})
+        res = engine.update_weights_from_ipc(payload, weight_version="ipc-1")
+        assert res["success"], res
+        for name, values in expected:
+            got = engine.get_weights_by_name(name, truncate_size=50)
+            assert got == pytest.approx(values, abs=0), name
+        after = engine.generate(input_ids=[5, 6, 7], sampling_params={"temperature": 0, "max_new_tokens": 8})
+        assert after["meta_info"]["weight_version"] == "ipc-1"
+        assert before["meta_info"]["weight_version"] == "default"
+    finally:
+        done.set()
+        proc.join(60)
