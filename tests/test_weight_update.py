@@ -300,7 +300,7 @@ def _with_one_bad(named, kind: str) -> tuple[list[tuple[str, torch.Tensor]], str
 def releases(monkeypatch):
     """Spy on `empty_device_cache` wherever tide looks it up. Each call records (reason, probe())
     where `releases.probe` may be set by the test; the real function still runs (a no-op on CPU)."""
-    import tide.memory.device as device
+    from tide.memory import device
 
     real = device.empty_device_cache
     spy = SimpleNamespace(calls=[], probe=lambda: None)
@@ -552,7 +552,7 @@ def test_disk_update_with_bad_checkpoint_changes_nothing(kind, base_restored, tm
     if kind == "truncated_shard":
         # A trainer still writing its checkpoint: the last shard's header is complete, its data
         # is not. The first shards are fine, so a loader that writes as it reads half-updates.
-        last = sorted(ckpt.glob("*.safetensors"))[-1]
+        last = max(ckpt.glob("*.safetensors"))
         data = last.read_bytes()
         last.write_bytes(data[: len(data) - 64])
         bad = last.name
@@ -643,3 +643,15 @@ def test_distributed_update_with_one_bad_tensor_drains_and_changes_nothing(
     assert releases.reasons() == ["weight_update"]
     _assert_engine_holds(engine, good)
 
+
+
+def test_tensor_update_naming_a_weight_twice_changes_nothing(base_restored):
+    """A repeated name (first with a wrong dtype, then a valid one) is refused, not half-applied."""
+    engine = base_restored.engine
+    good = _perturbed(base_restored.base, seed=21)
+    name, tensor = good[3]
+    payload = good[:3] + [(name, tensor.double())] + good[3:]
+    snap = _snapshot(engine)
+    res = engine.update_weights_from_tensor(named_tensors=payload, weight_version="dup")
+    assert not res["success"] and name in res["message"] and "more than once" in res["message"]
+    _assert_unchanged(engine, snap)

@@ -66,6 +66,11 @@ class WeightUpdater:
         metas = [(name, tuple(shape), dtype) for name, shape, dtype in metas]
         if not metas:
             raise ValueError("the update names no weights")
+        seen: set[str] = set()
+        for name, _, _ in metas:
+            if name in seen:
+                raise ValueError(f"weight {name!r} appears more than once in the update")
+            seen.add(name)
         targets = self.weight_map.plan(metas, require_complete=require_complete)
         if exact_dtype:
             by_name = {name: dtype for name, _, dtype in metas}
