@@ -40,6 +40,9 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 16384
     disable_radix_cache: bool = False
+    # Releasing memory to a colocated trainer (release/resume_memory_occupation).
+    enable_memory_saver: bool = False
+    enable_cpu_backup: bool = False
     schedule_conservativeness: float = 1.0
     # Loading.
     show_progress: bool | None = None

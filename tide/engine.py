@@ -16,6 +16,7 @@ import torch
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
 from tide.memory.device import empty_device_cache
+from tide.memory.occupation import MemoryOccupation, parse_tags
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ class Engine:
         )
         self.context_len = self.model_runner.context_len
         self.weight_updater = WeightUpdater(self.model_runner.model, self.model_runner.device)
+        self.memory_occupation = MemoryOccupation(self.model_runner, self.config.enable_cpu_backup)
         # One lock for the scheduler and the model: generate() from several threads, and pause /
         # update / continue from another, interleave only between steps.
         self._cond = threading.Condition(threading.RLock())
@@ -76,6 +78,9 @@ class Engine:
         Every item is validated before any is submitted, so bad input raises `ValueError` and leaves
         the engine as it was.
         """
+        blocked = self.scheduler.memory_block_reason
+        if blocked is not None:
+            raise ValueError(blocked)
         single, token_lists = self._normalize_prompts(prompt, input_ids)
         count = len(token_lists)
         params = _per_item(sampling_params, count, "sampling_params")
@@ -141,6 +146,7 @@ class Engine:
                 if (
                     self._controls_waiting
                     or sched.paused is not None
+                    or sched.memory_block_reason is not None
                     or (sched.admission_blocked and not sched.running)
                 ):
                     self._cond.wait(timeout=0.05)
@@ -412,11 +418,67 @@ class Engine:
                     return _result(False, str(e), self._num_paused())
                 if opts.weight_version is not None:
                     sched.weight_version = opts.weight_version
+                occ = self.memory_occupation
+                if occ.weights_need_refill and self.weight_updater.coverage_complete():
+                    occ.weights_need_refill = False
+                    sched.memory_block_reason = self._memory_block_reason()
                 sched.flush_cache_after_weight_update(opts.flush_cache, opts.torch_empty_cache)
                 elapsed = time.perf_counter() - start
             finally:
                 sched.admission_blocked = False
             return _result(True, f"updated {count} tensors in {elapsed * 1e3:.1f} ms", self._num_paused())
+
+    # ---- memory occupation (colocated trainer)
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Give back the memory of `tags` (None: kv_cache, weights, cuda_graph). Needs
+        `enable_memory_saver`, and the engine idle or paused with no request holding KV for
+        `kv_cache` (whose release also flushes the radix cache)."""
+        with self._control():
+            if not self.config.enable_memory_saver:
+                return _result(False, "release_memory_occupation needs enable_memory_saver=True")
+            try:
+                tags = parse_tags(tags)
+            except ValueError as e:
+                return _result(False, str(e))
+            sched = self.scheduler
+            if sched.paused is None and sched.has_work():
+                return _result(False, f"engine is busy ({sched.num_queued()} queued, "
+                                      f"{sched.num_running()} running): pause_generation first")
+            if "kv_cache" in tags and sched.num_holding_kv():
+                return _result(False, f"{sched.num_holding_kv()} request(s) paused in place hold KV; "
+                                      "pause with mode='retract' or 'abort' to release kv_cache")
+            if "kv_cache" in tags and not self.memory_occupation.is_released("kv_cache"):
+                sched.reset_kv_state()
+            freed = self.memory_occupation.release(tags)
+            if "weights" in tags:
+                self.weight_updater.reset_coverage()
+            sched.memory_block_reason = self._memory_block_reason()
+        return _result(True, f"released {tags}: {freed / 2**20:.1f} MiB")
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Take the memory of `tags` again; `weights` first lets the trainer push into them before
+        `kv_cache` returns. Without a CPU backup, weights come back zeroed and generation is refused
+        until updates have covered every parameter."""
+        with self._control():
+            if not self.config.enable_memory_saver:
+                return _result(False, "resume_memory_occupation needs enable_memory_saver=True")
+            try:
+                tags = parse_tags(tags)
+            except ValueError as e:
+                return _result(False, str(e))
+            self.memory_occupation.resume(tags)
+            self.scheduler.memory_block_reason = self._memory_block_reason()
+        return _result(True, f"resumed {tags}")
+
+    def _memory_block_reason(self) -> str | None:
+        occ = self.memory_occupation
+        released = [t for t in ("kv_cache", "weights") if occ.is_released(t)]
+        if released:
+            return f"memory of {released} is released; call resume_memory_occupation first"
+        if occ.weights_need_refill:
+            return ("weights were resumed without a CPU backup; push new weights "
+                    "(update_weights_*) covering every parameter first")
+        return None
 
     def _num_paused(self) -> int:
         sched = self.scheduler

@@ -72,10 +72,13 @@ class CudaGraphRunner:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None
         self.capture()
 
     def bucket(self, bs: int) -> int | None:
+        """The captured batch size that serves `bs` (None: run eager)."""
+        if not self.graphs:
+            return None
         i = bisect.bisect_left(self.batch_sizes, bs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
@@ -96,8 +99,15 @@ class CudaGraphRunner:
             extend_lens_cpu=[1] * bs,
         )
 
+    def release(self) -> None:
+        """Drop every graph and its memory pool (decode runs eager until `capture()` again)."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
     @torch.inference_mode()
     def capture(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
         model = self.runner.model
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

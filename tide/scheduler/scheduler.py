@@ -77,6 +77,8 @@ class Scheduler:
         self.kv_epoch = 0
         self.admission_blocked = False
         self.weight_version = "default"
+        # Set while memory is released (or weights await a refill): nothing runs, new requests abort.
+        self.memory_block_reason: str | None = None
 
     # ---- public surface
     @property
@@ -84,6 +86,9 @@ class Scheduler:
         return self.runner.max_total_tokens
 
     def add_request(self, req: Req) -> None:
+        if self.memory_block_reason is not None:
+            req.finished_reason = {"type": "abort", "message": self.memory_block_reason}
+            return
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
             return
@@ -105,7 +110,7 @@ class Scheduler:
         If the forward or sampling raises, the requests of that batch finish with an abort that
         carries the error, their KV is released, and the scheduler stays usable.
         """
-        if self.paused is not None:
+        if self.paused is not None or self.memory_block_reason is not None:
             return []
         batch = self._get_prefill_batch()
         reqs = [r for r, _ in batch] if batch else list(self.running)
@@ -178,6 +183,10 @@ class Scheduler:
         req.tree = None
         if tree.retired and tree.total_size() == 0 and tree in self.retired_trees:
             self.retired_trees.remove(tree)
+
+    def reset_kv_state(self) -> None:
+        """Reset radix cache, request slots and KV allocator (caller guarantees no request holds KV)."""
+        self._reset_kv_state()
 
     def _reset_kv_state(self) -> None:
         self.retired_trees.clear()

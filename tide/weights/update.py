@@ -55,6 +55,17 @@ class WeightUpdater:
         self.weight_map = WeightMap(model)
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._staging: PinnedStaging | None = None
+        # (param, shard) pairs written since `reset_coverage()`: tells when a refill is complete.
+        self.written: set[tuple[str, str | int | None]] = set()
+
+    def reset_coverage(self) -> None:
+        self.written = set()
+
+    def coverage_complete(self) -> bool:
+        return self.weight_map.required() <= self.written
+
+    def _note(self, targets: Iterable[WeightTarget]) -> None:
+        self.written.update((t.param_name, t.shard) for t in targets)
 
     # ---- validation
     def plan(
@@ -91,6 +102,7 @@ class WeightUpdater:
                 self._staging = PinnedStaging(self.device)  # kept: pinning memory is slow
             write_checkpoint(self.weight_map, targets, model_path, staging=self._staging)
             self._sync()
+            self._note(targets.values())
             return len(targets)
 
         return apply
@@ -114,6 +126,7 @@ class WeightUpdater:
             for target in targets:
                 self.weight_map.write(target, tensors[target.name])
             self._sync()
+            self._note(targets)
             return len(targets)
 
         return apply
@@ -232,6 +245,7 @@ class WeightUpdater:
         if error is not None:
             raise error
         self._sync()
+        self._note(targets.values())
         return len(targets)
 
     def _direct_view(self, target: WeightTarget) -> torch.Tensor | None:

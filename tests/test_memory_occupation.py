@@ -1,0 +1,136 @@
+"""release/resume_memory_occupation on CPU: the portable path (storages freed and re-allocated)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import tide
+from conftest import hf_greedy_logprobs, named_weights, sgd_steps
+from tide.scheduler.request import Req
+from tide.sampling_params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [300, 2, 9]]
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+TAG_SETS = [["kv_cache"], ["weights"], ["cuda_graph"], ["kv_cache", "weights"], None]
+
+
+def _engine(path, backup: bool) -> tide.Engine:
+    return tide.Engine(str(path), enable_memory_saver=True, enable_cpu_backup=backup,
+                       max_total_tokens=4096)
+
+
+def _greedy(engine) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def _kv_bytes(engine) -> int:
+    pool = engine.model_runner.token_to_kv_pool
+    return sum(t.untyped_storage().nbytes() for t in pool.k_buffer + pool.v_buffer)
+
+
+def _weight_bytes(engine) -> int:
+    return sum(p.untyped_storage().nbytes() for p in engine.model_runner.model.parameters())
+
+
+@pytest.fixture(scope="module")
+def backed_up(checkpoints):
+    engine = _engine(checkpoints["llama"], backup=True)
+    return engine, _greedy(engine)
+
+
+@pytest.mark.parametrize("tags", TAG_SETS, ids=lambda t: "all" if t is None else "+".join(t))
+def test_release_resume_with_cpu_backup_gives_same_output(backed_up, tags):
+    engine, reference = backed_up
+    kv, weights = _kv_bytes(engine), _weight_bytes(engine)
+    rotary = engine.model_runner.model.model.rotary_emb.cos_cache.clone()
+    res = engine.release_memory_occupation(tags)
+    assert res["success"], res
+    released = tags or ["kv_cache", "weights", "cuda_graph"]
+    assert _kv_bytes(engine) == (0 if "kv_cache" in released else kv)
+    assert _weight_bytes(engine) == (0 if "weights" in released else weights)
+    # buffers that are not weights (the rotary table) survive a weights release
+    assert torch.equal(engine.model_runner.model.model.rotary_emb.cos_cache, rotary)
+    assert engine.memory_occupation.released_bytes()["kv_cache"] == (kv if "kv_cache" in released else 0)
+    if "kv_cache" in released or "weights" in released:
+        with pytest.raises(ValueError, match="resume_memory_occupation"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert engine.resume_memory_occupation(tags)["success"]
+    assert _kv_bytes(engine) == kv and _weight_bytes(engine) == weights
+    assert _greedy(engine) == reference
+    engine.scheduler.check_invariants()
+
+
+def test_release_kv_cache_flushes_the_radix_cache(backed_up):
+    engine, _ = backed_up
+    _greedy(engine)
+    assert engine.scheduler.tree_cache.total_size() > 0
+    assert engine.release_memory_occupation(["kv_cache"])["success"]
+    assert engine.scheduler.tree_cache.total_size() == 0
+    assert engine.resume_memory_occupation(["kv_cache"])["success"]
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
+def test_staged_resume_with_weight_update_and_no_backup_matches_hf(checkpoints):
+    """release all -> resume weights -> push trained weights -> resume kv_cache -> HF's output."""
+    path = checkpoints["qwen3"]
+    engine = _engine(path, backup=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    sgd_steps(hf, steps=2, lr=0.5, seed=3)
+    hf.eval()
+    assert engine.release_memory_occupation()["success"]
+    assert engine.resume_memory_occupation(["weights"])["success"]
+    with pytest.raises(ValueError, match=r"\['kv_cache'\] is released"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    named = named_weights(hf)
+    half = len(named) // 2
+    assert engine.update_weights_from_tensor(named_tensors=named[:half])["success"]
+    assert engine.resume_memory_occupation(["kv_cache"])["success"]
+    engine.resume_memory_occupation()  # cuda_graph (nothing on CPU)
+    with pytest.raises(ValueError, match="without a CPU backup"):  # not every parameter refilled yet
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    res = engine.update_weights_from_tensor(named_tensors=named[half:], weight_version="trained")
+    assert res["success"], res
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+    for prompt, out in zip(PROMPTS, outs):
+        tokens, logprobs = hf_greedy_logprobs(hf, prompt, GREEDY["max_new_tokens"])
+        assert out["output_ids"] == tokens
+        ours = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs)) <= 1e-4
+        assert out["meta_info"]["weight_version"] == "trained"
+
+
+def test_release_while_requests_run_is_refused_and_changes_nothing(backed_up):
+    engine, reference = backed_up
+    kv, weights = _kv_bytes(engine), _weight_bytes(engine)
+    req = Req(rid="busy", origin_input_ids=PROMPTS[1], sampling_params=SamplingParams(**GREEDY))
+    with engine._cond:
+        engine.scheduler.add_request(req)
+        engine.scheduler.step()  # now it holds KV
+    res = engine.release_memory_occupation()
+    assert not res["success"] and "busy" in res["message"]
+    assert _kv_bytes(engine) == kv and _weight_bytes(engine) == weights
+    assert engine.memory_occupation.released_bytes() == {"kv_cache": 0, "weights": 0, "cuda_graph": 0}
+    # paused in place, the request still holds KV: kv_cache may not go, weights may
+    engine.pause_generation("in_place")
+    res = engine.release_memory_occupation(["kv_cache"])
+    assert not res["success"] and "hold KV" in res["message"]
+    assert _kv_bytes(engine) == kv
+    engine.continue_generation(torch_empty_cache=False)
+    with engine._cond:
+        while not req.finished:
+            engine.scheduler.step()
+    assert req.output_ids == reference[1]
+
+
+def test_memory_saver_must_be_enabled_and_tags_known(checkpoints, backed_up):
+    engine, _ = backed_up
+    res = engine.release_memory_occupation(["kv_cache", "activations"])
+    assert not res["success"] and "tags" in res["message"] and "activations" in res["message"]
+    plain = tide.Engine(str(checkpoints["llama"]), max_total_tokens=1024)
+    for call in (plain.release_memory_occupation, plain.resume_memory_occupation):
+        res = call()
+        assert not res["success"] and "enable_memory_saver" in res["message"]

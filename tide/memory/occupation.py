@@ -1,0 +1,154 @@
+"""Releasing and re-taking the memory of tagged tensors (colocated RL: hand the GPU to the trainer).
+
+Tags: `kv_cache` (the per-layer K/V buffers), `weights` (model parameters; buffers such as rotary
+tables are not weights and stay), `cuda_graph` (the captured decode graphs and their memory pool).
+
+This is the portable path: release frees a tag's storages in place (`untyped_storage().resize_(0)`,
+so every tensor and view stays the same Python object) and resume allocates them again; on CUDA the
+freed blocks go back to the driver through `empty_device_cache(reason="release_memory")`. Addresses are
+not kept, so a CUDA-graph runner re-captures on resume. Weights come back from a host copy when
+`enable_cpu_backup`; otherwise they come back zeroed and the engine refuses to generate until a
+weight update has covered every parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from tide.memory.device import empty_device_cache
+
+if TYPE_CHECKING:
+    from tide.executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def parse_tags(tags: Iterable[str] | str | None) -> list[str]:
+    """None means every tag; otherwise a list of known tags (ValueError naming `tags`)."""
+    if tags is None:
+        return list(TAGS)
+    if isinstance(tags, str):
+        tags = [tags]
+    tags = list(tags)
+    if not tags or not all(isinstance(t, str) for t in tags):
+        raise ValueError(f"tags must be null or a non-empty list of {list(TAGS)}")
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown:
+        raise ValueError(f"tags {unknown} are not known; allowed tags: {list(TAGS)}")
+    return [t for t in TAGS if t in tags]
+
+
+class MemoryOccupation:
+    """Which tags are released, how many bytes each gave back, and the weights' host copy."""
+
+    def __init__(self, runner: "ModelRunner", enable_cpu_backup: bool) -> None:
+        self.runner = runner
+        self.enable_cpu_backup = enable_cpu_backup
+        self._released: dict[str, int] = {}
+        self._backup: dict[str, torch.Tensor] = {}
+        self.weights_need_refill = False
+
+    def released_bytes(self) -> dict[str, int]:
+        return {tag: self._released.get(tag, 0) for tag in TAGS}
+
+    def is_released(self, tag: str) -> bool:
+        return tag in self._released
+
+    # ---- storages per tag
+    def _storages(self, tag: str) -> list[torch.UntypedStorage]:
+        if tag == "kv_cache":
+            pool = self.runner.token_to_kv_pool
+            tensors = list(pool.k_buffer) + list(pool.v_buffer)
+        elif tag == "weights":
+            tensors = [p.data for p in self.runner.model.parameters()]
+        else:
+            return []
+        seen: dict[int, torch.UntypedStorage] = {}
+        for t in tensors:
+            s = t.untyped_storage()
+            seen.setdefault(s.data_ptr(), s)
+        return list(seen.values())
+
+    # ---- release / resume
+    def release(self, tags: list[str]) -> int:
+        """Free the tags' memory; returns the bytes given back. Tags already released are skipped."""
+        freed = 0
+        for tag in tags:
+            if tag in self._released:
+                continue
+            nbytes = 0
+            if tag == "cuda_graph":
+                graphs = self.runner.cuda_graph_runner
+                if graphs is not None:
+                    before = torch.cuda.memory_reserved(self.runner.device)
+                    graphs.release()
+                    empty_device_cache(reason="release_memory")
+                    nbytes = max(0, before - torch.cuda.memory_reserved(self.runner.device))
+            else:
+                if tag == "weights" and self.enable_cpu_backup:
+                    self._backup = {
+                        name: _host_copy(p.data) for name, p in self.runner.model.named_parameters()
+                    }
+                for storage in self._storages(tag):
+                    nbytes += storage.nbytes()
+                    storage.resize_(0)
+            self._released[tag] = nbytes
+            freed += nbytes
+        if self.runner.device.type == "cuda":
+            empty_device_cache(reason="release_memory")
+        return freed
+
+    def resume(self, tags: list[str]) -> None:
+        """Take the tags' memory again (sizes as before release). Tags not released are skipped."""
+        for tag in tags:
+            if tag not in self._released:
+                continue
+            nbytes = self._released.pop(tag)
+            if tag == "cuda_graph":
+                graphs = self.runner.cuda_graph_runner
+                if graphs is not None:
+                    graphs.capture()
+                continue
+            tensors = (
+                [p.data for p in self.runner.model.parameters()]
+                if tag == "weights"
+                else list(self.runner.token_to_kv_pool.k_buffer)
+                + list(self.runner.token_to_kv_pool.v_buffer)
+            )
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.nbytes() == 0:
+                    storage.resize_(t.numel() * t.element_size() + t.storage_offset() * t.element_size())
+            if tag == "weights":
+                self._restore_weights()
+            else:
+                for t in tensors:
+                    t.zero_()
+            logger.info("resumed %s (%.1f MiB)", tag, nbytes / 2**20)
+
+    def _restore_weights(self) -> None:
+        params = dict(self.runner.model.named_parameters())
+        if self._backup:
+            for name, host in self._backup.items():
+                params[name].data.copy_(host, non_blocking=True)
+            self._backup = {}
+            self.weights_need_refill = False
+        else:
+            for p in params.values():
+                p.data.zero_()
+            self.weights_need_refill = True
+        if self.runner.device.type == "cuda":
+            torch.cuda.current_stream(self.runner.device).synchronize()
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t)
+        return host
+    return t.detach().clone()
