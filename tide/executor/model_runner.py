@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAll
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.weights import init_dummy_weights, load_checkpoint
+
+if TYPE_CHECKING:
+    from tide.memory.vmm import VmmRegion
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = self._load_model()
+        # Memory saver on CUDA: weights and KV live in address-stable regions, so release/resume
+        # keeps every pointer a captured CUDA graph holds.
+        self.use_vmm = False
+        self.weights_region = None
+        if config.enable_memory_saver and self.device.type == "cuda":
+            from tide.memory.vmm import vmm_available
+
+            self.use_vmm = vmm_available()
+            if self.use_vmm:
+                self.weights_region = self._move_weights_to_vmm()
         self._init_pools()
         backend = config.attention_backend
         if backend == "auto":
@@ -88,6 +102,20 @@ class ModelRunner:
             load_checkpoint(model, self.config.model_path, self.config.show_progress)
         return model.eval()
 
+    def _move_weights_to_vmm(self) -> "VmmRegion":
+        from tide.memory.device import empty_device_cache
+        from tide.memory.vmm import VmmRegion, region_nbytes
+
+        params = list(self.model.parameters())
+        region = VmmRegion(region_nbytes([(tuple(p.shape), p.dtype) for p in params]), self.device)
+        for p in params:
+            view = region.tensor(tuple(p.shape), p.dtype)
+            view.copy_(p.data)
+            p.data = view
+        torch.cuda.synchronize(self.device)
+        empty_device_cache(reason="memory_saver_setup")  # the weights' first home goes back
+        return region
+
     def _init_pools(self) -> None:
         mc = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token(
@@ -112,8 +140,15 @@ class ModelRunner:
             self.config.max_running_requests, self.context_len, self.device
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
+        region = None
+        if self.use_vmm:
+            from tide.memory.vmm import VmmRegion, region_nbytes
+
+            shape = ((tokens + 1, mc.num_key_value_heads, mc.head_dim), self.dtype)
+            region = VmmRegion(region_nbytes([shape] * 2 * mc.num_hidden_layers), self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device
+            tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
+            region=region,
         )
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_token / 2**20)
 

@@ -3,10 +3,13 @@
 Tags: `kv_cache` (the per-layer K/V buffers), `weights` (model parameters; buffers such as rotary
 tables are not weights and stay), `cuda_graph` (the captured decode graphs and their memory pool).
 
-This is the portable path: release frees a tag's storages in place (`untyped_storage().resize_(0)`,
-so every tensor and view stays the same Python object) and resume allocates them again; on CUDA the
-freed blocks go back to the driver through `empty_device_cache(reason="release_memory")`. Addresses are
-not kept, so a CUDA-graph runner re-captures on resume. Weights come back from a host copy when
+On CUDA with the driver's virtual-memory API (the model runner's `use_vmm`), weights and KV live in
+`VmmRegion`s: release unmaps their physical memory and resume maps new memory at the same addresses, so
+captured CUDA graphs stay valid and are kept (the `cuda_graph` tag then frees nothing: the graphs'
+own pool stays). Elsewhere (CPU, or CUDA without that API) release frees a tag's storages in place
+(`untyped_storage().resize_(0)`, every tensor stays the same Python object), resume allocates them
+again, and a CUDA-graph runner re-captures. Either way, freed blocks go back to the driver through
+`empty_device_cache(reason="release_memory")`. Weights come back from a host copy when
 `enable_cpu_backup`; otherwise they come back zeroed and the engine refuses to generate until a
 weight update has covered every parameter.
 """
@@ -22,6 +25,7 @@ from tide.memory.device import empty_device_cache
 
 if TYPE_CHECKING:
     from tide.executor.model_runner import ModelRunner
+    from tide.memory.vmm import VmmRegion
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,13 @@ class MemoryOccupation:
     def is_released(self, tag: str) -> bool:
         return tag in self._released
 
+    def _region(self, tag: str) -> "VmmRegion | None":
+        if tag == "kv_cache":
+            return self.runner.token_to_kv_pool.region
+        if tag == "weights":
+            return self.runner.weights_region
+        return None
+
     # ---- storages per tag
     def _storages(self, tag: str) -> list[torch.UntypedStorage]:
         if tag == "kv_cache":
@@ -82,7 +93,17 @@ class MemoryOccupation:
             if tag in self._released:
                 continue
             nbytes = 0
-            if tag == "cuda_graph":
+            region = self._region(tag)
+            if tag == "weights" and self.enable_cpu_backup:
+                self._backup = {
+                    name: _host_copy(p.data) for name, p in self.runner.model.named_parameters()
+                }
+            if region is not None:
+                region.unmap()
+                nbytes = region.size
+            elif tag == "cuda_graph" and self.runner.use_vmm:
+                pass  # graphs point into address-stable memory: keep them (and their pool)
+            elif tag == "cuda_graph":
                 graphs = self.runner.cuda_graph_runner
                 if graphs is not None:
                     before = torch.cuda.memory_reserved(self.runner.device)
@@ -90,10 +111,6 @@ class MemoryOccupation:
                     empty_device_cache(reason="release_memory")
                     nbytes = max(0, before - torch.cuda.memory_reserved(self.runner.device))
             else:
-                if tag == "weights" and self.enable_cpu_backup:
-                    self._backup = {
-                        name: _host_copy(p.data) for name, p in self.runner.model.named_parameters()
-                    }
                 for storage in self._storages(tag):
                     nbytes += storage.nbytes()
                     storage.resize_(0)
@@ -109,9 +126,19 @@ class MemoryOccupation:
             if tag not in self._released:
                 continue
             nbytes = self._released.pop(tag)
+            region = self._region(tag)
+            if region is not None:
+                region.remap()
+                if tag == "weights":
+                    self._restore_weights()
+                else:
+                    for t in self.runner.token_to_kv_pool.k_buffer + self.runner.token_to_kv_pool.v_buffer:
+                        t.zero_()
+                logger.info("resumed %s (%.1f MiB, same addresses)", tag, nbytes / 2**20)
+                continue
             if tag == "cuda_graph":
                 graphs = self.runner.cuda_graph_runner
-                if graphs is not None:
+                if graphs is not None and not self.runner.use_vmm:
                     graphs.capture()
                 continue
             tensors = (

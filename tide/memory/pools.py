@@ -10,7 +10,12 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tide.memory.vmm import VmmRegion
 
 
 class ReqToTokenPool:
@@ -90,13 +95,22 @@ class MHATokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        region: "VmmRegion | None" = None,
     ) -> None:
+        """With `region`, the buffers are views of that address-stable region (see memory/vmm.py)."""
         self.size = size
         self.dtype = dtype
         self.device = torch.device(device)
+        self.region = region
         shape = (size + 1, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def buffer() -> torch.Tensor:
+            if region is None:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return region.tensor(shape, dtype).zero_()
+
+        self.k_buffer = [buffer() for _ in range(num_layers)]
+        self.v_buffer = [buffer() for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

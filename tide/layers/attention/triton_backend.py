@@ -26,21 +26,31 @@ class TritonAttnBackend(AttentionBackend):
     @classmethod
     def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":
         mc = runner.model_config
-        return cls(mc.num_attention_heads, mc.head_dim, runner.max_batch_size, runner.device)
+        return cls(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                   runner.max_batch_size, runner.device)
 
-    def __init__(self, num_heads: int, head_dim: int, max_batch_size: int, device: torch.device,
-                 num_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_batch_size: int,
+                 device: torch.device, max_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> None:
         from tide.layers.attention import triton_kernels
 
         self.kernels = triton_kernels
-        self.num_kv_splits = num_kv_splits
-        self.mid_o = torch.empty(
-            max_batch_size, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device
-        )
-        self.mid_lse = torch.empty(
-            max_batch_size, num_heads, num_kv_splits, dtype=torch.float32, device=device
-        )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.max_kv_splits = max_kv_splits
+        # Split-KV scratch, sized for the largest batch x splits any batch size uses (small batches
+        # split more), and viewed per batch size: the views of a captured graph never move.
+        rows = max(bs * self._splits(bs) for bs in range(1, max_batch_size + 1))
+        self._mid_o = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
+        self._mid_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
         self._extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def _splits(self, bs: int) -> int:
+        return self.kernels.num_kv_splits(bs * self.num_kv_heads, self.max_kv_splits)
+
+    def _scratch(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        splits = self._splits(bs)
+        n = bs * self.num_heads * splits
+        return (self._mid_o[: n * self.head_dim].view(bs, self.num_heads, splits, self.head_dim),
+                self._mid_lse[:n].view(bs, self.num_heads, splits))
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.is_decode:
@@ -58,6 +68,7 @@ class TritonAttnBackend(AttentionBackend):
         bs = fb.req_pool_indices.shape[0]
         q = q.view(bs, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
+        mid_o, mid_lse = self._scratch(bs)
         self.kernels.decode_attention(
             q,
             fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
@@ -66,8 +77,8 @@ class TritonAttnBackend(AttentionBackend):
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
             fb.seq_lens,
-            self.mid_o[:bs],
-            self.mid_lse[:bs],
+            mid_o,
+            mid_lse,
             layer.scaling,
         )
         return out.view(bs, -1)
