@@ -134,3 +134,26 @@ def test_memory_saver_must_be_enabled_and_tags_known(checkpoints, backed_up):
     for call in (plain.release_memory_occupation, plain.resume_memory_occupation):
         res = call()
         assert not res["success"] and "enable_memory_saver" in res["message"]
+
+
+def test_handover_cycle_is_on_the_memory_timeline(backed_up, tmp_path):
+    import json
+
+    from tide.cli import main
+
+    engine, _ = backed_up
+    engine.pause_generation("retract")
+    named = [(n, p.detach().clone()) for n, p in engine.model_runner.model.named_parameters()
+             if "norm" in n]
+    assert engine.update_weights_from_tensor(named_tensors=named, weight_version="t1")["success"]
+    assert engine.release_memory_occupation(["kv_cache"])["success"]
+    assert engine.resume_memory_occupation(["kv_cache"])["success"]
+    engine.continue_generation(torch_empty_cache=False)
+    path = tmp_path / "ledger.json"
+    engine.dump_memory_timeline(str(path))
+    marks = [e["kind"] for e in json.loads(path.read_text())["events"] if e["type"] == "mark"]
+    tail = marks[-5:]
+    assert tail == ["pause", "weight_update", "release", "resume", "continue"], marks
+    png = tmp_path / "timeline.png"
+    assert main(["memory-plot", str(path), "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

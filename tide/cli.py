@@ -1,4 +1,4 @@
-"""Command line: `tide generate`, `tide serve` (and later `tide bench`)."""
+"""Command line: `tide generate`, `tide serve`, `tide memory-plot` (and later `tide bench`)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from tide.server import ServerArgs, launch_server
 
     kwargs = engine_kwargs(args)
-    for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path"):
+    for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path",
+                "enable_memory_saver", "enable_cpu_backup"):
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
     log_level = kwargs.pop("log_level", None) or "info"
@@ -75,6 +76,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
     )
     return launch_server(server_args)
+
+
+def _cmd_memory_plot(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("tide memory-plot needs matplotlib: pip install 'tide[plot]'") from None
+    from tide.memory.timeline import plot_timeline
+
+    out = args.output or (args.timeline.rsplit(".", 1)[0] if args.timeline.endswith(".json")
+                          else args.timeline) + ".png"
+    try:
+        plot = plot_timeline(args.timeline, out, title=args.title, max_labels=args.max_labels,
+                             start=args.start, end=args.end, dpi=args.dpi)
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    sys.stderr.write(f"wrote {out}: {plot.num_events} events, {plot.num_labelled} labelled\n")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,8 +126,31 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tokenizer-path", default=None)
     srv.add_argument("--max-running-requests", type=int, default=None)
     srv.add_argument("--mem-fraction-static", type=float, default=None)
+    srv.add_argument("--enable-memory-saver", action="store_true", default=None,
+                     help="allow /release_memory_occupation and /resume_memory_occupation (KV cache, "
+                          "weights and CUDA graphs are allocated so their memory can be released "
+                          "and taken back at the same addresses)")
+    srv.add_argument("--enable-cpu-backup", action="store_true", default=None,
+                     help="with --enable-memory-saver: keep a pinned host copy of the weights while "
+                          "they are released, and restore it on resume")
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
+    plot = sub.add_parser("memory-plot",
+                          help="draw a memory timeline (MEMORY_LEDGER.dump_json or GET "
+                               "/dump_memory_timeline) as a PNG")
+    plot.add_argument("timeline", help="timeline JSON file")
+    plot.add_argument("-o", "--output", default=None,
+                      help="PNG to write (default: the JSON path with .png)")
+    plot.add_argument("--title", default=None)
+    plot.add_argument("--max-labels", type=int, default=200,
+                      help="label at most this many events (those with the largest memory change "
+                           "or stall); every event still gets its line (default: 200)")
+    plot.add_argument("--start", type=float, default=None,
+                      help="first second to show, counted from the first event")
+    plot.add_argument("--end", type=float, default=None,
+                      help="last second to show, counted from the first event")
+    plot.add_argument("--dpi", type=int, default=100)
+    plot.set_defaults(func=_cmd_memory_plot)
     return parser
 
 

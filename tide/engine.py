@@ -15,7 +15,7 @@ import torch
 
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
-from tide.memory.device import empty_device_cache
+from tide.memory.device import MEMORY_LEDGER, empty_device_cache
 from tide.memory.occupation import MemoryOccupation, parse_tags
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
@@ -62,6 +62,7 @@ class Engine:
         # plain lock is not fair: the stepping thread would re-take it before anyone else).
         self._controls_waiting = 0
         self._controls_lock = threading.Lock()
+        MEMORY_LEDGER.mark("engine_ready", f"{self.model_config.architecture} on {self.model_runner.device}")
 
     # ---- generation
     def generate(
@@ -234,6 +235,8 @@ class Engine:
         otherwise."""
         with self._control():
             ok, message = self.scheduler.flush_cache(empty_cache)
+            if ok:
+                MEMORY_LEDGER.mark("flush_cache", f"empty_cache={empty_cache}")
         if not ok:
             logger.warning(message)
         return ok
@@ -247,6 +250,7 @@ class Engine:
                 count = self.scheduler.pause_generation(mode)
             except ValueError as e:
                 return _result(False, str(e))
+            MEMORY_LEDGER.mark("pause", f"mode={mode}, {count} request(s)")
         return _result(True, f"paused ({mode}); {count} request(s) affected", count)
 
     def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, Any]:
@@ -259,6 +263,7 @@ class Engine:
                 logger.info("continue_generation: reserved %.1f MiB -> %.1f MiB",
                             before / 2**20, _reserved_bytes() / 2**20)
             self.scheduler.continue_generation()
+            MEMORY_LEDGER.mark("continue", f"torch_empty_cache={torch_empty_cache}")
         return _result(True, "continued")
 
     def update_weights_from_disk(
@@ -424,6 +429,8 @@ class Engine:
                     sched.memory_block_reason = self._memory_block_reason()
                 sched.flush_cache_after_weight_update(opts.flush_cache, opts.torch_empty_cache)
                 elapsed = time.perf_counter() - start
+                MEMORY_LEDGER.mark("weight_update", f"{count} tensors, {elapsed * 1e3:.1f} ms, "
+                                                    f"version={sched.weight_version}")
             finally:
                 sched.admission_blocked = False
             return _result(True, f"updated {count} tensors in {elapsed * 1e3:.1f} ms", self._num_paused())
@@ -453,6 +460,7 @@ class Engine:
             if "weights" in tags:
                 self.weight_updater.reset_coverage()
             sched.memory_block_reason = self._memory_block_reason()
+            MEMORY_LEDGER.mark("release", f"{tags}: {freed / 2**20:.1f} MiB")
         return _result(True, f"released {tags}: {freed / 2**20:.1f} MiB")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
@@ -468,7 +476,13 @@ class Engine:
                 return _result(False, str(e))
             self.memory_occupation.resume(tags)
             self.scheduler.memory_block_reason = self._memory_block_reason()
+            MEMORY_LEDGER.mark("resume", str(tags))
         return _result(True, f"resumed {tags}")
+
+    def dump_memory_timeline(self, path: str) -> None:
+        """Write the memory ledger (release points and lifecycle marks) as JSON for
+        `tide memory-plot`."""
+        MEMORY_LEDGER.dump_json(path)
 
     def _memory_block_reason(self) -> str | None:
         occ = self.memory_occupation

@@ -1,48 +1,259 @@
-"""The only place tide empties a device allocator cache, and memory observation that never frees.
+"""The only place tide empties a device allocator cache, memory observation that never frees, and the
+memory ledger (the timeline of every release point and lifecycle event).
 
 `empty_device_cache` waits for all queued device work, so it is called only at named release points;
-each call is recorded (reason, host stall, reserved bytes before/after) in `MEMORY_LEDGER`.
+each call is recorded (reason, host stall, reserved bytes before/after) in `MEMORY_LEDGER`. The engine
+adds lifecycle marks (`MEMORY_LEDGER.mark("pause")`, `"weight_update"`, `"release"`, `"resume"`, ...)
+with the device's reserved/allocated bytes at that moment, so the ledger is a memory timeline that
+`MEMORY_LEDGER.dump_json(path)` writes and `tide memory-plot` draws.
+
+Bounded: the ledger keeps the newest `max_events` entries (releases and marks together); per-reason
+release totals are running sums, so `totals()` stays exact however many entries were dropped.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
+
+TIMELINE_FORMAT = "tide.memory_timeline/1"
+DEFAULT_MAX_EVENTS = 100_000
+# What "reserved"/"allocated" mean in a mark, by source.
+SOURCE_CUDA = "cuda"  # torch.cuda.memory_reserved() / memory_allocated() of the current device
+SOURCE_CPU_RSS = "cpu_rss"  # no CUDA context: allocated = this process's resident set, reserved = 0
+_SOURCE_NOTES = {
+    SOURCE_CUDA: "reserved/allocated: torch.cuda.memory_reserved()/memory_allocated() of the "
+                 "current device (the caching allocator's view)",
+    SOURCE_CPU_RSS: "no CUDA context in this process: 'allocated' is the process resident set "
+                    "size (RSS) and 'reserved' is 0",
+}
 
 
 @dataclass(frozen=True)
 class ReleaseEvent:
+    """One allocator release point (`empty_device_cache`). `time` is the wall clock when the release
+    returned; it started `stall_s` earlier. `allocated_after`: bytes allocated right after."""
+
     reason: str
     stall_s: float
     reserved_before: int
     reserved_after: int
     time: float
+    allocated_after: int = 0
+
+    source = SOURCE_CUDA  # a device allocator's own figures
+
+    @property
+    def freed_bytes(self) -> int:
+        return max(0, self.reserved_before - self.reserved_after)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "release", "time": self.time, "start": self.time - self.stall_s,
+                "reason": self.reason, "stall_s": self.stall_s,
+                "reserved_before": self.reserved_before, "reserved_after": self.reserved_after,
+                "allocated": self.allocated_after, "freed_bytes": self.freed_bytes,
+                "source": self.source}
 
 
-@dataclass
+@dataclass(frozen=True)
+class MemoryMark:
+    """A lifecycle event (pause, continue, weight_update, release, resume, flush_cache, ...) with the
+    device memory at that moment (see `source` for what the byte counts mean)."""
+
+    kind: str
+    detail: str
+    reserved: int
+    allocated: int
+    time: float
+    source: str = SOURCE_CUDA
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "mark", "time": self.time, "kind": self.kind, "detail": self.detail,
+                "reserved": self.reserved, "allocated": self.allocated, "source": self.source}
+
+
+TimelineEntry = ReleaseEvent | MemoryMark
+
+
+def _process_rss() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource  # peak, not current: the best portable fallback
+
+        scale = 1 if os.uname().sysname == "Darwin" else 1024
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+def device_memory_stats() -> dict[str, Any]:
+    """`{"reserved", "allocated", "source"}` now. CUDA figures when this process has a CUDA context
+    (never creates one); otherwise the process RSS as `allocated` and 0 `reserved` (source cpu_rss)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            return {"reserved": int(torch.cuda.memory_reserved()),
+                    "allocated": int(torch.cuda.memory_allocated()), "source": SOURCE_CUDA}
+        except (RuntimeError, AssertionError):  # a broken context must not fail the caller
+            pass
+    return {"reserved": 0, "allocated": _process_rss(), "source": SOURCE_CPU_RSS}
+
+
 class MemoryLedger:
-    """Every allocator release point, in order; totals per reason."""
+    """Every allocator release point and lifecycle mark, in the order recorded (newest
+    `max_events` kept); exact per-reason release totals. Thread-safe."""
 
-    events: list[ReleaseEvent] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self, max_events: int = DEFAULT_MAX_EVENTS) -> None:
+        if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events <= 0:
+            raise ValueError(f"max_events must be a positive integer, got {max_events!r}")
+        self.max_events = max_events
+        self._entries: deque[TimelineEntry] = deque(maxlen=max_events)
+        self._totals: dict[str, dict[str, float]] = {}
+        self._mark_counts: dict[str, int] = {}
+        self._dropped = 0
+        self._lock = threading.Lock()
+
+    # ---- recording
+    def _append(self, entry: TimelineEntry) -> None:
+        if len(self._entries) == self.max_events:
+            self._dropped += 1
+        self._entries.append(entry)
 
     def record(self, event: ReleaseEvent) -> None:
+        """Record one allocator release (called by `empty_device_cache`)."""
         with self._lock:
-            self.events.append(event)
+            t = self._totals.setdefault(event.reason, {"count": 0, "stall_s": 0.0, "freed_bytes": 0})
+            t["count"] += 1
+            t["stall_s"] += event.stall_s
+            t["freed_bytes"] += event.freed_bytes
+            self._append(event)
+
+    def mark(self, kind: str, detail: str = "") -> None:
+        """Record a lifecycle event `kind` ("pause", "continue", "weight_update", "release",
+        "resume", "flush_cache", ...) with the device's reserved/allocated bytes now."""
+        if not kind or not isinstance(kind, str):
+            raise ValueError("kind must be a non-empty string")
+        stats = device_memory_stats()
+        with self._lock:
+            self._mark_counts[kind] = self._mark_counts.get(kind, 0) + 1
+            self._append(MemoryMark(kind, str(detail), stats["reserved"], stats["allocated"],
+                                    time.time(), stats["source"]))
+
+    # ---- reading
+    @property
+    def events(self) -> list[ReleaseEvent]:
+        """The release events still held, oldest first (a snapshot)."""
+        with self._lock:
+            return [e for e in self._entries if isinstance(e, ReleaseEvent)]
+
+    @property
+    def marks(self) -> list[MemoryMark]:
+        """The lifecycle marks still held, oldest first (a snapshot)."""
+        with self._lock:
+            return [e for e in self._entries if isinstance(e, MemoryMark)]
+
+    def timeline(self) -> list[TimelineEntry]:
+        """Releases and marks still held, in the order recorded (a snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
+    @property
+    def dropped(self) -> int:
+        """Entries dropped (oldest first) to stay within `max_events`."""
+        return self._dropped
 
     def totals(self) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
+        """Per release reason: count, stall_s, freed_bytes — over every release since start,
+        dropped ones included."""
         with self._lock:
-            for e in self.events:
-                t = out.setdefault(e.reason, {"count": 0, "stall_s": 0.0, "freed_bytes": 0})
-                t["count"] += 1
-                t["stall_s"] += e.stall_s
-                t["freed_bytes"] += max(0, e.reserved_before - e.reserved_after)
-        return out
+            return {reason: dict(t) for reason, t in self._totals.items()}
+
+    def mark_counts(self) -> dict[str, int]:
+        """How many marks of each kind since start (dropped ones included)."""
+        with self._lock:
+            return dict(self._mark_counts)
+
+    # ---- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """The timeline as JSON-ready data (what `dump_json` writes and `tide memory-plot` reads)."""
+        with self._lock:
+            entries = list(self._entries)
+            totals = {reason: dict(t) for reason, t in self._totals.items()}
+            counts = dict(self._mark_counts)
+            dropped = self._dropped
+        now = device_memory_stats()
+        sources = sorted({e.source for e in entries} | {now["source"]})
+        return {
+            "format": TIMELINE_FORMAT,
+            "pid": os.getpid(),
+            "dumped_at": time.time(),
+            "memory_source": now["source"],
+            "notes": {s: _SOURCE_NOTES.get(s, "") for s in sources},
+            "current": {"reserved": now["reserved"], "allocated": now["allocated"]},
+            "max_events": self.max_events,
+            "dropped_events": dropped,
+            "release_totals": totals,
+            "mark_counts": counts,
+            "events": [e.to_dict() for e in entries],
+        }
+
+    def dump_json(self, path: str | os.PathLike[str]) -> str:
+        """Write `to_dict()` to `path` (atomically: a temp file renamed over it); returns the path."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], max_events: int | None = None) -> MemoryLedger:
+        """Rebuild a ledger from `to_dict()` output (totals and drop count included)."""
+        events = check_timeline(data)
+        ledger = cls(max_events or int(data.get("max_events") or DEFAULT_MAX_EVENTS))
+        ledger._entries.extend(_entry_from_dict(e) for e in events)
+        ledger._totals = {r: dict(t) for r, t in (data.get("release_totals") or {}).items()}
+        ledger._mark_counts = dict(data.get("mark_counts") or {})
+        ledger._dropped = int(data.get("dropped_events", 0))
+        return ledger
+
+
+def check_timeline(data: Any) -> list[dict[str, Any]]:
+    """The events of timeline JSON `data`, or ValueError saying what is wrong with it."""
+    if not isinstance(data, dict) or data.get("format") != TIMELINE_FORMAT:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"not a tide memory timeline (format {got!r}, expected "
+                         f"{TIMELINE_FORMAT!r}); write one with MEMORY_LEDGER.dump_json or "
+                         "GET /dump_memory_timeline")
+    events = data.get("events")
+    if not isinstance(events, list):
+        raise ValueError("memory timeline: 'events' must be a list")
+    need = {"release": ("time", "reason", "stall_s", "reserved_before", "reserved_after"),
+            "mark": ("time", "kind", "reserved", "allocated")}
+    for i, e in enumerate(events):
+        kind = e.get("type") if isinstance(e, dict) else None
+        if kind not in need:
+            raise ValueError(f"memory timeline: events[{i}] has type {kind!r}, expected "
+                             "'release' or 'mark'")
+        missing = [k for k in need[kind] if k not in e]
+        if missing:
+            raise ValueError(f"memory timeline: events[{i}] ({kind}) lacks {missing}")
+    return events
+
+
+def _entry_from_dict(e: dict[str, Any]) -> TimelineEntry:
+    if e["type"] == "release":
+        return ReleaseEvent(e["reason"], float(e["stall_s"]), int(e["reserved_before"]),
+                            int(e["reserved_after"]), float(e["time"]), int(e.get("allocated", 0)))
+    return MemoryMark(e["kind"], e.get("detail", ""), int(e["reserved"]), int(e["allocated"]),
+                      float(e["time"]), e.get("source", SOURCE_CUDA))
 
 
 MEMORY_LEDGER = MemoryLedger()
@@ -59,12 +270,16 @@ def _device_module(device_module: ModuleType | None) -> ModuleType | None:
         return None
 
 
-def _reserved(module: ModuleType) -> int:
-    fn = getattr(module, "memory_reserved", None)
+def _query(module: ModuleType, name: str) -> int:
+    fn = getattr(module, name, None)
     try:
         return int(fn()) if fn is not None else 0
     except (RuntimeError, AssertionError):
         return 0
+
+
+def _reserved(module: ModuleType) -> int:
+    return _query(module, "memory_reserved")
 
 
 def empty_device_cache(device_module: ModuleType | None = None, *, reason: str) -> bool:
@@ -81,7 +296,8 @@ def empty_device_cache(device_module: ModuleType | None = None, *, reason: str) 
     start = time.perf_counter()
     fn()
     stall = time.perf_counter() - start
-    MEMORY_LEDGER.record(ReleaseEvent(reason, stall, before, _reserved(module), time.time()))
+    MEMORY_LEDGER.record(ReleaseEvent(reason, stall, before, _reserved(module), time.time(),
+                                      _query(module, "memory_allocated")))
     return True
 
 
@@ -92,6 +308,5 @@ def available_device_memory(device: torch.device, empty_cache: bool = False) -> 
             empty_device_cache(torch.cuda, reason="observe_memory")
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+

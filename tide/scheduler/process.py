@@ -16,8 +16,11 @@ Admin messages (sglang's semantics):
   stepping and streaming, until no request holds KV (or generation is paused), then the `Engine`
   method applies it at once and the reply goes out. Updates apply in arrival order; requests that
   arrive meanwhile queue behind them.
-- `pause_generation`, `continue_generation`, `update_weight_version`, `get_weights_by_name` and
-  `destroy_weights_update_group` are immediate.
+- `pause_generation`, `continue_generation`, `update_weight_version`, `get_weights_by_name`,
+  `destroy_weights_update_group`, `release_memory_occupation`, `resume_memory_occupation` and
+  `dump_memory_timeline` are immediate. A release is refused while a weight update waits to apply
+  (the engine itself refuses one while requests run and are not paused). While memory is released
+  the loop does not step.
 - `init_weights_update_group` joins the trainer's group in a helper thread (the rendezvous blocks until
   the trainer joins), so the loop keeps serving meanwhile; the reply goes out when the join is done.
   `update_weights_from_distributed` blocks the loop until every broadcast has arrived.
@@ -48,19 +51,22 @@ import torch
 import zmq
 
 from tide.config import EngineConfig
-from tide.memory.device import MEMORY_LEDGER
+from tide.memory.device import MEMORY_LEDGER, device_memory_stats
 from tide.server.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     ContinueGenerationReqInput,
     ControlReqOutput,
     DestroyWeightsUpdateGroupReqInput,
+    DumpMemoryTimelineReqInput,
     FlushCacheReqInput,
     GetLoadReqInput,
     GetServerInfoReqInput,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReqInput,
@@ -128,7 +134,9 @@ def run_scheduler_process(
         ready.send_bytes(encode_message(SchedulerReady(error=msg)))
         ready.close()
         return
-    ready.send_bytes(encode_message(SchedulerReady(info=proc.static_info())))
+    info = proc.static_info()
+    MEMORY_LEDGER.mark("scheduler_ready", f"pid {os.getpid()}, {info['max_total_tokens']} KV slots")
+    ready.send_bytes(encode_message(SchedulerReady(info=info)))
     ready.close()
     try:
         proc.run()
@@ -188,6 +196,8 @@ class SchedulerProcess:
         """A step would make progress: not paused, and (while an update waits) something holds KV."""
         sched = self.scheduler
         if sched.paused is not None or not sched.has_work():
+            return False
+        if sched.memory_block_reason is not None:  # memory released: a step would do nothing
             return False
         if sched.admission_blocked:
             return sched.num_holding_kv() > 0
@@ -271,6 +281,10 @@ class SchedulerProcess:
             self._reply_result(msg.req_id, self.engine.continue_generation(msg.torch_empty_cache))
         elif isinstance(msg, UpdateWeightVersionReqInput):
             self._handle_weight_version(msg)
+        elif isinstance(msg, (ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput)):
+            self._handle_memory_occupation(msg)
+        elif isinstance(msg, DumpMemoryTimelineReqInput):
+            self._reply(msg.req_id, True, data={"timeline": MEMORY_LEDGER.to_dict()})
         elif isinstance(msg, GetWeightsByNameReqInput):
             try:
                 values = self.engine.get_weights_by_name(msg.name, msg.truncate_size)
@@ -476,6 +490,43 @@ class SchedulerProcess:
                 thread.join()
             self._reply_result(req_id, result)
 
+    # ---- memory occupation (colocated trainer)
+    def _handle_memory_occupation(
+        self, msg: ReleaseMemoryOccupationReqInput | ResumeMemoryOccupationReqInput
+    ) -> None:
+        release = isinstance(msg, ReleaseMemoryOccupationReqInput)
+        if release and self.pending_updates:
+            self._reply(msg.req_id, False,
+                        f"{len(self.pending_updates)} weight update(s) wait to apply; release "
+                        "memory once they have finished", self._result_data(0))
+            return
+        engine = self.engine
+        try:
+            if release:
+                result = engine.release_memory_occupation(msg.tags)
+            else:
+                result = engine.resume_memory_occupation(msg.tags)
+        except Exception as e:  # noqa: BLE001 - reported to the caller; the loop keeps serving
+            logger.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
+            name = "release" if release else "resume"
+            result = {"success": False, "num_paused_requests": 0,
+                      "message": f"{name}_memory_occupation failed: {type(e).__name__}: {e}"}
+        self._report_finished()
+        self._reply_result(msg.req_id, result, released_bytes=self._released_bytes())
+
+    def _released_bytes(self) -> dict[str, int]:
+        occupation = getattr(self.engine, "memory_occupation", None)
+        if occupation is None:
+            return {}
+        return {tag: int(n) for tag, n in occupation.released_bytes().items()}
+
+    def memory_info(self) -> dict[str, Any]:
+        """Device memory now (reserved, allocated, their gap) and bytes released per tag."""
+        stats = device_memory_stats()
+        return {"reserved_bytes": stats["reserved"], "allocated_bytes": stats["allocated"],
+                "fragmentation_bytes": max(0, stats["reserved"] - stats["allocated"]),
+                "source": stats["source"], "released_bytes": self._released_bytes()}
+
     # ---- replies
     def _result_data(self, num_paused_requests: int, **extra: Any) -> dict[str, Any]:
         return {"num_paused_requests": num_paused_requests, "paused": self.scheduler.paused,
@@ -576,6 +627,7 @@ class SchedulerProcess:
             "num_pending_weight_updates": len(self.pending_updates),
             "weight_update_groups": sorted(self.engine.weight_updater.groups),
             "memory_ledger": MEMORY_LEDGER.totals(),
+            "memory": self.memory_info(),
         }
 
 

@@ -12,13 +12,19 @@
     POST /update_weight_version             {new_version, abort_all_requests}
     POST /pause_generation                  {mode: abort | retract | in_place}
     POST /continue_generation               {torch_empty_cache}
+    POST /release_memory_occupation         {tags: [kv_cache | weights | cuda_graph] | null}
+    POST /resume_memory_occupation          {tags: [kv_cache | weights | cuda_graph] | null}
+    GET  /dump_memory_timeline              the memory timeline JSON (`tide memory-plot` draws it)
 
 Replies: 200 `{"success": true, "message", "num_paused_requests"}` (`/get_weights_by_name` returns the
 list of values, as sglang does; `/update_weight_version` adds `new_version`). Every failure — bad
 body, a path outside `--allowed-weight-roots`, or an update the engine refused (unknown tensor, wrong
 shape or dtype, undecodable payload) — is HTTP 400 with the same fields (`success: false`, `message`
 naming the problem) plus an OpenAI-style `error` object, so clients that check `success` and clients
-that check the status both see it. A refused update changes nothing.
+that check the status both see it. A refused update changes nothing. Release/resume replies add
+`released_bytes` (tag -> bytes currently released); a release the engine refuses (requests running and
+not paused, memory saver off) is a 400 with the engine's message, and unknown tags are a 400 naming
+`tags`, before anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -39,9 +45,12 @@ from tide.server.io_struct import (
     ContinueGenerationReqInput,
     ControlReqOutput,
     DestroyWeightsUpdateGroupReqInput,
+    DumpMemoryTimelineReqInput,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromIPCReqInput,
@@ -54,6 +63,7 @@ from tide.server.protocol import (
     DestroyWeightsUpdateGroupInput,
     GetWeightsByNameInput,
     InitWeightsUpdateGroupInput,
+    MemoryOccupationInput,
     PauseGenerationInput,
     UpdateWeightFromDiskInput,
     UpdateWeightsFromDistributedInput,
@@ -77,6 +87,9 @@ ADMIN_HANDOVER_PATHS = frozenset({
     "/update_weight_version",
     "/pause_generation",
     "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/dump_memory_timeline",
 })
 
 
@@ -157,6 +170,18 @@ def _result(out: ControlReqOutput, param: str | None = None, code: str = "update
                             num_paused_requests=paused)
     return JSONResponse({"success": True, "message": out.message, "num_paused_requests": paused,
                          **extra})
+
+
+def _memory_tags(tags: list[str] | None) -> list[str] | None:
+    """`tags` checked (a 400 naming `tags` for an empty list or an unknown tag); None stays None."""
+    from tide.memory.occupation import parse_tags
+
+    if tags is None:
+        return None
+    try:
+        return parse_tags(tags)
+    except ValueError as e:
+        raise AdminAPIError(str(e), param="tags", code="invalid_value") from None
 
 
 def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str],
@@ -278,3 +303,24 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         out = await tm.admin(lambda r: ContinueGenerationReqInput(
             req_id=r, torch_empty_cache=body.torch_empty_cache))
         return _result(out, param=None, code="invalid_value")
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> Response:
+        body = await _parse(request, MemoryOccupationInput, allow_empty=True)
+        tags = _memory_tags(body.tags)
+        out = await tm.admin(lambda r: ReleaseMemoryOccupationReqInput(req_id=r, tags=tags))
+        return _result(out, code="memory_occupation_failed",
+                       released_bytes=out.data.get("released_bytes", {}))
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> Response:
+        body = await _parse(request, MemoryOccupationInput, allow_empty=True)
+        tags = _memory_tags(body.tags)
+        out = await tm.admin(lambda r: ResumeMemoryOccupationReqInput(req_id=r, tags=tags))
+        return _result(out, code="memory_occupation_failed",
+                       released_bytes=out.data.get("released_bytes", {}))
+
+    @app.get("/dump_memory_timeline")
+    async def dump_memory_timeline() -> Response:
+        out = await tm.admin(lambda r: DumpMemoryTimelineReqInput(req_id=r), timeout=60.0)
+        return JSONResponse(out.data.get("timeline", {}))

@@ -5,9 +5,9 @@ both sides decode into typed objects (`decode_message`) and an unknown message i
 silent `dict`. Names follow sglang (`TokenizedGenerateReqInput`, `BatchTokenIDOut`, `AbortReq`, ...).
 
 Control messages (flush, info, load, shutdown, and the admin messages: weight updates, pause/continue,
-weight version) carry a `req_id`; the scheduler answers each with one `ControlReqOutput` bearing the same
-`req_id`, so the HTTP side can match replies to callers. Admin replies put sglang's
-`num_paused_requests` (and anything else a route returns) in `data`.
+weight version, memory release/resume, memory timeline) carry a `req_id`; the scheduler answers each
+with one `ControlReqOutput` bearing the same `req_id`, so the HTTP side can match replies to callers.
+Admin replies put sglang's `num_paused_requests` (and anything else a route returns) in `data`.
 """
 
 from __future__ import annotations
@@ -152,6 +152,27 @@ class ContinueGenerationReqInput(msgspec.Struct, tag=True):
     torch_empty_cache: bool = True
 
 
+class ReleaseMemoryOccupationReqInput(msgspec.Struct, tag=True):
+    """Give back the memory of `tags` (None: all); the engine must be idle or paused."""
+
+    req_id: str
+    tags: list[str] | None = None
+
+
+class ResumeMemoryOccupationReqInput(msgspec.Struct, tag=True):
+    """Take the memory of `tags` (None: all) again."""
+
+    req_id: str
+    tags: list[str] | None = None
+
+
+class DumpMemoryTimelineReqInput(msgspec.Struct, tag=True):
+    """Reply with the scheduler process's memory timeline (`MEMORY_LEDGER.to_dict()`) in
+    `data["timeline"]`."""
+
+    req_id: str
+
+
 WeightUpdateReq = Union[
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -210,6 +231,9 @@ SchedulerInput = Union[
     UpdateWeightVersionReqInput,
     PauseGenerationReqInput,
     ContinueGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    DumpMemoryTimelineReqInput,
 ]
 SchedulerOutput = Union[BatchTokenIDOut, ControlReqOutput]
 

@@ -6,8 +6,11 @@ round trip on every scrape. So are the handover metrics, which a custom collecto
 snapshot: the memory ledger's totals per release reason (`tide:memory_releases_total`,
 `tide:memory_release_stall_seconds_total`, `tide:memory_release_freed_bytes_total`, label `reason`;
 known reasons are reported at 0 before their first release), the weight version
-(`tide:weight_version_info{weight_version=...} 1`) and the pause state (`tide:generation_paused` 0/1,
-label `mode`).
+(`tide:weight_version_info{weight_version=...} 1`), the pause state (`tide:generation_paused` 0/1,
+label `mode`), and the scheduler process's device memory: `tide:memory_reserved_bytes`,
+`tide:memory_allocated_bytes`, `tide:memory_fragmentation_bytes` (reserved − allocated; on a CPU-only
+process allocated is the RSS and reserved 0) and `tide:memory_released_bytes{tag}` (bytes given back by
+`release_memory_occupation`, 0 once resumed; every tag reported).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ _UPDATE_BUCKETS = (
 # Release points named by the design; reported at zero until they first happen.
 KNOWN_RELEASE_REASONS = ("flush_cache", "weight_update", "continue_generation", "release_memory",
                          "oom_recovery")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -88,6 +92,31 @@ class _HandoverCollector(Collector):
                 "Weight updates waiting for running requests to finish", labels=["model_name"])
             blocked.add_metric([name], float(load.get("num_pending_weight_updates", 0)))
             yield blocked
+        memory = load.get("memory")
+        if memory:
+            yield from _memory_metrics(name, memory)
+
+
+def _memory_metrics(name: str, memory: dict[str, Any]) -> Any:
+    for key, help_text in (
+        ("reserved_bytes", "Bytes reserved by the device caching allocator of the scheduler "
+                           "process (0 without CUDA)"),
+        ("allocated_bytes", "Bytes allocated by the device caching allocator of the scheduler "
+                            "process (its resident set size without CUDA)"),
+        ("fragmentation_bytes", "Reserved but not allocated bytes (reserved - allocated): "
+                                "allocator cache and fragmentation"),
+    ):
+        gauge = GaugeMetricFamily(f"tide:memory_{key}", help_text, labels=["model_name"])
+        gauge.add_metric([name], float(memory.get(key, 0)))
+        yield gauge
+    released = {tag: 0 for tag in MEMORY_TAGS}
+    released.update(memory.get("released_bytes") or {})
+    gauge = GaugeMetricFamily("tide:memory_released_bytes",
+                              "Bytes given back by release_memory_occupation, by tag (0 once resumed)",
+                              labels=["model_name", "tag"])
+    for tag, nbytes in sorted(released.items()):
+        gauge.add_metric([name, tag], float(nbytes))
+    yield gauge
 
 
 class ServerMetrics:

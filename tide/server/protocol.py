@@ -199,3 +199,11 @@ class PauseGenerationInput(BaseModel):
 class ContinueGenerationInput(BaseModel):
     model_config = _STRICT
     torch_empty_cache: bool = True
+
+
+class MemoryOccupationInput(BaseModel):
+    """`POST /release_memory_occupation` and `/resume_memory_occupation` (sglang's body): `tags`
+    among kv_cache, weights, cuda_graph; null (or no body) for all of them."""
+
+    model_config = _STRICT
+    tags: list[str] | None = None
