@@ -183,8 +183,8 @@ def named_weights(model) -> list[tuple[str, torch.Tensor]]:
     return [(name, p.detach().clone()) for name, p in model.named_parameters()]
 
 
-def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    """HF greedy tokens and the log-softmax of the raw logits at each chosen token (fp32)."""
+def hf_greedy_scores(model, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+    """HF greedy tokens and the [steps, vocab] log-softmax of the raw logits at each step (fp32)."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
@@ -197,7 +197,12 @@ def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int
             return_dict_in_generate=True,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logp = torch.log_softmax(torch.stack([s[0] for s in out.logits]).float(), dim=-1)
+    return tokens, torch.log_softmax(torch.stack([s[0] for s in out.logits]).float(), dim=-1)
+
+
+def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """HF greedy tokens and the log-softmax of the raw logits at each chosen token (fp32)."""
+    tokens, logp = hf_greedy_scores(model, prompt, max_new)
     return tokens, logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 

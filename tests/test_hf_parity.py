@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import hf_greedy_scores, random_prompts
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 # Mixed lengths 3..60, plus one that runs past llama3's original_max_position_embeddings (128).
@@ -24,21 +24,7 @@ LOGPROB_TOL = 1e-4
 
 
 def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    """HF greedy tokens and the [steps, vocab] log-softmax of the raw logits at each step."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=MAX_NEW,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logp = torch.log_softmax(torch.stack([s[0] for s in out.logits]).float(), dim=-1)
-    return tokens, logp
+    return hf_greedy_scores(model, prompt, MAX_NEW)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
