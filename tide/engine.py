@@ -441,10 +441,8 @@ class Engine:
         `enable_memory_saver`, and the engine idle or paused with no request holding KV for
         `kv_cache` (whose release also flushes the radix cache)."""
         with self._control():
-            if not self.config.enable_memory_saver:
-                return _result(False, "release_memory_occupation needs enable_memory_saver=True")
             try:
-                tags = parse_tags(tags)
+                tags = self._memory_saver_tags("release_memory_occupation", tags)
             except ValueError as e:
                 return _result(False, str(e))
             sched = self.scheduler
@@ -468,10 +466,8 @@ class Engine:
         `kv_cache` returns. Without a CPU backup, weights come back zeroed and generation is refused
         until updates have covered every parameter."""
         with self._control():
-            if not self.config.enable_memory_saver:
-                return _result(False, "resume_memory_occupation needs enable_memory_saver=True")
             try:
-                tags = parse_tags(tags)
+                tags = self._memory_saver_tags("resume_memory_occupation", tags)
             except ValueError as e:
                 return _result(False, str(e))
             self.memory_occupation.resume(tags)
@@ -483,6 +479,11 @@ class Engine:
         """Write the memory ledger (release points and lifecycle marks) as JSON for
         `tide memory-plot`."""
         MEMORY_LEDGER.dump_json(path)
+
+    def _memory_saver_tags(self, op: str, tags: list[str] | None) -> list[str]:
+        if not self.config.enable_memory_saver:
+            raise ValueError(f"{op} needs enable_memory_saver=True")
+        return parse_tags(tags)
 
     def _memory_block_reason(self) -> str | None:
         occ = self.memory_occupation
