@@ -8,6 +8,7 @@ tree on `stop()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model: Path, *extra: str, log_dir: Path, api_key: str | None = None,
+                   env: dict[str, str] | None = None) -> Iterator["ServerProcess"]:
+    """A started, ready `ServerProcess`, stopped (process tree and all) on exit."""
+    srv = ServerProcess(model, *extra, log_dir=log_dir, api_key=api_key, env=env)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 class ServerProcess:

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerProcess, assert_error, serve_model_path
+from server_utils import ServerProcess, assert_error, running_server, serve_model_path
 
 MAX = 12  # small max_tokens keeps the module fast on a shared CPU
 
@@ -28,13 +28,9 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    srv = ServerProcess(model_path, "--served-model-name", "tide-test",
-                        log_dir=tmp_path_factory.mktemp("server-log"))
-    try:
-        srv.wait_ready()
+    with running_server(model_path, "--served-model-name", "tide-test",
+                        log_dir=tmp_path_factory.mktemp("server-log")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

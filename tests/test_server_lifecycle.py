@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, assert_error, serve_model_path
+from server_utils import ServerProcess, assert_error, running_server, serve_model_path
 
 API_KEY = "user-key-123"
 ADMIN_KEY = "admin-key-456"
@@ -24,14 +24,10 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    srv = ServerProcess(model_path, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+    with running_server(model_path, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
                         "--served-model-name", "m", api_key=API_KEY,
-                        log_dir=tmp_path_factory.mktemp("server-log"))
-    try:
-        srv.wait_ready()
+                        log_dir=tmp_path_factory.mktemp("server-log")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _bearer(key: str | None) -> dict[str, str]:

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerProcess, assert_error, serve_model_path
+from server_utils import ServerProcess, assert_error, running_server, serve_model_path
 
 ADMIN = "admin-key-mem"
 PROMPTS = ["The for statement", "A class definition", "Exceptions are"]
@@ -29,14 +29,10 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    srv = ServerProcess(model_path, "--admin-api-key", ADMIN, "--enable-memory-saver",
+    with running_server(model_path, "--admin-api-key", ADMIN, "--enable-memory-saver",
                         "--enable-cpu-backup", "--max-total-tokens", "4096", api_key=ADMIN,
-                        log_dir=tmp_path_factory.mktemp("server-log"))
-    try:
-        srv.wait_ready()
+                        log_dir=tmp_path_factory.mktemp("server-log")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
-from server_utils import ServerProcess, assert_error, free_port, serve_model_path
+from server_utils import ServerProcess, assert_error, free_port, running_server, serve_model_path
 
 from tide.weights import flatten_by_dtype, init_custom_process_group, serialize_named_tensors
 
@@ -43,14 +43,10 @@ def roots(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_path, roots, tmp_path_factory):
-    srv = ServerProcess(model_path, "--admin-api-key", ADMIN, "--allowed-weight-roots", str(roots),
+    with running_server(model_path, "--admin-api-key", ADMIN, "--allowed-weight-roots", str(roots),
                         "--weight-version", "v0", api_key=ADMIN,
-                        log_dir=tmp_path_factory.mktemp("server-log"))
-    try:
-        srv.wait_ready()
+                        log_dir=tmp_path_factory.mktemp("server-log")) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
