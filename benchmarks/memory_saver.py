@@ -42,6 +42,10 @@ def main() -> None:
     engine.release_memory_occupation()
     t_release_all = time.perf_counter() - t
     released = used() - baseline
+    # What stays, split: the caching allocator's live and cached bytes, and memory outside it.
+    breakdown = {"torch_allocated_GB": torch.cuda.memory_allocated() / 1e9,
+                 "torch_reserved_GB": torch.cuda.memory_reserved() / 1e9}
+    breakdown["outside_torch_GB"] = released / 1e9 - breakdown["torch_reserved_GB"]
     t = time.perf_counter()
     engine.resume_memory_occupation()
     t_resume_all = time.perf_counter() - t
@@ -63,7 +67,8 @@ def main() -> None:
     res = {
         "gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
         "kv_region_GB": kv_gb, "footprint_GB": footprint / 1e9, "after_release_all_GB": released / 1e9,
-        "after_release_ratio": released / footprint, "release_all_s": t_release_all,
+        "after_release_ratio": released / footprint, "after_release_breakdown": breakdown,
+        "release_all_s": t_release_all,
         "resume_all_s": t_resume_all, "graphs_kept": same_graphs,
         "tokens_equal_after_resume": after_tokens == before_tokens,
         "tokens_equal_after_cycles": cycle_tokens == before_tokens,

@@ -177,7 +177,8 @@ def test_memory_saver_keeps_addresses_and_graphs(gqa_checkpoint):
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 90)]
     before = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     ptrs = [t.data_ptr() for t in runner.token_to_kv_pool.k_buffer] + [
-        p.data_ptr() for p in runner.model.parameters()]
+        p.data_ptr() for p in runner.model.parameters()] + [
+        runner.req_to_token_pool.req_to_token.data_ptr(), runner.cuda_graph_runner.logits.data_ptr()]
     graphs = dict(runner.cuda_graph_runner.graphs)
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()
@@ -188,7 +189,8 @@ def test_memory_saver_keeps_addresses_and_graphs(gqa_checkpoint):
     assert free_released - free_before >= 0.9 * kv_bytes  # the KV region's memory went back
     assert engine.resume_memory_occupation()["success"]
     after_ptrs = [t.data_ptr() for t in runner.token_to_kv_pool.k_buffer] + [
-        p.data_ptr() for p in runner.model.parameters()]
+        p.data_ptr() for p in runner.model.parameters()] + [
+        runner.req_to_token_pool.req_to_token.data_ptr(), runner.cuda_graph_runner.logits.data_ptr()]
     assert after_ptrs == ptrs
     assert all(runner.cuda_graph_runner.graphs[bs] is g for bs, g in graphs.items())
     after = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]

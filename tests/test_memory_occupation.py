@@ -26,8 +26,10 @@ def _greedy(engine) -> list[list[int]]:
 
 
 def _kv_bytes(engine) -> int:
+    """The KV buffers and the request-to-token table (released together under `kv_cache`)."""
     pool = engine.model_runner.token_to_kv_pool
-    return sum(t.untyped_storage().nbytes() for t in pool.k_buffer + pool.v_buffer)
+    table = engine.model_runner.req_to_token_pool.req_to_token
+    return sum(t.untyped_storage().nbytes() for t in [table, *pool.k_buffer, *pool.v_buffer])
 
 
 def _weight_bytes(engine) -> int:

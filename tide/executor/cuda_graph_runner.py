@@ -2,7 +2,9 @@
 
 A batch of size n runs in the smallest bucket >= n; the extra rows are a dummy request (the reserved
 request slot, whose row maps every position to KV slot 0, sequence length 1, writing its K/V to slot 0).
-All graphs share one memory pool and read their inputs from one `DecodeInputBuffers`.
+All graphs share one memory pool, read their inputs from one `DecodeInputBuffers` and write their fp32
+logits into one shared buffer (so the pool holds only transients). With the memory saver on CUDA that
+buffer is an address-stable `VmmRegion`, released and re-taken with the `cuda_graph` tag.
 """
 
 from __future__ import annotations
@@ -70,8 +72,17 @@ class CudaGraphRunner:
         self.buffers = DecodeInputBuffers.create(
             self.max_bs, runner.device, runner.req_to_token_pool.dummy_slot
         )
+        vocab = runner.model_config.vocab_size
+        self.logits_region = None
+        if runner.use_vmm:
+            from tide.memory.vmm import VmmRegion, region_nbytes
+
+            shape = ((self.max_bs, vocab), torch.float32)
+            self.logits_region = VmmRegion(region_nbytes([shape]), runner.device)
+            self.logits = self.logits_region.tensor(*shape)
+        else:
+            self.logits = torch.empty(self.max_bs, vocab, dtype=torch.float32, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture()
 
@@ -97,12 +108,12 @@ class CudaGraphRunner:
             seq_lens_cpu=[1] * bs,
             prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
+            logits_out=self.logits[:bs],
         )
 
     def release(self) -> None:
         """Drop every graph and its memory pool (decode runs eager until `capture()` again)."""
         self.graphs.clear()
-        self.outputs.clear()
         self.pool = None
 
     @torch.inference_mode()
@@ -118,9 +129,8 @@ class CudaGraphRunner:
                     model(fb.input_ids, fb.positions, fb)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = model(fb.input_ids, fb.positions, fb)
+                    model(fb.input_ids, fb.positions, fb)
                 self.graphs[bs] = graph
-                self.outputs[bs] = out
         torch.cuda.current_stream().wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
@@ -129,4 +139,4 @@ class CudaGraphRunner:
         bs = fb.input_ids.shape[0]
         self.buffers.populate_from_forward_batch(fb)
         self.graphs[bs].replay()
-        return self.outputs[bs][:real_bs]
+        return self.logits[:real_bs]

@@ -40,6 +40,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
+    # Where the model writes its fp32 logits (CUDA graphs share one buffer); None: a new tensor.
+    logits_out: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -136,16 +136,19 @@ class ModelRunner:
                 "or max_total_tokens"
             )
         self.max_total_tokens = tokens
-        self.req_to_token_pool = ReqToTokenPool(
-            self.config.max_running_requests, self.context_len, self.device
-        )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
+        n_req = self.config.max_running_requests
+        kv_shape = ((tokens + 1, mc.num_key_value_heads, mc.head_dim), self.dtype)
         region = None
         if self.use_vmm:
             from tide.memory.vmm import VmmRegion, region_nbytes
 
-            shape = ((tokens + 1, mc.num_key_value_heads, mc.head_dim), self.dtype)
-            region = VmmRegion(region_nbytes([shape] * 2 * mc.num_hidden_layers), self.device)
+            # The request table goes first; it is released and re-taken with the KV buffers.
+            table = ((n_req + 1, self.context_len), torch.int32)
+            region = VmmRegion(
+                region_nbytes([table] + [kv_shape] * 2 * mc.num_hidden_layers), self.device
+            )
+        self.req_to_token_pool = ReqToTokenPool(n_req, self.context_len, self.device, region=region)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
             region=region,

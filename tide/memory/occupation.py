@@ -1,12 +1,13 @@
 """Releasing and re-taking the memory of tagged tensors (colocated RL: hand the GPU to the trainer).
 
-Tags: `kv_cache` (the per-layer K/V buffers), `weights` (model parameters; buffers such as rotary
-tables are not weights and stay), `cuda_graph` (the captured decode graphs and their memory pool).
+Tags: `kv_cache` (the per-layer K/V buffers and the request-to-token table), `weights` (model
+parameters; buffers such as rotary tables are not weights and stay), `cuda_graph` (the captured decode
+graphs: their shared logits buffer, and on the portable path the graphs and their pool).
 
 On CUDA with the driver's virtual-memory API (the model runner's `use_vmm`), weights and KV live in
 `VmmRegion`s: release unmaps their physical memory and resume maps new memory at the same addresses, so
 captured CUDA graphs stay valid and are kept (the `cuda_graph` tag then frees nothing: the graphs'
-own pool stays). Elsewhere (CPU, or CUDA without that API) release frees a tag's storages in place
+transient pool stays; their shared logits buffer is an address-stable region that is released). Elsewhere (CPU, or CUDA without that API) release frees a tag's storages in place
 (`untyped_storage().resize_(0)`, every tensor stays the same Python object), resume allocates them
 again, and a CUDA-graph runner re-captures. Either way, freed blocks go back to the driver through
 `empty_device_cache(reason="release_memory")`. Weights come back from a host copy when
@@ -68,13 +69,17 @@ class MemoryOccupation:
             return self.runner.token_to_kv_pool.region
         if tag == "weights":
             return self.runner.weights_region
-        return None
+        graphs = self.runner.cuda_graph_runner
+        return graphs.logits_region if graphs is not None else None
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        pool = self.runner.token_to_kv_pool
+        return [self.runner.req_to_token_pool.req_to_token, *pool.k_buffer, *pool.v_buffer]
 
     # ---- storages per tag
     def _storages(self, tag: str) -> list[torch.UntypedStorage]:
         if tag == "kv_cache":
-            pool = self.runner.token_to_kv_pool
-            tensors = list(pool.k_buffer) + list(pool.v_buffer)
+            tensors = self._kv_tensors()
         elif tag == "weights":
             tensors = [p.data for p in self.runner.model.parameters()]
         else:
@@ -102,7 +107,7 @@ class MemoryOccupation:
                 region.unmap()
                 nbytes = region.size
             elif tag == "cuda_graph" and self.runner.use_vmm:
-                pass  # graphs point into address-stable memory: keep them (and their pool)
+                pass  # no graphs: nothing to free
             elif tag == "cuda_graph":
                 graphs = self.runner.cuda_graph_runner
                 if graphs is not None:
@@ -131,9 +136,9 @@ class MemoryOccupation:
                 region.remap()
                 if tag == "weights":
                     self._restore_weights()
-                else:
-                    for t in self.runner.token_to_kv_pool.k_buffer + self.runner.token_to_kv_pool.v_buffer:
-                        t.zero_()
+                elif tag == "kv_cache":
+                    for t in self._kv_tensors():
+                        t.zero_()  # the request table's dummy row must map to slot 0 again
                 logger.info("resumed %s (%.1f MiB, same addresses)", tag, nbytes / 2**20)
                 continue
             if tag == "cuda_graph":
@@ -144,8 +149,7 @@ class MemoryOccupation:
             tensors = (
                 [p.data for p in self.runner.model.parameters()]
                 if tag == "weights"
-                else list(self.runner.token_to_kv_pool.k_buffer)
-                + list(self.runner.token_to_kv_pool.v_buffer)
+                else self._kv_tensors()
             )
             for t in tensors:
                 storage = t.untyped_storage()

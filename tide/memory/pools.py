@@ -20,14 +20,20 @@ if TYPE_CHECKING:
 
 class ReqToTokenPool:
     """`size` request slots plus one reserved dummy row (index `size`, all zeros: every position maps
-    to KV slot 0) that padded batch rows point at."""
+    to KV slot 0) that padded batch rows point at. With `region`, the table is a view of that
+    address-stable region (released and re-taken with the KV cache)."""
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str,
+                 region: "VmmRegion | None" = None) -> None:
         self.size = size
         self.dummy_slot = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros(size + 1, max_context_len, dtype=torch.int32, device=device)
+        shape = (size + 1, max_context_len)
+        if region is None:
+            self.req_to_token = torch.zeros(shape, dtype=torch.int32, device=device)
+        else:
+            self.req_to_token = region.tensor(shape, torch.int32).zero_()
         self.free_slots: list[int] = list(range(size))
 
     def available_size(self) -> int:

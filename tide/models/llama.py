@@ -161,4 +161,7 @@ class LlamaForCausalLM(nn.Module):
         """Returns fp32 logits of each request's last new token: [B, vocab]."""
         hidden = self.model(input_ids, positions, forward_batch)
         hidden = hidden[forward_batch.last_token_indices()]
-        return self.lm_head(hidden).float()
+        out = forward_batch.logits_out
+        if out is None:
+            return self.lm_head(hidden).float()
+        return out.copy_(self.lm_head(hidden))
