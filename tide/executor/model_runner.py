@@ -159,18 +159,19 @@ class ModelRunner:
     def max_batch_size(self) -> int:
         return self.config.max_running_requests
 
-    def _dev(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
-
     def _batch(self, mode: ForwardMode, input_ids: list[int], positions: list[int],
                req_pool_indices: list[int], seq_lens: list[int], prefix_lens: list[int],
                extend_lens: list[int], out_cache_loc: torch.Tensor) -> ForwardBatch:
+        # One host-to-device copy for all four index lists; the fields are views of it.
+        packed = torch.tensor(input_ids + positions + req_pool_indices + seq_lens, dtype=torch.int64)
+        packed = packed.to(self.device, non_blocking=True)
+        t, b = len(input_ids), len(seq_lens)
         return ForwardBatch(
             mode=mode,
-            input_ids=self._dev(input_ids),
-            positions=self._dev(positions),
-            req_pool_indices=self._dev(req_pool_indices),
-            seq_lens=self._dev(seq_lens),
+            input_ids=packed[:t],
+            positions=packed[t : 2 * t],
+            req_pool_indices=packed[2 * t : 2 * t + b],
+            seq_lens=packed[2 * t + b :],
             out_cache_loc=out_cache_loc,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,

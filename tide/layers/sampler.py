@@ -42,6 +42,9 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleOutput:
         logits = logits.float()
+        if all(r.sampling_params.is_greedy and not r.return_logprob
+               and not r.sampling_params.has_penalties for r in reqs):
+            return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)
         if any(r.sampling_params.has_penalties for r in reqs):
             logits = apply_penalties(logits, reqs)
         temps = torch.tensor(

@@ -11,10 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tide.layers import pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,15 +42,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     n_cols = shape[-1]
     block = triton.next_power_of_2(n_cols)
     warps = min(16, max(1, block // 256))
+    use_pdl = pdl.enabled(x)
     if residual is None:
         _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
-                                        n_cols, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
+                                        n_cols, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps,
+                                        USE_PDL=use_pdl, launch_pdl=use_pdl)
         return out.view(shape)
     r2 = residual.reshape(-1, n_cols)
     res_out = torch.empty_like(x2)
     _rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
                                     out.stride(0), res_out.stride(0), n_cols, eps,
-                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
+                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps,
+                                    USE_PDL=use_pdl, launch_pdl=use_pdl)
     return out.view(shape), res_out.view(shape)
 
 
@@ -54,7 +62,10 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf,
                        stride_qt, stride_kt, stride_vt, stride_cos, stride_kb, stride_vb,
                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QH_P2: tl.constexpr,
                        KH_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       HALF_P2: tl.constexpr, STORE_KV: tl.constexpr):
+                       HALF_P2: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
     offs = tl.arange(0, HALF_P2)
@@ -106,12 +117,16 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         QH_P2=triton.next_power_of_2(num_q_heads), KH_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
-        STORE_KV=store, num_warps=4,
+        STORE_KV=store, USE_PDL=pdl.enabled(q), num_warps=4, launch_pdl=pdl.enabled(q),
     )
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -126,6 +141,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     block = 1024
+    use_pdl = pdl.enabled(x)
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), d,
-                                                           BLOCK=block, num_warps=4)
+                                                           BLOCK=block, num_warps=4,
+                                                           USE_PDL=use_pdl, launch_pdl=use_pdl)
     return out.view(*x.shape[:-1], d)

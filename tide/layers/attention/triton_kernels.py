@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tide.layers import pdl
+
 
 @triton.jit
 def _decode_stage1(
@@ -23,8 +25,11 @@ def _decode_stage1(
     sm_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,8 +92,11 @@ def _decode_stage2(
     MidO, MidLse, Out, SeqLens,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
@@ -138,6 +146,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     num_splits = num_kv_splits(batch * num_kv_heads, mid_lse.shape[2])
     block_d = triton.next_power_of_2(head_dim)
+    use_pdl = pdl.enabled(q)
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
@@ -146,14 +155,14 @@ def decode_attention(
         sm_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
-        num_warps=4, num_stages=2,
+        USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
     )
     _decode_stage2[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
-        num_warps=4,
+        USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
 
@@ -163,8 +172,11 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_r2t, sm_scale,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -236,6 +248,7 @@ def extend_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buffer.shape[1]
     block_m = 64
+    use_pdl = pdl.enabled(q)
     grid = (req_pool_indices.shape[0], num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
@@ -245,5 +258,5 @@ def extend_attention(
         req_to_token.stride(0), sm_scale,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=64,
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim,
-        num_warps=4, num_stages=2,
+        USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
     )

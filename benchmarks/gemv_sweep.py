@@ -1,0 +1,109 @@
+"""Tune and check the bs1 GEMV kernel on a GPU host: `python -m benchmarks.gemv_sweep [--out DIR]`.
+
+For each Llama-3.1-8B projection shape, times a CUDA graph of back-to-back one-row products over
+distinct weights (32 layers' worth, so nothing is served from L2) for cuBLAS (`F.linear`) and for each
+Triton config, as bytes streamed per second against the copy bandwidth measured in the same run; then a
+32-layer stack (norms and SiLU-mul between the products) with cuBLAS and with the kernel's default
+configs (`tide.layers.gemv.config_for`). Writes gemv_sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.run import measure_copy_bandwidth
+from tide.layers import gemv as G
+from tide.layers import triton_ops
+
+SHAPES = {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 4096, 32),
+          "down": (4096, 14336, 32), "lm_head": (128256, 4096, 4)}
+CONFIGS = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (2, 4, 8)]
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Seconds per call of `fn` captured once in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = measure_copy_bandwidth()
+    res: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                 "copy_bandwidth_TBps": bw / 1e12, "shapes": {}}
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    dt = torch.bfloat16
+    for name, (n, k, layers) in SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+        nbytes = layers * n * k * 2
+        x = torch.randn(1, k, device="cuda", dtype=dt)
+        outs = [torch.empty(1, n, device="cuda", dtype=dt) for _ in range(layers)]
+        cublas = nbytes / graph_time(lambda: [F.linear(x, w) for w in ws]) / bw
+        rows = {}
+        for cfg in CONFIGS:
+            if k % cfg[1] == 0:
+                rows[str(cfg)] = nbytes / graph_time(
+                    lambda: [G.gemv(x, w, out=o, config=cfg) for w, o in zip(ws, outs)]) / bw
+        default = str(G.config_for(k))
+        err = (G.gemv(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
+        res["shapes"][name] = {"N": n, "K": k, "cublas": cublas, "default_config": default,
+                               "default": rows[default], "max_abs_err_vs_cublas": err, "configs": rows}
+        top = sorted(rows.items(), key=lambda kv: -kv[1])[:3]
+        print(f"{name} N={n} K={k}: cuBLAS {cublas:.3f} of copy bw; default {default} {rows[default]:.3f}; "
+              f"top " + ", ".join(f"{c} {v:.3f}" for c, v in top) + f"; max err {err:.1e}", flush=True)
+        del ws, outs
+    H, I, eps, layers = 4096, 14336, 1e-5, 32
+    nw = torch.rand(H, device="cuda", dtype=dt) + 0.5
+    delta = torch.randn(1, H, device="cuda", dtype=dt)
+    resid = torch.randn(1, H, device="cuda", dtype=dt)
+    wq = [torch.randn(6144, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    wo = [torch.randn(H, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    wg = [torch.randn(2 * I, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    wd = [torch.randn(H, I, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    stack_bytes = layers * 2 * (6144 * H + H * H + 2 * I * H + H * I)
+
+    def stack(lin):
+        def run():
+            h, r = delta, resid
+            for i in range(layers):
+                a, r = triton_ops.rmsnorm(h, nw, eps, r)
+                o = lin(lin(a, wq[i])[:, :H], wo[i])
+                a, r = triton_ops.rmsnorm(o, nw, eps, r)
+                h = lin(triton_ops.silu_and_mul(lin(a, wg[i])), wd[i])
+        return run
+
+    times = {"cublas": graph_time(stack(F.linear)), "triton": graph_time(stack(G.gemv))}
+    res["stack"] = {k: {"ms": t * 1e3, "frac": stack_bytes / t / bw} for k, t in times.items()}
+    print("32-layer stack with norms and SiLU-mul: " + ", ".join(
+        f"{k} {t * 1e3:.3f} ms ({stack_bytes / t / bw:.3f} of copy bw)" for k, t in times.items()), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gemv_sweep.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
