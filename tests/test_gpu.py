@@ -195,3 +195,36 @@ def test_memory_saver_keeps_addresses_and_graphs(gqa_checkpoint):
     assert all(runner.cuda_graph_runner.graphs[bs] is g for bs, g in graphs.items())
     after = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     assert after == before
+
+
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (1000, 512, True),
+                                      (129, 768, False)])
+def test_gemv_matches_linear(n, k, bias):
+    """The one-row Triton GEMV equals F.linear within bf16 rounding (fp32 accumulation both)."""
+    from tide.layers import gemv
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    assert gemv.supported(x, w)
+    ref = torch.nn.functional.linear(x, w, b).float()
+    got = gemv.gemv(x, w, b).float()
+    assert torch.allclose(got, ref, atol=2e-2, rtol=1e-2), (got - ref).abs().max()
+    assert not gemv.supported(torch.randn(2, k, device="cuda", dtype=torch.bfloat16), w)
+    assert not gemv.supported(x[:, :100], w[:, :100].contiguous())
+
+
+def test_argmax_rows_matches_torch():
+    """First index of the maximum per row, ties and -inf rows included, as torch.argmax."""
+    from tide.layers import triton_ops
+
+    torch.manual_seed(0)
+    x = torch.randn(7, 128256, device="cuda")
+    x[1, 5000] = x[1, 90000] = 100.0  # a tie: the first index wins
+    x[2] = float("-inf")
+    x[3, -1] = 50.0  # the last column
+    out = torch.empty(7, dtype=torch.int64, device="cuda")
+    triton_ops.argmax_rows(x, out)
+    assert out.tolist() == x.argmax(dim=-1).tolist()
+    assert out[1].item() == 5000

@@ -520,7 +520,7 @@ class _ScriptedSampler:
     def __init__(self, script: list[int]) -> None:
         self.script = script
 
-    def __call__(self, logits, reqs):
+    def __call__(self, logits, reqs, greedy_ids=None):
         from tide.layers.sampler import SampleOutput
 
         return SampleOutput([self.script[len(r.output_ids)] for r in reqs], None, None)

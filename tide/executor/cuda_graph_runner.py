@@ -82,6 +82,8 @@ class CudaGraphRunner:
             self.logits = self.logits_region.tensor(*shape)
         else:
             self.logits = torch.empty(self.max_bs, vocab, dtype=torch.float32, device=runner.device)
+        # Each replay also leaves every row's argmax here, so greedy sampling needs no extra launch.
+        self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture()
@@ -118,6 +120,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from tide.layers import triton_ops
+
         self.pool = torch.cuda.graph_pool_handle()
         model = self.runner.model
         stream = torch.cuda.Stream()
@@ -129,14 +133,17 @@ class CudaGraphRunner:
                     model(fb.input_ids, fb.positions, fb)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    fb.record_decode_slots()
                     model(fb.input_ids, fb.positions, fb)
+                    triton_ops.argmax_rows(self.logits[:bs], self.greedy_ids[:bs])
                 self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def replay(self, fb: ForwardBatch, real_bs: int) -> torch.Tensor:
-        """`fb` is padded to a bucket size; returns logits of the first `real_bs` rows."""
+    def replay(self, fb: ForwardBatch, real_bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fb` is padded to a bucket size; returns logits and argmax ids of the first `real_bs`
+        rows (views of shared buffers, valid until the next replay)."""
         bs = fb.input_ids.shape[0]
         self.buffers.populate_from_forward_batch(fb)
         self.graphs[bs].replay()
-        return self.logits[:real_bs]
+        return self.logits[:real_bs], self.greedy_ids[:real_bs]

@@ -51,6 +51,12 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
 
+    def record_decode_slots(self) -> None:
+        """req_to_token[req, position] = the new token's KV slot, for every row of a decode batch
+        (padded rows write slot 0 into the dummy row, which keeps it all zeros)."""
+        table = self.req_to_token_pool.req_to_token
+        table.index_put_((self.req_pool_indices, self.positions), self.out_cache_loc.to(table.dtype))
+
     def last_token_indices(self) -> torch.Tensor:
         """Index in the flat token layout of each request's last new token."""
         if self.is_decode:

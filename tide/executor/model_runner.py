@@ -79,6 +79,11 @@ class ModelRunner:
         backend_cls = get_attention_backend_class(backend)
         self.attn_backend = backend_cls.create(self)
         self.cuda_graph_runner: CudaGraphRunner | None = None
+        self.last_greedy_ids: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            self._staging = torch.empty(4 * 1024, dtype=torch.int64, pin_memory=True)
+            self._staging_copied = torch.cuda.Event()
         if (
             self.device.type == "cuda"
             and backend_cls.supports_cuda_graph
@@ -159,12 +164,23 @@ class ModelRunner:
     def max_batch_size(self) -> int:
         return self.config.max_running_requests
 
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """An int64 device copy of `values`; small lists go through a pinned staging buffer (an async
+        copy), reused once the previous copy out of it has completed."""
+        if self._staging is None or len(values) > self._staging.numel():
+            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        self._staging_copied.synchronize()
+        host = self._staging[: len(values)]
+        host.numpy()[:] = values
+        out = host.to(self.device, non_blocking=True)
+        self._staging_copied.record()
+        return out
+
     def _batch(self, mode: ForwardMode, input_ids: list[int], positions: list[int],
                req_pool_indices: list[int], seq_lens: list[int], prefix_lens: list[int],
                extend_lens: list[int], out_cache_loc: torch.Tensor) -> ForwardBatch:
         # One host-to-device copy for all four index lists; the fields are views of it.
-        packed = torch.tensor(input_ids + positions + req_pool_indices + seq_lens, dtype=torch.int64)
-        packed = packed.to(self.device, non_blocking=True)
+        packed = self._to_device(input_ids + positions + req_pool_indices + seq_lens)
         t, b = len(input_ids), len(seq_lens)
         return ForwardBatch(
             mode=mode,
@@ -206,13 +222,18 @@ class ModelRunner:
         req_pool_indices: list[int],
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per request at `positions` (= KV length before this step): logits [B, vocab]."""
+        """One token per request at `positions` (= KV length before this step): records
+        `out_cache_loc` as each request's slot at its position in req_to_token, then returns
+        logits [B, vocab]. After a CUDA-graph replay `last_greedy_ids` holds each row's argmax
+        (a device tensor valid until the next forward), else None."""
         bs = len(input_ids)
         seq_lens = [p + 1 for p in positions]
+        self.last_greedy_ids = None
         bucket = self.cuda_graph_runner.bucket(bs) if self.cuda_graph_runner else None
         if bucket is None:
             fb = self._batch(ForwardMode.DECODE, input_ids, positions, req_pool_indices, seq_lens,
                              positions, [1] * bs, out_cache_loc)
+            fb.record_decode_slots()
             self.attn_backend.init_forward_metadata(fb)
             return self.model(fb.input_ids, fb.positions, fb)
         pad = bucket - bs
@@ -224,4 +245,5 @@ class ModelRunner:
             out_cache_loc = torch.cat([out_cache_loc, out_cache_loc.new_zeros(pad)])
         fb = self._batch(ForwardMode.DECODE, input_ids, positions, req_pool_indices, seq_lens,
                          positions, [1] * bucket, out_cache_loc)
-        return self.cuda_graph_runner.replay(fb, bs)
+        logits, self.last_greedy_ids = self.cuda_graph_runner.replay(fb, bs)
+        return logits

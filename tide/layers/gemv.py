@@ -47,13 +47,16 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
+    tl.store(Y + rows, y.to(W.dtype.element_ty).to(Y.dtype.element_ty), mask=row_mask)
 
 
 def config_for(k: int) -> tuple[int, int, int] | None:
-    """(block_n, block_k, num_warps): one row per program, 256 columns per warp; 1024-column chunks
-    up to K = 8192 and 2048 beyond, where each measured best on an H200. None: K is not a multiple
-    of 256."""
+    """(block_n, block_k, num_warps), one row per program. A power-of-two K up to 4096 is one tile, so
+    with PDL a program holds its whole weight row before the previous kernel ends; longer rows go in
+    2048-column chunks (8 warps), others in the widest of 1024/512/256 that divides K. Each choice
+    measured best in decode on an H200 (benchmarks/RESULTS.md). None: K is not a multiple of 256."""
+    if 256 <= k <= 4096 and k & (k - 1) == 0:
+        return 1, k, 4
     if k > 8192 and k % 2048 == 0:
         return 1, 2048, 8
     for block_k in (1024, 512, 256):
@@ -73,7 +76,8 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None,
          config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """y[1, N] = x[1, K] @ weight[N, K].T (+ bias), accumulated in fp32, in `out` or a new tensor."""
+    """y[1, N] = x[1, K] @ weight[N, K].T (+ bias), accumulated in fp32 and rounded to the weight
+    dtype, in `out` (any float dtype) or a new tensor."""
     n, k = weight.shape
     block_n, block_k, warps = config or config_for(k)  # type: ignore[misc]
     if out is None:

@@ -29,13 +29,16 @@ class Linear(nn.Module):
         layer.bias = None
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype,
+        is written there and returned."""
         if x.is_cuda and x.shape[0] == 1:
             from tide.layers import gemv
 
             if gemv.supported(x, self.weight):
-                return gemv.gemv(x, self.weight, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+                return gemv.gemv(x, self.weight, self.bias, out=out)
+        y = nn.functional.linear(x, self.weight, self.bias)
+        return y if out is None else out.copy_(y)
 
 
 class Embedding(nn.Module):

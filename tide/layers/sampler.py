@@ -40,11 +40,15 @@ class Sampler:
         return gen
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Req],
+                 greedy_ids: torch.Tensor | None = None) -> SampleOutput:
+        """`greedy_ids`, when given, is each row's argmax of `logits` already computed (the decode
+        graph leaves it); it is used when every row is greedy without penalties or logprobs."""
         logits = logits.float()
         if all(r.sampling_params.is_greedy and not r.return_logprob
                and not r.sampling_params.has_penalties for r in reqs):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), None, None)
+            ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
+            return SampleOutput(ids.tolist(), None, None)
         if any(r.sampling_params.has_penalties for r in reqs):
             logits = apply_penalties(logits, reqs)
         temps = torch.tensor(

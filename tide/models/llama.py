@@ -164,4 +164,4 @@ class LlamaForCausalLM(nn.Module):
         out = forward_batch.logits_out
         if out is None:
             return self.lm_head(hidden).float()
-        return out.copy_(self.lm_head(hidden))
+        return self.lm_head(hidden, out=out)

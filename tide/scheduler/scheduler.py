@@ -413,8 +413,7 @@ class Scheduler:
             return []
         out_cache_loc = self._alloc_kv(len(reqs))
         self._inflight_loc = out_cache_loc
-        for i, req in enumerate(reqs):
-            self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, out_cache_loc[i : i + 1])
+        # forward_decode records each new slot in req_to_token (inside the graph when captured).
         logits = self.runner.forward_decode(
             [r.output_ids[-1] for r in reqs],
             [r.kv_len for r in reqs],
@@ -427,7 +426,7 @@ class Scheduler:
             req.kv_len += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         reqs = list(reqs)
-        self._process_samples(logits, reqs, newly_prefilled=False)
+        self._process_samples(logits, reqs, newly_prefilled=False, greedy_ids=self.runner.last_greedy_ids)
         return reqs
 
     def _ensure_decode_room(self) -> None:
@@ -444,8 +443,9 @@ class Scheduler:
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.info("retracted request %s (KV exhausted)", req.rid)
 
-    def _process_samples(self, logits: torch.Tensor, reqs: list[Req], newly_prefilled: bool) -> None:
-        out = self.sampler(logits, reqs)
+    def _process_samples(self, logits: torch.Tensor, reqs: list[Req], newly_prefilled: bool,
+                         greedy_ids: torch.Tensor | None = None) -> None:
+        out = self.sampler(logits, reqs, greedy_ids)
         for i, req in enumerate(reqs):
             token = out.next_ids[i]
             req.output_ids.append(token)
