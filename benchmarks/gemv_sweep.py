@@ -23,7 +23,8 @@ from tide.layers import triton_ops
 
 SHAPES = {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 4096, 32),
           "down": (4096, 14336, 32), "lm_head": (128256, 4096, 4)}
-CONFIGS = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048) for w in (2, 4, 8)]
+CONFIGS = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048, 4096) for w in (2, 4, 8)
+           if bn * bk <= 8192]
 
 
 def graph_time(fn, reps: int = 20) -> float:
@@ -64,7 +65,7 @@ def main() -> None:
         outs = [torch.empty(1, n, device="cuda", dtype=dt) for _ in range(layers)]
         cublas = nbytes / graph_time(lambda: [F.linear(x, w) for w in ws]) / bw
         rows = {}
-        for cfg in CONFIGS:
+        for cfg in CONFIGS + [G.config_for(k)]:
             if k % cfg[1] == 0:
                 rows[str(cfg)] = nbytes / graph_time(
                     lambda: [G.gemv(x, w, out=o, config=cfg) for w, o in zip(ws, outs)]) / bw
