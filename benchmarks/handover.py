@@ -173,9 +173,13 @@ def part7(res: dict[str, Any]) -> None:
             next20 = [b - a for a, b in zip(after[1:21], after[2:22])]
             th.join()
             key = f"update_empty={upd_empty},continue_empty={cont_empty}"
-            emptied = {e.reason: {"stall_ms": e.stall_s * 1e3,
-                                  "freed_MiB": (e.reserved_before - e.reserved_after) / 2**20}
-                       for e in MEMORY_LEDGER.events if e.time >= wall0}
+            emptied: dict[str, dict[str, float]] = {}
+            for e in MEMORY_LEDGER.events:
+                if e.time >= wall0:
+                    row = emptied.setdefault(e.reason, {"calls": 0, "stall_ms": 0.0, "freed_MiB": 0.0})
+                    row["calls"] += 1
+                    row["stall_ms"] += e.stall_s * 1e3
+                    row["freed_MiB"] += (e.reserved_before - e.reserved_after) / 2**20
             steady_ms = sorted(steady)[len(steady) // 2] * 1e3
             res["7"][key] = {"update_ms": t_update * 1e3, "longest_gap_ms": gap * 1e3,
                              "next20_mean_step_ms": sum(next20) / len(next20) * 1e3,

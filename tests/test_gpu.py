@@ -61,10 +61,8 @@ class _Driver:
         return logits
 
     def decode(self, next_ids: list[int]) -> torch.Tensor:
-        pool, alloc = self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator
-        loc = alloc.alloc(len(next_ids))
-        for i, slot in enumerate(self.slots):
-            pool.write(slot, self.lens[i], loc[i : i + 1])
+        # forward_decode records the new slots in req_to_token itself.
+        loc = self.runner.token_to_kv_pool_allocator.alloc(len(next_ids))
         logits = self.runner.forward_decode(next_ids, list(self.lens), self.slots, loc)
         self.lens = [n + 1 for n in self.lens]
         return logits
@@ -211,20 +209,58 @@ def test_gemv_matches_linear(n, k, bias):
     ref = torch.nn.functional.linear(x, w, b).float()
     got = gemv.gemv(x, w, b).float()
     assert torch.allclose(got, ref, atol=2e-2, rtol=1e-2), (got - ref).abs().max()
+    # Several rows per program with a masked last block (the sweep's configs).
+    got = gemv.gemv(x, w, b, config=(4, 256, 2)).float()
+    assert torch.allclose(got, ref, atol=2e-2, rtol=1e-2), (got - ref).abs().max()
     assert not gemv.supported(torch.randn(2, k, device="cuda", dtype=torch.bfloat16), w)
     assert not gemv.supported(x[:, :100], w[:, :100].contiguous())
+    assert not gemv.supported(x[:, :256], w)
 
 
-def test_argmax_rows_matches_torch():
-    """First index of the maximum per row, ties and -inf rows included, as torch.argmax."""
+@pytest.mark.parametrize("vocab", [128256, 151936, 1000])
+def test_argmax_rows_matches_torch(vocab):
+    """First index of the maximum per row as torch.argmax: ties, -inf rows, NaN (the maximum),
+    and vocab sizes whose last chunks lie past the row end."""
     from tide.layers import triton_ops
 
     torch.manual_seed(0)
-    x = torch.randn(7, 128256, device="cuda")
-    x[1, 5000] = x[1, 90000] = 100.0  # a tie: the first index wins
+    x = torch.randn(9, vocab, device="cuda")
+    x[1, 500] = x[1, vocab - 10] = 100.0  # a tie: the first index wins
     x[2] = float("-inf")
     x[3, -1] = 50.0  # the last column
-    out = torch.empty(7, dtype=torch.int64, device="cuda")
+    x[4] = float("nan")
+    x[5, 7] = float("nan")
+    x[6, : min(vocab, 4096)] = float("nan")
+    x[7, 3] = float("inf")
+    x[7, 9] = float("nan")
+    out = torch.empty(9, dtype=torch.int64, device="cuda")
     triton_ops.argmax_rows(x, out)
     assert out.tolist() == x.argmax(dim=-1).tolist()
-    assert out[1].item() == 5000
+    assert out[1].item() == 500
+
+
+def test_memory_saver_graph_release_runs_eager(gqa_checkpoint):
+    """With `cuda_graph` released (alone, or after a staged resume of weights and kv_cache), decode
+    runs eager and gives the same tokens; resuming it replays the same graphs again."""
+    engine = tide.Engine(str(gqa_checkpoint), dtype="bfloat16", enable_memory_saver=True,
+                         enable_cpu_backup=True, max_total_tokens=50_000, max_running_requests=16)
+    runner = engine.model_runner
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    prompts = [list(range(3, 3 + n)) for n in (5, 40)]
+
+    def run():
+        return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+    before = run()
+    graphs = dict(runner.cuda_graph_runner.graphs)
+    assert engine.release_memory_occupation(["cuda_graph"])["success"]
+    assert runner.cuda_graph_runner.bucket(2) is None
+    assert run() == before
+    assert engine.release_memory_occupation()["success"]
+    assert engine.resume_memory_occupation(["weights"])["success"]
+    assert engine.resume_memory_occupation(["kv_cache"])["success"]
+    assert run() == before
+    assert engine.resume_memory_occupation(["cuda_graph"])["success"]
+    assert runner.cuda_graph_runner.bucket(2) == 2
+    assert all(runner.cuda_graph_runner.graphs[bs] is g for bs, g in graphs.items())
+    assert run() == before

@@ -75,6 +75,19 @@ def test_release_kv_cache_flushes_the_radix_cache(backed_up):
     assert out["meta_info"]["cached_tokens"] == 0
 
 
+def test_kv_resume_clears_the_request_table(backed_up):
+    """The request table comes back all zeros, its dummy row (every position -> KV slot 0) included."""
+    engine, _ = backed_up
+    reference = _greedy(engine)
+    pool = engine.model_runner.req_to_token_pool
+    pool.req_to_token.fill_(7)
+    assert engine.release_memory_occupation(["kv_cache"])["success"]
+    assert engine.resume_memory_occupation(["kv_cache"])["success"]
+    assert not pool.req_to_token.any()
+    assert _greedy(engine) == reference
+    engine.scheduler.check_invariants()
+
+
 def test_staged_resume_with_weight_update_and_no_backup_matches_hf(checkpoints):
     """release all -> resume weights -> push trained weights -> resume kv_cache -> HF's output."""
     path = checkpoints["qwen3"]

@@ -85,12 +85,13 @@ class CudaGraphRunner:
         # Each replay also leaves every row's argmax here, so greedy sampling needs no extra launch.
         self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.suspended = False  # the `cuda_graph` memory is released: replay nothing
         self.pool = None
         self.capture()
 
     def bucket(self, bs: int) -> int | None:
-        """The captured batch size that serves `bs` (None: run eager)."""
-        if not self.graphs:
+        """The captured batch size that serves `bs` (None: run eager, also while suspended)."""
+        if not self.graphs or self.suspended:
             return None
         i = bisect.bisect_left(self.batch_sizes, bs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
@@ -114,14 +115,19 @@ class CudaGraphRunner:
         )
 
     def release(self) -> None:
-        """Drop every graph and its memory pool (decode runs eager until `capture()` again)."""
+        """Drop every graph, its memory pool and the logits buffer (decode runs eager until
+        `capture()` again). Not for a `logits_region`, which is unmapped instead."""
         self.graphs.clear()
         self.pool = None
+        self.logits.untyped_storage().resize_(0)
 
     @torch.inference_mode()
     def capture(self) -> None:
         from tide.layers import triton_ops
 
+        storage = self.logits.untyped_storage()
+        if storage.nbytes() == 0:  # freed by release()
+            storage.resize_(self.logits.numel() * self.logits.element_size())
         self.pool = torch.cuda.graph_pool_handle()
         model = self.runner.model
         stream = torch.cuda.Stream()

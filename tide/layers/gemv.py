@@ -52,9 +52,10 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
 
 def config_for(k: int) -> tuple[int, int, int] | None:
     """(block_n, block_k, num_warps), one row per program. A power-of-two K up to 4096 is one tile, so
-    with PDL a program holds its whole weight row before the previous kernel ends; longer rows go in
-    2048-column chunks (8 warps), others in the widest of 1024/512/256 that divides K. Each choice
-    measured best in decode on an H200 (benchmarks/RESULTS.md). None: K is not a multiple of 256."""
+    with PDL a program holds its whole weight row before the previous kernel ends; K > 8192 goes in
+    2048-column chunks (8 warps); any other K in the widest of 1024/512/256 that divides it. The first
+    two measured best in decode on an H200 (benchmarks/RESULTS.md). None: K is not a multiple of 256.
+    (`block_n` > 1 and uneven N are for `gemv(config=...)`, which the sweep uses.)"""
     if 256 <= k <= 4096 and k & (k - 1) == 0:
         return 1, k, 4
     if k > 8192 and k % 2048 == 0:
@@ -66,9 +67,11 @@ def config_for(k: int) -> tuple[int, int, int] | None:
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv` serves `x @ weight.T`: one CUDA row and a contiguous weight with K % 256 == 0."""
+    """Whether `gemv` serves `x @ weight.T`: one CUDA row of K and a contiguous [N, K] weight with
+    K % 256 == 0."""
     return (
-        x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.is_contiguous()
+        x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2
+        and x.shape[1] == weight.shape[1] and weight.is_contiguous()
         and config_for(weight.shape[1]) is not None
     )
 
@@ -80,6 +83,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     dtype, in `out` (any float dtype) or a new tensor."""
     n, k = weight.shape
     block_n, block_k, warps = config or config_for(k)  # type: ignore[misc]
+    if k % block_k:
+        raise ValueError(f"config block_k {block_k} does not divide K = {k}")
     if out is None:
         out = torch.empty(1, n, dtype=weight.dtype, device=weight.device)
     x = x.contiguous()

@@ -149,8 +149,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _argmax_partial_kernel(X, Vals, Idx, n_cols, stride_x, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+def _argmax_partial_kernel(X, Vals, Idx, NanIdx, n_cols, stride_x, BLOCK: tl.constexpr,
+                           NUM_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -158,37 +158,45 @@ def _argmax_partial_kernel(X, Vals, Idx, n_cols, stride_x, BLOCK: tl.constexpr, 
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+    is_nan = x != x
+    x = tl.where(is_nan, float("-inf"), x)
     best = tl.max(x, 0)
-    first = tl.min(tl.where(x == best, cols, n_cols), 0)  # the first column holding the maximum
-    tl.store(Vals + row * NUM_CHUNKS + chunk, best)
-    tl.store(Idx + row * NUM_CHUNKS + chunk, first)
+    out = row * NUM_CHUNKS + chunk
+    tl.store(Vals + out, best)
+    # The first column holding the maximum, clamped to the row (a chunk past its end is all -inf).
+    tl.store(Idx + out, tl.minimum(tl.min(tl.where(x == best, cols, n_cols), 0), n_cols - 1))
+    tl.store(NanIdx + out, tl.min(tl.where(is_nan, cols, n_cols), 0))
 
 
 @triton.jit
-def _argmax_final_kernel(Vals, Idx, Out, n_cols, NUM_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+def _argmax_final_kernel(Vals, Idx, NanIdx, Out, n_cols, NUM_CHUNKS: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, NUM_CHUNKS)
-    vals = tl.load(Vals + row * NUM_CHUNKS + offs)
-    idx = tl.load(Idx + row * NUM_CHUNKS + offs)
+    offs = row * NUM_CHUNKS + tl.arange(0, NUM_CHUNKS)
+    vals = tl.load(Vals + offs)
+    idx = tl.load(Idx + offs)
     best = tl.max(vals, 0)
-    tl.store(Out + row, tl.min(tl.where(vals == best, idx, n_cols), 0).to(tl.int64))
+    first = tl.min(tl.where(vals == best, idx, n_cols), 0)
+    first_nan = tl.min(tl.load(NanIdx + offs), 0)  # NaN counts as the maximum, as in torch
+    tl.store(Out + row, tl.where(first_nan < n_cols, first_nan, first).to(tl.int64))
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[i] = the first index of the maximum of row i of a 2-D float tensor (as torch.argmax, for
-    rows without NaN), in two short launches that a CUDA graph can hold."""
+    """out[i] = the first index of the maximum of row i of a 2-D float tensor, as torch.argmax
+    (NaN counts as the maximum), in two short launches that a CUDA graph can hold."""
     rows, n_cols = x.shape
     block = 4096
     chunks = triton.next_power_of_2(triton.cdiv(n_cols, block))
     vals = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+    nan_idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     use_pdl = pdl.enabled(x)
-    _argmax_partial_kernel[(rows, chunks)](x, vals, idx, n_cols, x.stride(0), BLOCK=block,
+    _argmax_partial_kernel[(rows, chunks)](x, vals, idx, nan_idx, n_cols, x.stride(0), BLOCK=block,
                                            NUM_CHUNKS=chunks, USE_PDL=use_pdl, num_warps=8,
                                            launch_pdl=use_pdl)
-    _argmax_final_kernel[(rows,)](vals, idx, out, n_cols, NUM_CHUNKS=chunks, USE_PDL=use_pdl,
-                                  num_warps=1, launch_pdl=use_pdl)
+    _argmax_final_kernel[(rows,)](vals, idx, nan_idx, out, n_cols, NUM_CHUNKS=chunks,
+                                  USE_PDL=use_pdl, num_warps=1, launch_pdl=use_pdl)
     return out

@@ -4,12 +4,13 @@ Tags: `kv_cache` (the per-layer K/V buffers and the request-to-token table), `we
 parameters; buffers such as rotary tables are not weights and stay), `cuda_graph` (the captured decode
 graphs: their shared logits buffer, and on the portable path the graphs and their pool).
 
-On CUDA with the driver's virtual-memory API (the model runner's `use_vmm`), weights and KV live in
-`VmmRegion`s: release unmaps their physical memory and resume maps new memory at the same addresses, so
-captured CUDA graphs stay valid and are kept (the `cuda_graph` tag then frees nothing: the graphs'
-transient pool stays; their shared logits buffer is an address-stable region that is released). Elsewhere (CPU, or CUDA without that API) release frees a tag's storages in place
-(`untyped_storage().resize_(0)`, every tensor stays the same Python object), resume allocates them
-again, and a CUDA-graph runner re-captures. Either way, freed blocks go back to the driver through
+On CUDA with the driver's virtual-memory API (the model runner's `use_vmm`), weights, KV and the
+graphs' shared logits buffer live in `VmmRegion`s: release unmaps their physical memory and resume maps
+new memory at the same addresses, so captured CUDA graphs stay valid and are kept (their small
+transient pool stays too). While `cuda_graph` is released, decode runs eager. Elsewhere (CPU, or CUDA
+without that API) release frees a tag's storages in place (`untyped_storage().resize_(0)`, every tensor
+stays the same Python object), resume allocates them again, and a CUDA-graph runner drops its graphs
+and re-captures. Either way, freed blocks go back to the driver through
 `empty_device_cache(reason="release_memory")`. Weights come back from a host copy when
 `enable_cpu_backup`; otherwise they come back zeroed and the engine refuses to generate until a
 weight update has covered every parameter.
@@ -103,6 +104,8 @@ class MemoryOccupation:
                 self._backup = {
                     name: _host_copy(p.data) for name, p in self.runner.model.named_parameters()
                 }
+            if tag == "cuda_graph" and self.runner.cuda_graph_runner is not None:
+                self.runner.cuda_graph_runner.suspended = True  # decode runs eager meanwhile
             if region is not None:
                 region.unmap()
                 nbytes = region.size
@@ -134,6 +137,8 @@ class MemoryOccupation:
             region = self._region(tag)
             if region is not None:
                 region.remap()
+                if tag == "cuda_graph" and self.runner.cuda_graph_runner is not None:
+                    self.runner.cuda_graph_runner.suspended = False
                 if tag == "weights":
                     self._restore_weights()
                 elif tag == "kv_cache":
@@ -143,8 +148,10 @@ class MemoryOccupation:
                 continue
             if tag == "cuda_graph":
                 graphs = self.runner.cuda_graph_runner
-                if graphs is not None and not self.runner.use_vmm:
-                    graphs.capture()
+                if graphs is not None:
+                    if not self.runner.use_vmm:
+                        graphs.capture()
+                    graphs.suspended = False
                 continue
             tensors = (
                 [p.data for p in self.runner.model.parameters()]
