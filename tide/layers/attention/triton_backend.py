@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from tide.executor.model_runner import ModelRunner
     from tide.layers.attention.layer import Attention
 
-DEFAULT_NUM_KV_SPLITS = 64
+DEFAULT_NUM_KV_SPLITS = 128
 
 
 @register("triton")

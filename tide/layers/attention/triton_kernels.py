@@ -119,6 +119,9 @@ def _decode_stage2(
 
 
 MIN_SPLIT_LEN = 64
+# Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
+# H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
+DECODE_BLOCK_N = 32
 
 
 def num_kv_splits(parallel_rows: int, max_splits: int) -> int:
@@ -153,7 +156,7 @@ def decode_attention(
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         sm_scale,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
     )
