@@ -1,0 +1,80 @@
+"""Tune split-KV decode attention on a GPU host: `python -m benchmarks.decode_attn_sweep`.
+
+bs1, Llama-3.1-8B attention shape (32 q heads, 8 kv heads, head dim 128), 8 layers of distinct KV at
+1k, 8k and 32k context: times stage 1 + stage 2 in a CUDA graph for each (max splits, tokens per block,
+warps, stages) and prints the six fastest per context next to the earlier default (64, 64, 4, 2), with
+microseconds per layer, the KV bytes read as a fraction of copy bandwidth, and the largest output
+difference from the first config (all configs compute the same attention).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from benchmarks.run import measure_copy_bandwidth
+from tide.layers.attention import triton_kernels as tk
+
+HQ, HK, D, LAYERS = 32, 8, 128, 8
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    bw = measure_copy_bandwidth()
+    for ctx in (1024, 8192, 32768):
+        size = ctx + 16
+        ks = [torch.randn(size, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        vs = [torch.randn(size, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        q = torch.randn(1, HQ, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        table = torch.arange(size, device="cuda", dtype=torch.int32).view(1, size)
+        req = torch.zeros(1, dtype=torch.int64, device="cuda")
+        seq = torch.full((1,), ctx, dtype=torch.int64, device="cuda")
+        kv_bytes = LAYERS * ctx * HK * D * 2 * 2
+        res: dict[tuple[int, ...], tuple[float, float, float]] = {}
+        ref = None
+        for splits, block_n, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128),
+                                                                (4, 8), (2, 3, 4)):
+            mid_o = torch.empty(1, HQ, splits, D, device="cuda")
+            mid_l = torch.empty(1, HQ, splits, device="cuda")
+
+            def run() -> None:
+                for k, v in zip(ks, vs):
+                    tk._decode_stage1[(1, HK, splits)](
+                        q, k, v, table, req, seq, mid_o, mid_l, q.stride(0), q.stride(1), k.stride(0),
+                        k.stride(1), v.stride(0), v.stride(1), table.stride(0), mid_o.stride(0),
+                        mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), D**-0.5,
+                        GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D, HEAD_DIM=D,
+                        NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, USE_PDL=True,
+                        num_warps=warps, num_stages=stages, launch_pdl=True)
+                    tk._decode_stage2[(1, HQ)](
+                        mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+                        mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), BLOCK_D=D,
+                        HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, USE_PDL=True,
+                        num_warps=4, launch_pdl=True)
+
+            run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            graph.replay()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = out.clone()
+            err = (out.float() - ref.float()).abs().max().item()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(20):
+                graph.replay()
+            b.record()
+            b.synchronize()
+            t = a.elapsed_time(b) / 20 / 1e3
+            res[(splits, block_n, warps, stages)] = (t / LAYERS * 1e6, kv_bytes / t / bw, err)
+        print(f"{ctx}: earlier default (64, 64, 4, 2): {res[(64, 64, 4, 2)][0]:.2f} us/layer", flush=True)
+        for cfg, (us, frac, err) in sorted(res.items(), key=lambda kv: kv[1][0])[:6]:
+            print(f"   {cfg}: {us:.2f} us/layer, {frac:.3f} of copy bw, max diff {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
