@@ -127,6 +127,28 @@ class OpenAIServingBase:
             self.tm.abort_states(states, "client disconnected")
         return True
 
+    async def deltas(self, states: list[ReqState],
+                     event: asyncio.Event) -> AsyncIterator[tuple[int, ReqState, str, int, int, bool]]:
+        """What each request added since it was last seen, until all have finished: (index, state,
+        new text, first new token, token count, finished). A request's last delta has finished=True;
+        a request with nothing new is skipped."""
+        sent_text = [0] * len(states)
+        sent_tokens = [0] * len(states)
+        done = [False] * len(states)
+        while True:
+            for i, s in enumerate(states):
+                if done[i]:
+                    continue
+                text, n_tok, finished = s.text, len(s.output_ids), s.finished
+                if len(text) == sent_text[i] and n_tok == sent_tokens[i] and not finished:
+                    continue
+                start, delta = sent_tokens[i], text[sent_text[i]:]
+                sent_text[i], sent_tokens[i], done[i] = len(text), n_tok, finished
+                yield i, s, delta, start, n_tok, finished
+            if all(done):
+                return
+            await self.tm.wait(event)
+
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one instance per server
     def token_str(self, token_id: int) -> str:
         """A token's text as shown in logprobs (special tokens included)."""
@@ -270,10 +292,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             yield sse(e.body())
             return
         n = req.n
-        sent_text = [0] * len(states)
-        sent_tokens = [0] * len(states)
         text_pos = [len(prompts[i // n].text or "") if req.echo else 0 for i in range(len(states))]
-        done = [False] * len(states)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         prompt_tokens = sum(len(p.ids) for p in prompts)
 
@@ -292,32 +311,16 @@ class OpenAIServingCompletion(OpenAIServingBase):
                           if req.logprobs is not None else None)
                     yield chunk([{"index": i, "text": prompt.text or "", "logprobs": lp,
                                   "finish_reason": None}])
-            while True:
-                for i, s in enumerate(states):
-                    if done[i]:
-                        continue
-                    text = s.text
-                    n_tok = len(s.output_ids)
-                    if len(text) == sent_text[i] and n_tok == sent_tokens[i] and not s.finished:
-                        continue
-                    delta = text[sent_text[i]:]
-                    lp = None
-                    if req.logprobs is not None:
-                        lp = self._logprobs(s, sent_tokens[i], n_tok, False, prompts[i // n],
-                                            text_pos[i])
-                    text_pos[i] += len(delta)
-                    sent_text[i], sent_tokens[i] = len(text), n_tok
-                    finish = finish_reason_name(s.finished_reason)
-                    usage = None
-                    if s.finished:
-                        done[i] = True
-                        if all(done):
-                            usage = self.usage(prompt_tokens, states)
-                    yield chunk([{"index": i, "text": delta, "logprobs": lp,
-                                  "finish_reason": finish}], usage)
-                if all(done):
-                    break
-                await self.tm.wait(event)
+            finished_count = 0
+            async for i, s, delta, start, end, finished in self.deltas(states, event):
+                lp = None
+                if req.logprobs is not None:
+                    lp = self._logprobs(s, start, end, False, prompts[i // n], text_pos[i])
+                text_pos[i] += len(delta)
+                finished_count += finished
+                usage = self.usage(prompt_tokens, states) if finished_count == len(states) else None
+                yield chunk([{"index": i, "text": delta, "logprobs": lp,
+                              "finish_reason": finish_reason_name(s.finished_reason)}], usage)
             if include_usage:
                 yield chunk([], self.usage(prompt_tokens, states))
             yield SSE_DONE
@@ -423,9 +426,6 @@ class OpenAIServingChat(OpenAIServingBase):
         except APIError as e:
             yield sse(e.body())
             return
-        sent_text = [0] * len(states)
-        sent_tokens = [0] * len(states)
-        done = [False] * len(states)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
@@ -440,29 +440,15 @@ class OpenAIServingChat(OpenAIServingBase):
             for i in range(len(states)):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}])
-            while True:
-                for i, s in enumerate(states):
-                    if done[i]:
-                        continue
-                    text = s.text
-                    n_tok = len(s.output_ids)
-                    if len(text) == sent_text[i] and n_tok == sent_tokens[i] and not s.finished:
-                        continue
-                    delta_text = text[sent_text[i]:]
-                    lp = None
-                    if logprobs is not None:
-                        lp = {"content": self._logprobs(s, sent_tokens[i], n_tok), "refusal": None}
-                    sent_text[i], sent_tokens[i] = len(text), n_tok
-                    delta = {"content": delta_text} if delta_text else {}
-                    if s.finished:
-                        done[i] = True
-                    elif not delta_text and not (lp and lp["content"]):
-                        continue  # held-back bytes only: nothing to show yet
-                    yield chunk([{"index": i, "delta": delta, "logprobs": lp,
-                                  "finish_reason": finish_reason_name(s.finished_reason)}])
-                if all(done):
-                    break
-                await self.tm.wait(event)
+            async for i, s, delta_text, start, end, finished in self.deltas(states, event):
+                lp = None
+                if logprobs is not None:
+                    lp = {"content": self._logprobs(s, start, end), "refusal": None}
+                if not finished and not delta_text and not (lp and lp["content"]):
+                    continue  # held-back bytes only: nothing to show yet
+                yield chunk([{"index": i, "delta": {"content": delta_text} if delta_text else {},
+                              "logprobs": lp,
+                              "finish_reason": finish_reason_name(s.finished_reason)}])
             if include_usage:
                 yield chunk([], self.usage(len(prompts[0].ids), states))
             yield SSE_DONE
