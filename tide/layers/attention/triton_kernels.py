@@ -18,6 +18,29 @@ from tide.layers import pdl
 
 
 @triton.jit
+def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  offs_d, mask_d, sm_scale, m_i, l_i, acc):
+    """One block of keys and values (pool rows `slots`) through online softmax for the query rows of
+    `q`; `keep` [rows, BLOCK_N] says which scores count. Returns the updated (max, sum, output)."""
+    k = tl.load(
+        K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    )
+    qk = tl.where(keep, tl.dot(q, k) * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    v = tl.load(
+        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
@@ -59,24 +82,9 @@ def _decode_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        qk = tl.dot(q, k) * sm_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, mask_n[None, :], kvh, stride_kt,
+                                      stride_kh, stride_vt, stride_vh, offs_d, mask_d, sm_scale,
+                                      m_i, l_i, acc)
     out = acc / l_i[:, None]
     lse = m_i + tl.log(l_i)
     tl.store(
@@ -208,25 +216,9 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )
-        qk = tl.dot(q, k) * sm_scale
-        keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal over the new tokens
+        m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh,
+                                      stride_vt, stride_vh, offs_d, mask_d, sm_scale, m_i, l_i, acc)
     out = acc / l_i[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
