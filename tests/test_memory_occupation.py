@@ -118,6 +118,29 @@ def test_staged_resume_with_weight_update_and_no_backup_matches_hf(checkpoints):
         assert out["meta_info"]["weight_version"] == "trained"
 
 
+def test_cpu_backup_buffers_are_reused_and_refreshed(checkpoints):
+    """The host copy of the weights is allocated once and refreshed on every release: after a weight
+    update, release -> resume brings back the updated weights, not the first backup."""
+    path = checkpoints["qwen3"]
+    engine = _engine(path, backup=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    before = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+    assert engine.release_memory_occupation(["weights"])["success"]
+    first = {name: t.data_ptr() for name, t in engine.memory_occupation._host.items()}
+    assert engine.resume_memory_occupation(["weights"])["success"]
+    sgd_steps(hf, steps=2, lr=0.5, seed=4)
+    hf.eval()
+    assert engine.update_weights_from_tensor(named_tensors=named_weights(hf))["success"]
+    assert engine.release_memory_occupation(["weights"])["success"]
+    assert {name: t.data_ptr() for name, t in engine.memory_occupation._host.items()} == first
+    assert engine.resume_memory_occupation(["weights"])["success"]
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    tokens, _ = hf_greedy_logprobs(hf, PROMPTS[0], GREEDY["max_new_tokens"])
+    assert out["output_ids"] == tokens
+    assert tokens != before  # the update changed the output, so a stale backup would show
+
+
 def test_release_while_requests_run_is_refused_and_changes_nothing(backed_up):
     engine, reference = backed_up
     kv, weights = _kv_bytes(engine), _weight_bytes(engine)
