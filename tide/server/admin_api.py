@@ -172,6 +172,12 @@ def _result(out: ControlReqOutput, param: str | None = None, code: str = "update
                          **extra})
 
 
+def _update_options(body: Any) -> dict[str, Any]:
+    """The four options every weight-update body carries, as keyword arguments."""
+    return {"flush_cache": body.flush_cache, "abort_all_requests": body.abort_all_requests,
+            "weight_version": body.weight_version, "torch_empty_cache": body.torch_empty_cache}
+
+
 def _memory_tags(tags: list[str] | None) -> list[str] | None:
     """`tags` checked (a 400 naming `tags` for an empty list or an unknown tag); None stays None."""
     from tide.memory.occupation import parse_tags
@@ -200,9 +206,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         body = await _parse(request, UpdateWeightFromDiskInput)
         path = resolve_weight_path(body.model_path, weight_roots)
         return await update("disk", "model_path", lambda r: UpdateWeightFromDiskReqInput(
-            req_id=r, model_path=path, load_format=body.load_format,
-            abort_all_requests=body.abort_all_requests, weight_version=body.weight_version,
-            flush_cache=body.flush_cache, torch_empty_cache=body.torch_empty_cache))
+            req_id=r, model_path=path, load_format=body.load_format, **_update_options(body)))
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Response:
@@ -211,17 +215,14 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         return await update("tensor", "serialized_named_tensors",
                             lambda r: UpdateWeightsFromTensorReqInput(
             req_id=r, serialized_named_tensors=payload, load_format=body.load_format,
-            flush_cache=body.flush_cache, abort_all_requests=body.abort_all_requests,
-            weight_version=body.weight_version, torch_empty_cache=body.torch_empty_cache))
+            **_update_options(body)))
 
     @app.post("/update_weights_from_ipc")
     async def update_weights_from_ipc(request: Request) -> Response:
         body = await _parse(request, UpdateWeightsFromIPCInput)
         payload = _one_payload(body.serialized_buckets, "serialized_buckets")
         return await update("ipc", "serialized_buckets", lambda r: UpdateWeightsFromIPCReqInput(
-            req_id=r, serialized_buckets=payload, flush_cache=body.flush_cache,
-            abort_all_requests=body.abort_all_requests, weight_version=body.weight_version,
-            torch_empty_cache=body.torch_empty_cache))
+            req_id=r, serialized_buckets=payload, **_update_options(body)))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> Response:
@@ -243,9 +244,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
                                     code="invalid_value")
         return await update("distributed", "names", lambda r: UpdateWeightsFromDistributedReqInput(
             req_id=r, names=body.names, dtypes=body.dtypes, shapes=body.shapes,
-            group_name=body.group_name, load_format=body.load_format,
-            flush_cache=body.flush_cache, abort_all_requests=body.abort_all_requests,
-            weight_version=body.weight_version, torch_empty_cache=body.torch_empty_cache))
+            group_name=body.group_name, load_format=body.load_format, **_update_options(body)))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:

@@ -63,39 +63,36 @@ class ShutdownReq(msgspec.Struct, tag=True):
     req_id: str
 
 
-class UpdateWeightFromDiskReqInput(msgspec.Struct, tag=True):
+class WeightUpdateOptions(msgspec.Struct, kw_only=True):
+    """The options every weight update takes (sglang's names and defaults)."""
+
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightFromDiskReqInput(WeightUpdateOptions, tag=True):
     """Load an HF safetensors directory (already checked against `--allowed-weight-roots`)."""
 
     req_id: str
     model_path: str
     load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    flush_cache: bool = True
-    torch_empty_cache: bool = False
 
 
-class UpdateWeightsFromTensorReqInput(msgspec.Struct, tag=True):
+class UpdateWeightsFromTensorReqInput(WeightUpdateOptions, tag=True):
     """`serialized_named_tensors` made by `tide.weights.serialize_named_tensors` (one payload)."""
 
     req_id: str
     serialized_named_tensors: str
     load_format: str | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    torch_empty_cache: bool = False
 
 
-class UpdateWeightsFromIPCReqInput(msgspec.Struct, tag=True):
+class UpdateWeightsFromIPCReqInput(WeightUpdateOptions, tag=True):
     """Serialized flattened buckets whose buffers are CUDA IPC handles of a colocated trainer."""
 
     req_id: str
     serialized_buckets: str
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    torch_empty_cache: bool = False
 
 
 class InitWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
@@ -115,7 +112,7 @@ class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
     group_name: str = "weight_update_group"
 
 
-class UpdateWeightsFromDistributedReqInput(msgspec.Struct, tag=True):
+class UpdateWeightsFromDistributedReqInput(WeightUpdateOptions, tag=True):
     """Receive the tensors rank 0 broadcasts over `group_name`, in `names` order."""
 
     req_id: str
@@ -124,10 +121,6 @@ class UpdateWeightsFromDistributedReqInput(msgspec.Struct, tag=True):
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
     load_format: str | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    torch_empty_cache: bool = False
 
 
 class GetWeightsByNameReqInput(msgspec.Struct, tag=True):
