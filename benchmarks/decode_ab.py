@@ -10,10 +10,10 @@ import gc
 import sys
 from typing import Callable
 
-import torch
 
 import tide.layers.gemv as gemv
 from benchmarks.run import bs1_decode, make_engine
+from benchmarks.timing import replay_seconds
 from tide.memory import empty_device_cache
 
 Config = tuple[int, int, int]
@@ -31,26 +31,13 @@ VARIANTS: dict[str, Callable[[int], Config]] = {
 }
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def main() -> None:
     original = gemv.config_for
     for name in sys.argv[1:] or list(VARIANTS):
         gemv.config_for = VARIANTS[name]
         engine = make_engine("llama-3.1-8b", cuda_graph_max_bs=1, max_total_tokens=20000)
         tok_s = max(bs1_decode(engine, 128, 256) for _ in range(2))
-        ms = replay_ms(engine.model_runner.cuda_graph_runner.graphs[1])
+        ms = replay_seconds(engine.model_runner.cuda_graph_runner.graphs[1], reps=50, warmup=5) * 1e3
         print(f"{name}: {tok_s:.1f} tok/s, replay {ms:.3f} ms", flush=True)
         engine.shutdown()
         del engine

@@ -14,6 +14,7 @@ import itertools
 import torch
 
 from benchmarks.run import measure_copy_bandwidth
+from benchmarks.timing import replay_seconds
 from tide.layers.attention import triton_kernels as tk
 
 HQ, HK, D, LAYERS = 32, 8, 128, 8
@@ -58,18 +59,10 @@ def main() -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 run()
-            graph.replay()
-            torch.cuda.synchronize()
+            t = replay_seconds(graph, reps=20)
             if ref is None:
                 ref = out.clone()
             err = (out.float() - ref.float()).abs().max().item()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(20):
-                graph.replay()
-            b.record()
-            b.synchronize()
-            t = a.elapsed_time(b) / 20 / 1e3
             res[(splits, block_n, warps, stages)] = (t / LAYERS * 1e6, kv_bytes / t / bw, err)
         print(f"{ctx}: earlier default (64, 64, 4, 2): {res[(64, 64, 4, 2)][0]:.2f} us/layer", flush=True)
         for cfg, (us, frac, err) in sorted(res.items(), key=lambda kv: kv[1][0])[:6]:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.run import measure_copy_bandwidth
+from benchmarks.timing import capture, replay_seconds
 from tide.layers import gemv as G
 from tide.layers import triton_ops
 
@@ -29,23 +30,7 @@ CONFIGS = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048, 4096) for
 
 def graph_time(fn, reps: int = 20) -> float:
     """Seconds per call of `fn` captured once in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3 / reps
+    return replay_seconds(capture(fn), reps)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from benchmarks.run import make_engine
+from benchmarks.timing import replay_seconds
 
 
 def main() -> None:
@@ -34,16 +35,7 @@ def main() -> None:
     per_token = (t129 - t1) / 128
     gr = engine.model_runner.cuda_graph_runner
     g = gr.graphs[1]
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(50):
-        g.replay()
-    b.record()
-    b.synchronize()
-    replay = a.elapsed_time(b) / 50 / 1e3
+    replay = replay_seconds(g, reps=50, warmup=5)
     print(f"engine per token {per_token * 1e3:.3f} ms ({1 / per_token:.1f} tok/s); "
           f"graph replay {replay * 1e3:.3f} ms ({1 / replay:.1f} tok/s); "
           f"host/other {(per_token - replay) * 1e3:.3f} ms")

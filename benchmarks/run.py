@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.shapes import SHAPES, config_dir
+from benchmarks.shapes import config_dir
 from tide.memory import empty_device_cache
 
 
