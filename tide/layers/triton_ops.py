@@ -108,6 +108,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     pool (else rotate k in place). q/k/v: [T, heads * head_dim] views with unit stride in the last
     dim; cos/sin: [max_pos, head_dim] tables (the first half is used: neox layout)."""
     store = out_cache_loc is not None
+    use_pdl = pdl.enabled(q)
     kb = k_buffer if store else k
     vb = v_buffer if store else v
     _rope_store_kernel[(q.shape[0],)](
@@ -117,7 +118,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         QH_P2=triton.next_power_of_2(num_q_heads), KH_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
-        STORE_KV=store, USE_PDL=pdl.enabled(q), num_warps=4, launch_pdl=pdl.enabled(q),
+        STORE_KV=store, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
 

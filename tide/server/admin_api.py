@@ -303,21 +303,20 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             req_id=r, torch_empty_cache=body.torch_empty_cache))
         return _result(out, param=None, code="invalid_value")
 
-    @app.post("/release_memory_occupation")
-    async def release_memory_occupation(request: Request) -> Response:
-        body = await _parse(request, MemoryOccupationInput, allow_empty=True)
-        tags = _memory_tags(body.tags)
-        out = await tm.admin(lambda r: ReleaseMemoryOccupationReqInput(req_id=r, tags=tags))
-        return _result(out, code="memory_occupation_failed",
-                       released_bytes=out.data.get("released_bytes", {}))
+    def memory_occupation_route(path: str, message: type) -> None:
+        """`path` takes `{tags}` and replies with the bytes each tag has released."""
 
-    @app.post("/resume_memory_occupation")
-    async def resume_memory_occupation(request: Request) -> Response:
-        body = await _parse(request, MemoryOccupationInput, allow_empty=True)
-        tags = _memory_tags(body.tags)
-        out = await tm.admin(lambda r: ResumeMemoryOccupationReqInput(req_id=r, tags=tags))
-        return _result(out, code="memory_occupation_failed",
-                       released_bytes=out.data.get("released_bytes", {}))
+        async def route(request: Request) -> Response:
+            body = await _parse(request, MemoryOccupationInput, allow_empty=True)
+            tags = _memory_tags(body.tags)
+            out = await tm.admin(lambda r: message(req_id=r, tags=tags))
+            return _result(out, code="memory_occupation_failed",
+                           released_bytes=out.data.get("released_bytes", {}))
+
+        app.post(path, name=path.strip("/"))(route)
+
+    memory_occupation_route("/release_memory_occupation", ReleaseMemoryOccupationReqInput)
+    memory_occupation_route("/resume_memory_occupation", ResumeMemoryOccupationReqInput)
 
     @app.get("/dump_memory_timeline")
     async def dump_memory_timeline() -> Response:
