@@ -71,6 +71,7 @@ from tide.server.protocol import (
     UpdateWeightsFromTensorInput,
     UpdateWeightVersionInput,
 )
+from tide.server.openapi import json_body
 from tide.server.tokenizer_manager import TokenizerManager
 from tide.server.utils import parse_body
 
@@ -201,14 +202,15 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         metrics.on_weight_update(source, out.success, time.perf_counter() - start)
         return _result(out, param=param)
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", openapi_extra=json_body(UpdateWeightFromDiskInput))
     async def update_weights_from_disk(request: Request) -> Response:
         body = await _parse(request, UpdateWeightFromDiskInput)
         path = resolve_weight_path(body.model_path, weight_roots)
         return await update("disk", "model_path", lambda r: UpdateWeightFromDiskReqInput(
             req_id=r, model_path=path, load_format=body.load_format, **_update_options(body)))
 
-    @app.post("/update_weights_from_tensor")
+    @app.post("/update_weights_from_tensor",
+              openapi_extra=json_body(UpdateWeightsFromTensorInput))
     async def update_weights_from_tensor(request: Request) -> Response:
         body = await _parse(request, UpdateWeightsFromTensorInput)
         payload = _one_payload(body.serialized_named_tensors, "serialized_named_tensors")
@@ -217,14 +219,15 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             req_id=r, serialized_named_tensors=payload, load_format=body.load_format,
             **_update_options(body)))
 
-    @app.post("/update_weights_from_ipc")
+    @app.post("/update_weights_from_ipc", openapi_extra=json_body(UpdateWeightsFromIPCInput))
     async def update_weights_from_ipc(request: Request) -> Response:
         body = await _parse(request, UpdateWeightsFromIPCInput)
         payload = _one_payload(body.serialized_buckets, "serialized_buckets")
         return await update("ipc", "serialized_buckets", lambda r: UpdateWeightsFromIPCReqInput(
             req_id=r, serialized_buckets=payload, **_update_options(body)))
 
-    @app.post("/update_weights_from_distributed")
+    @app.post("/update_weights_from_distributed",
+              openapi_extra=json_body(UpdateWeightsFromDistributedInput))
     async def update_weights_from_distributed(request: Request) -> Response:
         from tide.weights.update import parse_dtype
 
@@ -246,7 +249,8 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             req_id=r, names=body.names, dtypes=body.dtypes, shapes=body.shapes,
             group_name=body.group_name, load_format=body.load_format, **_update_options(body)))
 
-    @app.post("/init_weights_update_group")
+    @app.post("/init_weights_update_group",
+              openapi_extra=json_body(InitWeightsUpdateGroupInput))
     async def init_weights_update_group(request: Request) -> Response:
         body = await _parse(request, InitWeightsUpdateGroupInput)
         if body.rank_offset >= body.world_size:
@@ -259,14 +263,16 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             group_name=body.group_name, backend=body.backend))
         return _result(out, param="group_name", code="group_failed")
 
-    @app.post("/destroy_weights_update_group")
+    @app.post("/destroy_weights_update_group",
+              openapi_extra=json_body(DestroyWeightsUpdateGroupInput, required=False))
     async def destroy_weights_update_group(request: Request) -> Response:
         body = await _parse(request, DestroyWeightsUpdateGroupInput, allow_empty=True)
         out = await tm.admin(lambda r: DestroyWeightsUpdateGroupReqInput(
             req_id=r, group_name=body.group_name))
         return _result(out, param="group_name", code="group_failed")
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"],
+                   openapi_extra=json_body(GetWeightsByNameInput, required=False))
     async def get_weights_by_name(request: Request) -> Response:
         raw = await request.body()
         if request.method == "GET" and not raw.strip():
@@ -282,7 +288,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             raise AdminAPIError(out.message, param="name", code="invalid_value")
         return JSONResponse(out.data.get("values", []))
 
-    @app.post("/update_weight_version")
+    @app.post("/update_weight_version", openapi_extra=json_body(UpdateWeightVersionInput))
     async def update_weight_version(request: Request) -> Response:
         body = await _parse(request, UpdateWeightVersionInput)
         out = await tm.admin(lambda r: UpdateWeightVersionReqInput(
@@ -290,13 +296,15 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         return _result(out, param="new_version", code="invalid_value",
                        new_version=out.data.get("new_version", body.new_version))
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation",
+              openapi_extra=json_body(PauseGenerationInput, required=False))
     async def pause_generation(request: Request) -> Response:
         body = await _parse(request, PauseGenerationInput, allow_empty=True)
         out = await tm.admin(lambda r: PauseGenerationReqInput(req_id=r, mode=body.mode))
         return _result(out, param="mode", code="invalid_value")
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation",
+              openapi_extra=json_body(ContinueGenerationInput, required=False))
     async def continue_generation(request: Request) -> Response:
         body = await _parse(request, ContinueGenerationInput, allow_empty=True)
         out = await tm.admin(lambda r: ContinueGenerationReqInput(
@@ -313,7 +321,8 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             return _result(out, code="memory_occupation_failed",
                            released_bytes=out.data.get("released_bytes", {}))
 
-        app.post(path, name=path.strip("/"))(route)
+        app.post(path, name=path.strip("/"),
+                 openapi_extra=json_body(MemoryOccupationInput, required=False))(route)
 
     memory_occupation_route("/release_memory_occupation", ReleaseMemoryOccupationReqInput)
     memory_occupation_route("/resume_memory_occupation", ResumeMemoryOccupationReqInput)

@@ -30,6 +30,7 @@ from tide.server.admin_api import ADMIN_HANDOVER_PATHS, add_admin_routes
 from tide.server.errors import APIError
 from tide.server.metrics import CONTENT_TYPE, ServerMetrics
 from tide.server.native_api import NativeServing
+from tide.server.openapi import install_openapi, json_body
 from tide.server.openai_api import OpenAIServingChat, OpenAIServingCompletion, models_response
 from tide.server.protocol import (
     AbortReqInput,
@@ -114,8 +115,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         finally:
             await tm.stop()
 
-    app = FastAPI(title="tide", version=tide.__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tide", version=tide.__version__, lifespan=lifespan, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json",
+                  description="OpenAI-compatible and sglang-compatible LLM serving (tide).")
     auth = Auth(args.api_key, args.admin_api_key)
     completions = OpenAIServingCompletion(tm, args.model_names)
     chat = OpenAIServingChat(tm, args.model_names)
@@ -161,20 +163,25 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         return models_response([model_id], args.engine.model_path, tm.model_info.context_len,
                                started)["data"][0]
 
-    @app.post("/v1/completions")
+    @app.get("/")
+    async def index() -> dict[str, Any]:
+        return {"name": "tide", "version": tide.__version__, "models": args.model_names,
+                "openapi": "/openapi.json", "docs": "/docs", "health": "/health"}
+
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def create_completion(request: Request) -> Response:
         return await completions.create(await parse_body(request, CompletionRequest), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await parse_body(request, ChatCompletionRequest), request)
 
     # ---- native (sglang paths)
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=json_body(GenerateReqInput))
     async def generate(request: Request) -> Response:
         return await native.generate(await parse_body(request, GenerateReqInput), request)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=json_body(AbortReqInput))
     async def abort_request(request: Request) -> Response:
         body = await parse_body(request, AbortReqInput)
         if body.abort_all:
@@ -187,7 +194,8 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
                            code="invalid_value")
         return JSONResponse({"success": True, "num_aborted": count})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route("/flush_cache", methods=["GET", "POST"],
+                   openapi_extra=json_body(FlushCacheInput, required=False))
     async def flush_cache(request: Request) -> Response:
         if request.method == "POST":
             body = await parse_body(request, FlushCacheInput, allow_empty=True)
@@ -203,6 +211,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         return PlainTextResponse(f"Cache not flushed: {message}\n", status_code=400)
 
     add_admin_routes(app, tm, args.weight_roots, metrics)
+    install_openapi(app)
 
     @app.get("/health")
     async def health() -> Response:
