@@ -42,7 +42,7 @@ def main() -> None:
         engine.shutdown()
         del engine
         gc.collect()
-        empty_device_cache(reason="benchmark_teardown")
+        empty_device_cache(reason="benchmark_teardown", ledger=None)
     gemv.config_for = original
 
 

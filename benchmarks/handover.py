@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.run import make_engine, measure_copy_bandwidth
-from tide.memory.device import MEMORY_LEDGER, empty_device_cache
+from tide.memory import empty_device_cache
 from tide.weights import flatten_by_dtype
 from tide.weights.mapping import STACKED_PARAMS
 
@@ -144,7 +144,7 @@ def part7(res: dict[str, Any]) -> None:
     import gc
 
     gc.collect()
-    empty_device_cache(reason="benchmark_setup")
+    empty_device_cache(reason="benchmark_setup", ledger=None)
     clock = StepClock(engine)
     res["7"] = {}
     for upd_empty in (False, True):
@@ -174,7 +174,7 @@ def part7(res: dict[str, Any]) -> None:
             th.join()
             key = f"update_empty={upd_empty},continue_empty={cont_empty}"
             emptied: dict[str, dict[str, float]] = {}
-            for e in MEMORY_LEDGER.events:
+            for e in engine.memory_ledger.events:
                 if e.time >= wall0:
                     row = emptied.setdefault(e.reason, {"calls": 0, "stall_ms": 0.0, "freed_MiB": 0.0})
                     row["calls"] += 1
@@ -192,8 +192,8 @@ def part7(res: dict[str, Any]) -> None:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
         a @ a
-    empty_device_cache(reason="stall_probe")
-    stall = [e for e in MEMORY_LEDGER.events if e.reason == "stall_probe"][-1].stall_s
+    empty_device_cache(reason="stall_probe", ledger=engine.memory_ledger)
+    stall = [e for e in engine.memory_ledger.events if e.reason == "stall_probe"][-1].stall_s
     res["7_empty_cache_stall_ms"] = stall * 1e3
     print(f"(7) empty_device_cache host stall behind ~200 queued 8k matmuls: {stall * 1e3:.1f} ms", flush=True)
     engine.shutdown()
@@ -237,7 +237,7 @@ def part8(res: dict[str, Any], cycles: int) -> None:
         import gc
 
         gc.collect()
-        empty_device_cache(reason="benchmark_teardown")
+        empty_device_cache(reason="benchmark_teardown", ledger=None)
 
 
 def main() -> None:
@@ -262,7 +262,7 @@ def main() -> None:
             import gc
 
             gc.collect()
-            empty_device_cache(reason="benchmark_teardown")
+            empty_device_cache(reason="benchmark_teardown", ledger=None)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def hf_throughput(shape: str, reqs, batch_size: int) -> dict[str, float]:
     in_tokens = sum(len(p) for p, _ in reqs)
     del model
     gc.collect()
-    empty_device_cache(reason="benchmark_teardown")
+    empty_device_cache(reason="benchmark_teardown", ledger=None)
     return {"seconds": dt, "output_tok_s": out_tokens / dt, "total_tok_s": (in_tokens + out_tokens) / dt,
             "batch_size": batch_size}
 
@@ -186,7 +186,7 @@ def main() -> None:
         engine.shutdown()
         del engine
         gc.collect()
-        empty_device_cache(reason="benchmark_teardown")
+        empty_device_cache(reason="benchmark_teardown", ledger=None)
     if "c" in parts:
         for shape in shapes:
             r = hf_throughput(shape, reqs, args.hf_batch_size)

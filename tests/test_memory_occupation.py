@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -195,3 +197,20 @@ def test_handover_cycle_is_on_the_memory_timeline(backed_up, tmp_path):
     png = tmp_path / "timeline.png"
     assert main(["memory-plot", str(path), "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_engine_keeps_its_own_memory_ledger(checkpoints, backed_up, tmp_path):
+    """Two engines in one process: marks and timelines of one never show in the other's."""
+    first, _ = backed_up
+    second = _engine(checkpoints["llama"], backup=False)
+    assert first.memory_ledger is not second.memory_ledger
+    before = first.memory_ledger.mark_counts()
+    assert second.pause_generation("retract")["success"]
+    assert second.continue_generation(torch_empty_cache=False)["success"]
+    assert first.memory_ledger.mark_counts() == before
+    assert [m.kind for m in second.memory_ledger.marks] == ["engine_ready", "pause", "continue"]
+    path = tmp_path / "second.json"
+    second.dump_memory_timeline(str(path))
+    kinds = [e["kind"] for e in json.loads(path.read_text())["events"] if e["type"] == "mark"]
+    assert kinds == ["engine_ready", "pause", "continue"]
+    second.shutdown()

@@ -10,16 +10,15 @@ import types
 import pytest
 import torch
 
-from tide.memory import device
-from tide.memory.device import (
-    MEMORY_LEDGER,
+from tide.memory import ledger as ledger_module
+from tide.memory.ledger import (
     TIMELINE_FORMAT,
     MemoryLedger,
     MemoryMark,
     ReleaseEvent,
     check_timeline,
-    empty_device_cache,
 )
+from tide.memory.release import empty_device_cache
 
 pytest.importorskip("matplotlib")
 
@@ -75,12 +74,12 @@ def test_mark_needs_a_kind():
         MemoryLedger(max_events=0)
 
 
-def test_global_ledger_is_bounded_and_has_the_engine_api():
-    assert MEMORY_LEDGER.max_events == device.DEFAULT_MAX_EVENTS == 100_000
-    n = len(MEMORY_LEDGER.marks)
-    MEMORY_LEDGER.mark("unit_test", "global ledger")
-    assert MEMORY_LEDGER.marks[n:][-1].kind == "unit_test"
-    assert MEMORY_LEDGER.mark_counts()["unit_test"] >= 1
+def test_default_ledger_is_bounded():
+    ledger = MemoryLedger()
+    assert ledger.max_events == ledger_module.DEFAULT_MAX_EVENTS == 100_000
+    ledger.mark("unit_test", "a ledger of its own")
+    assert [m.kind for m in ledger.marks] == ["unit_test"]
+    assert ledger.mark_counts() == {"unit_test": 1}
 
 
 # ---------------------------------------------------------------- bounded storage, exact totals
@@ -139,13 +138,12 @@ def test_empty_device_cache_puts_release_points_on_the_timeline():
     fake = types.SimpleNamespace(empty_cache=lambda: None, is_available=lambda: True,
                                  memory_reserved=lambda: next(reserved),
                                  memory_allocated=lambda: GiB // 2)
-    n = len(MEMORY_LEDGER.events)
-    assert empty_device_cache(fake, reason="unit-timeline")
-    event = MEMORY_LEDGER.events[n]
+    ledger = MemoryLedger()
+    assert empty_device_cache(fake, reason="unit-timeline", ledger=ledger)
+    [event] = ledger.events
     assert (event.reserved_before, event.reserved_after, event.allocated_after) == (
         3 * GiB, GiB, GiB // 2)
-    as_json = [e for e in MEMORY_LEDGER.to_dict()["events"]
-               if e["type"] == "release" and e["reason"] == "unit-timeline"][-1]
+    [as_json] = [e for e in ledger.to_dict()["events"] if e["type"] == "release"]
     assert as_json["freed_bytes"] == 2 * GiB and as_json["allocated"] == GiB // 2
     assert as_json["start"] == pytest.approx(as_json["time"] - as_json["stall_s"])
 

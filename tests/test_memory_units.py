@@ -12,7 +12,7 @@ import torch
 
 import tide
 from tide.memory import empty_device_cache
-from tide.memory.device import MEMORY_LEDGER
+from tide.memory.ledger import MemoryLedger
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.memory.radix_cache import RadixCache
 
@@ -329,17 +329,17 @@ def test_req_to_token_pool_slots():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only contract")
 def test_empty_device_cache_is_noop_on_cpu():
-    before = len(MEMORY_LEDGER.events)
-    assert empty_device_cache(reason="test") is False
-    assert len(MEMORY_LEDGER.events) == before
+    ledger = MemoryLedger()
+    assert empty_device_cache(reason="test", ledger=ledger) is False
+    assert ledger.events == []
 
 
 def test_empty_device_cache_requires_reason():
     with pytest.raises(ValueError, match="reason"):
-        empty_device_cache(reason="")
+        empty_device_cache(reason="", ledger=None)
     fake = types.SimpleNamespace(empty_cache=lambda: None)
     with pytest.raises(ValueError, match="reason"):
-        empty_device_cache(fake, reason="")
+        empty_device_cache(fake, reason="", ledger=None)
 
 
 def test_empty_device_cache_calls_backend_and_records():
@@ -350,29 +350,30 @@ def test_empty_device_cache_calls_backend_and_records():
         is_available=lambda: True,
         memory_reserved=lambda: next(reserved),
     )
-    before = len(MEMORY_LEDGER.events)
-    assert empty_device_cache(fake, reason="unit-test-release") is True
+    ledger, other = MemoryLedger(), MemoryLedger()
+    assert empty_device_cache(fake, reason="unit-test-release", ledger=ledger) is True
     assert calls == [1]
-    event = MEMORY_LEDGER.events[before]
+    [event] = ledger.events
     assert event.reason == "unit-test-release"
     assert (event.reserved_before, event.reserved_after) == (1000, 400)
-    assert MEMORY_LEDGER.totals()["unit-test-release"]["freed_bytes"] >= 600
+    assert ledger.totals()["unit-test-release"]["freed_bytes"] == 600
+    assert other.events == []  # a release is recorded only in the ledger it was given
 
 
 def test_empty_device_cache_skips_unavailable_or_missing_backend():
     calls = []
     unavailable = types.SimpleNamespace(empty_cache=lambda: calls.append(1), is_available=lambda: False)
-    assert empty_device_cache(unavailable, reason="x") is False
-    assert empty_device_cache(types.SimpleNamespace(), reason="x") is False
+    assert empty_device_cache(unavailable, reason="x", ledger=None) is False
+    assert empty_device_cache(types.SimpleNamespace(), reason="x", ledger=None) is False
     assert calls == []
 
 
 _EMPTY_CACHE_CALL = re.compile(r"\.empty_cache\s*\(")
 
 
-def test_only_device_module_empties_the_cache():
+def test_only_the_release_module_empties_the_cache():
     root = Path(tide.__file__).parent
-    allowed = root / "memory" / "device.py"
+    allowed = root / "memory" / "release.py"
     offenders = []
     for path in sorted(root.rglob("*.py")):
         if path == allowed:

@@ -300,21 +300,21 @@ def _with_one_bad(named, kind: str) -> tuple[list[tuple[str, torch.Tensor]], str
 def releases(monkeypatch):
     """Spy on `empty_device_cache` wherever tide looks it up. Each call records (reason, probe())
     where `releases.probe` may be set by the test; the real function still runs (a no-op on CPU)."""
-    from tide.memory import device
+    from tide.memory import release
 
-    real = device.empty_device_cache
+    real = release.empty_device_cache
     spy = SimpleNamespace(calls=[], probe=lambda: None)
 
-    def fake(device_module=None, *, reason):
+    def fake(device_module=None, *, reason, ledger):
         spy.calls.append((reason, spy.probe()))
-        return real(device_module, reason=reason)
+        return real(device_module, reason=reason, ledger=ledger)
 
     patched = []
     for name, module in list(sys.modules.items()):
         if name.split(".")[0] == "tide" and getattr(module, "empty_device_cache", None) is real:
             monkeypatch.setattr(module, "empty_device_cache", fake)
             patched.append(name)
-    assert {"tide.engine", "tide.scheduler.scheduler", "tide.memory.device"} <= set(patched)
+    assert {"tide.engine", "tide.scheduler.scheduler", "tide.memory.release"} <= set(patched)
     spy.reasons = lambda: [r for r, _ in spy.calls]
     return spy
 
@@ -440,7 +440,7 @@ def test_no_allocator_empty_cache_outside_device_module_ast():
     """Complements tests/test_memory_units.py's regex check: also catches aliased imports
     (`from torch.cuda import empty_cache`), `getattr(mod, "empty_cache")` and the raw C hook."""
     root = Path(tide.__file__).parent
-    allowed = root / "memory" / "device.py"
+    allowed = root / "memory" / "release.py"
     offenders = []
     for path in sorted(root.rglob("*.py")):
         if path == allowed:

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
     plot = sub.add_parser("memory-plot",
-                          help="draw a memory timeline (MEMORY_LEDGER.dump_json or GET "
+                          help="draw a memory timeline (Engine.dump_memory_timeline or GET "
                                "/dump_memory_timeline) as a PNG")
     plot.add_argument("timeline", help="timeline JSON file")
     plot.add_argument("-o", "--output", default=None,

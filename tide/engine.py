@@ -15,7 +15,9 @@ import torch
 
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
-from tide.memory.device import MEMORY_LEDGER, empty_device_cache
+from tide.memory.ledger import MemoryLedger
+from tide.memory.observe import reserved_bytes
+from tide.memory.release import empty_device_cache
 from tide.memory.occupation import MemoryOccupation, parse_tags
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
@@ -45,16 +47,19 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
-        self.model_runner = ModelRunner(self.config, self.model_config)
+        self.memory_ledger = MemoryLedger()  # this engine's release points and lifecycle marks
+        self.model_runner = ModelRunner(self.config, self.model_config, self.memory_ledger)
         self.scheduler = Scheduler(
             self.config,
             self.model_runner,
             self.eos_token_ids,
             self._decode if self.tokenizer is not None else None,
+            self.memory_ledger,
         )
         self.context_len = self.model_runner.context_len
         self.weight_updater = WeightUpdater(self.model_runner.model, self.model_runner.device)
-        self.memory_occupation = MemoryOccupation(self.model_runner, self.config.enable_cpu_backup)
+        self.memory_occupation = MemoryOccupation(self.model_runner, self.config.enable_cpu_backup,
+                                                  self.memory_ledger)
         # One lock for the scheduler and the model: generate() from several threads, and pause /
         # update / continue from another, interleave only between steps.
         self._cond = threading.Condition(threading.RLock())
@@ -62,7 +67,7 @@ class Engine:
         # plain lock is not fair: the stepping thread would re-take it before anyone else).
         self._controls_waiting = 0
         self._controls_lock = threading.Lock()
-        MEMORY_LEDGER.mark("engine_ready", f"{self.model_config.architecture} on {self.model_runner.device}")
+        self.memory_ledger.mark("engine_ready", f"{self.model_config.architecture} on {self.model_runner.device}")
 
     # ---- generation
     def generate(
@@ -236,7 +241,7 @@ class Engine:
         with self._control():
             ok, message = self.scheduler.flush_cache(empty_cache)
             if ok:
-                MEMORY_LEDGER.mark("flush_cache", f"empty_cache={empty_cache}")
+                self.memory_ledger.mark("flush_cache", f"empty_cache={empty_cache}")
         if not ok:
             logger.warning(message)
         return ok
@@ -250,7 +255,7 @@ class Engine:
                 count = self.scheduler.pause_generation(mode)
             except ValueError as e:
                 return _result(False, str(e))
-            MEMORY_LEDGER.mark("pause", f"mode={mode}, {count} request(s)")
+            self.memory_ledger.mark("pause", f"mode={mode}, {count} request(s)")
         return _result(True, f"paused ({mode}); {count} request(s) affected", count)
 
     def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, Any]:
@@ -258,12 +263,12 @@ class Engine:
         (the one release point that undoes fragmentation from in-place updates)."""
         with self._control():
             if torch_empty_cache:
-                before = _reserved_bytes()
-                empty_device_cache(reason="continue_generation")
+                before = reserved_bytes()
+                empty_device_cache(reason="continue_generation", ledger=self.memory_ledger)
                 logger.info("continue_generation: reserved %.1f MiB -> %.1f MiB",
-                            before / 2**20, _reserved_bytes() / 2**20)
+                            before / 2**20, reserved_bytes() / 2**20)
             self.scheduler.continue_generation()
-            MEMORY_LEDGER.mark("continue", f"torch_empty_cache={torch_empty_cache}")
+            self.memory_ledger.mark("continue", f"torch_empty_cache={torch_empty_cache}")
         return _result(True, "continued")
 
     def update_weights_from_disk(
@@ -429,7 +434,7 @@ class Engine:
                     sched.memory_block_reason = self._memory_block_reason()
                 sched.flush_cache_after_weight_update(opts.flush_cache, opts.torch_empty_cache)
                 elapsed = time.perf_counter() - start
-                MEMORY_LEDGER.mark("weight_update", f"{count} tensors, {elapsed * 1e3:.1f} ms, "
+                self.memory_ledger.mark("weight_update", f"{count} tensors, {elapsed * 1e3:.1f} ms, "
                                                     f"version={sched.weight_version}")
             finally:
                 sched.admission_blocked = False
@@ -458,7 +463,7 @@ class Engine:
             if "weights" in tags:
                 self.weight_updater.reset_coverage()
             sched.memory_block_reason = self._memory_block_reason()
-            MEMORY_LEDGER.mark("release", f"{tags}: {freed / 2**20:.1f} MiB")
+            self.memory_ledger.mark("release", f"{tags}: {freed / 2**20:.1f} MiB")
         return _result(True, f"released {tags}: {freed / 2**20:.1f} MiB")
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
@@ -472,13 +477,13 @@ class Engine:
                 return _result(False, str(e))
             self.memory_occupation.resume(tags)
             self.scheduler.memory_block_reason = self._memory_block_reason()
-            MEMORY_LEDGER.mark("resume", str(tags))
+            self.memory_ledger.mark("resume", str(tags))
         return _result(True, f"resumed {tags}")
 
     def dump_memory_timeline(self, path: str) -> None:
         """Write the memory ledger (release points and lifecycle marks) as JSON for
         `tide memory-plot`."""
-        MEMORY_LEDGER.dump_json(path)
+        self.memory_ledger.dump_json(path)
 
     def _memory_saver_tags(self, op: str, tags: list[str] | None) -> list[str]:
         if not self.config.enable_memory_saver:
@@ -523,10 +528,6 @@ class Engine:
 
 def _result(success: bool, message: str, num_paused_requests: int = 0) -> dict[str, Any]:
     return {"success": success, "message": message, "num_paused_requests": num_paused_requests}
-
-
-def _reserved_bytes() -> int:
-    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:

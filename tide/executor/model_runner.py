@@ -11,7 +11,8 @@ from tide.config import EngineConfig
 from tide.executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
 from tide.layers.attention import get_attention_backend_class
-from tide.memory.device import available_device_memory
+from tide.memory.ledger import MemoryLedger
+from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
@@ -48,8 +49,10 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 ledger: MemoryLedger | None = None) -> None:
         self.config = config
+        self.ledger = ledger
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
@@ -108,7 +111,7 @@ class ModelRunner:
         return model.eval()
 
     def _move_weights_to_vmm(self) -> "VmmRegion":
-        from tide.memory.device import empty_device_cache
+        from tide.memory.release import empty_device_cache
         from tide.memory.vmm import VmmRegion, region_nbytes
 
         params = list(self.model.parameters())
@@ -118,7 +121,7 @@ class ModelRunner:
             view.copy_(p.data)
             p.data = view
         torch.cuda.synchronize(self.device)
-        empty_device_cache(reason="memory_saver_setup")  # the weights' first home goes back
+        empty_device_cache(reason="memory_saver_setup", ledger=self.ledger)  # the weights' first home goes back
         return region
 
     def _init_pools(self) -> None:

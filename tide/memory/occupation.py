@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from tide.memory.device import empty_device_cache
+from tide.memory.ledger import MemoryLedger
+from tide.memory.release import empty_device_cache
 
 if TYPE_CHECKING:
     from tide.executor.model_runner import ModelRunner
@@ -53,8 +54,10 @@ def parse_tags(tags: Iterable[str] | str | None) -> list[str]:
 class MemoryOccupation:
     """Which tags are released, how many bytes each gave back, and the weights' host copy."""
 
-    def __init__(self, runner: "ModelRunner", enable_cpu_backup: bool) -> None:
+    def __init__(self, runner: "ModelRunner", enable_cpu_backup: bool,
+                 ledger: MemoryLedger | None) -> None:
         self.runner = runner
+        self.ledger = ledger
         self.enable_cpu_backup = enable_cpu_backup
         self._released: dict[str, int] = {}
         self._backup: dict[str, torch.Tensor] = {}  # filled while weights are released
@@ -116,7 +119,7 @@ class MemoryOccupation:
                 if graphs is not None:
                     before = torch.cuda.memory_reserved(self.runner.device)
                     graphs.release()
-                    empty_device_cache(reason="release_memory")
+                    empty_device_cache(reason="release_memory", ledger=self.ledger)
                     nbytes = max(0, before - torch.cuda.memory_reserved(self.runner.device))
             else:
                 for storage in self._storages(tag):
@@ -125,7 +128,7 @@ class MemoryOccupation:
             self._released[tag] = nbytes
             freed += nbytes
         if self.runner.device.type == "cuda":
-            empty_device_cache(reason="release_memory")
+            empty_device_cache(reason="release_memory", ledger=self.ledger)
         return freed
 
     def resume(self, tags: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""Draw a memory timeline (`MEMORY_LEDGER.dump_json` / `GET /dump_memory_timeline`) as a PNG.
+"""Draw a memory timeline (`Engine.dump_memory_timeline` / `GET /dump_memory_timeline`) as a PNG.
 
 `tide memory-plot ledger.json -o timeline.png` calls `plot_timeline`. It reads only the JSON (no
 engine, no device): reserved and allocated bytes over time as step lines (the value holds until the
@@ -19,7 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tide.memory.device import SOURCE_CPU_RSS, check_timeline
+from tide.memory.ledger import check_timeline
+from tide.memory.observe import SOURCE_CPU_RSS
 
 KIND_COLORS = {
     "pause": "#e67e22",

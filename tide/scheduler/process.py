@@ -51,7 +51,7 @@ import torch
 import zmq
 
 from tide.config import EngineConfig
-from tide.memory.device import MEMORY_LEDGER, device_memory_stats
+from tide.memory.observe import device_memory_stats
 from tide.server.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -135,7 +135,7 @@ def run_scheduler_process(
         ready.close()
         return
     info = proc.static_info()
-    MEMORY_LEDGER.mark("scheduler_ready", f"pid {os.getpid()}, {info['max_total_tokens']} KV slots")
+    engine.memory_ledger.mark("scheduler_ready", f"pid {os.getpid()}, {info['max_total_tokens']} KV slots")
     ready.send_bytes(encode_message(SchedulerReady(info=info)))
     ready.close()
     try:
@@ -284,7 +284,7 @@ class SchedulerProcess:
         elif isinstance(msg, (ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput)):
             self._handle_memory_occupation(msg)
         elif isinstance(msg, DumpMemoryTimelineReqInput):
-            self._reply(msg.req_id, True, data={"timeline": MEMORY_LEDGER.to_dict()})
+            self._reply(msg.req_id, True, data={"timeline": self.engine.memory_ledger.to_dict()})
         elif isinstance(msg, GetWeightsByNameReqInput):
             try:
                 values = self.engine.get_weights_by_name(msg.name, msg.truncate_size)
@@ -626,7 +626,7 @@ class SchedulerProcess:
             "admission_blocked": sched.admission_blocked,
             "num_pending_weight_updates": len(self.pending_updates),
             "weight_update_groups": sorted(self.engine.weight_updater.groups),
-            "memory_ledger": MEMORY_LEDGER.totals(),
+            "memory_ledger": self.engine.memory_ledger.totals(),
             "memory": self.memory_info(),
         }
 

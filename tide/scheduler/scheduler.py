@@ -21,7 +21,8 @@ import torch
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
 from tide.layers.sampler import Sampler
-from tide.memory.device import empty_device_cache
+from tide.memory.ledger import MemoryLedger
+from tide.memory.release import empty_device_cache
 from tide.memory.radix_cache import RadixCache
 from tide.scheduler.request import Req
 
@@ -51,8 +52,10 @@ class Scheduler:
         model_runner: ModelRunner,
         eos_token_ids: tuple[int, ...],
         decode_text: Callable[[list[int]], str] | None,
+        ledger: MemoryLedger | None = None,
     ) -> None:
         self.config = config
+        self.ledger = ledger
         self.runner = model_runner
         self.eos_token_ids = set(eos_token_ids)
         self.decode_text = decode_text
@@ -173,7 +176,7 @@ class Scheduler:
             )
         self._reset_kv_state()
         if empty_cache:
-            empty_device_cache(reason="flush_cache")
+            empty_device_cache(reason="flush_cache", ledger=self.ledger)
         return True, "cache flushed"
 
     def _release_kv(self, req: Req) -> None:
@@ -252,7 +255,7 @@ class Scheduler:
                         self.req_to_token_pool, self.allocator, disable=self.config.disable_radix_cache
                     )
         if torch_empty_cache:
-            empty_device_cache(reason="weight_update")
+            empty_device_cache(reason="weight_update", ledger=self.ledger)
 
     def check_invariants(self) -> None:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""

@@ -160,7 +160,7 @@ class ResumeMemoryOccupationReqInput(msgspec.Struct, tag=True):
 
 
 class DumpMemoryTimelineReqInput(msgspec.Struct, tag=True):
-    """Reply with the scheduler process's memory timeline (`MEMORY_LEDGER.to_dict()`) in
+    """Reply with the scheduler process's memory timeline (its `MemoryLedger.to_dict()`) in
     `data["timeline"]`."""
 
     req_id: str

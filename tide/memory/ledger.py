@@ -1,11 +1,11 @@
-"""The only place tide empties a device allocator cache, memory observation that never frees, and the
-memory ledger (the timeline of every release point and lifecycle event).
+"""The memory ledger: the timeline of every allocator release point and lifecycle event of one engine.
 
-`empty_device_cache` waits for all queued device work, so it is called only at named release points;
-each call is recorded (reason, host stall, reserved bytes before/after) in `MEMORY_LEDGER`. The engine
-adds lifecycle marks (`MEMORY_LEDGER.mark("pause")`, `"weight_update"`, `"release"`, `"resume"`, ...)
-with the device's reserved/allocated bytes at that moment, so the ledger is a memory timeline that
-`MEMORY_LEDGER.dump_json(path)` writes and `tide memory-plot` draws.
+Each engine (in-process `Engine`, or the scheduler process of `tide serve`) owns one `MemoryLedger` and
+passes it to whatever records into it: `empty_device_cache(reason=..., ledger=...)` records each release
+(reason, host stall, reserved bytes before/after), and the scheduler side adds lifecycle marks
+(`ledger.mark("pause")`, `"weight_update"`, `"release"`, `"resume"`, ...) with the device's
+reserved/allocated bytes at that moment. `dump_json(path)` writes the timeline that `tide memory-plot`
+draws.
 
 Bounded: the ledger keeps the newest `max_events` entries (releases and marks together); per-reason
 release totals are running sums, so `totals()` stays exact however many entries were dropped.
@@ -19,16 +19,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
-import torch
+from tide.memory.observe import SOURCE_CPU_RSS, SOURCE_CUDA, device_memory_stats
 
 TIMELINE_FORMAT = "tide.memory_timeline/1"
 DEFAULT_MAX_EVENTS = 100_000
-# What "reserved"/"allocated" mean in a mark, by source.
-SOURCE_CUDA = "cuda"  # torch.cuda.memory_reserved() / memory_allocated() of the current device
-SOURCE_CPU_RSS = "cpu_rss"  # no CUDA context: allocated = this process's resident set, reserved = 0
 _SOURCE_NOTES = {
     SOURCE_CUDA: "reserved/allocated: torch.cuda.memory_reserved()/memory_allocated() of the "
                  "current device (the caching allocator's view)",
@@ -81,29 +77,6 @@ class MemoryMark:
 
 
 TimelineEntry = ReleaseEvent | MemoryMark
-
-
-def _process_rss() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource  # peak, not current: the best portable fallback
-
-        scale = 1 if os.uname().sysname == "Darwin" else 1024
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
-
-
-def device_memory_stats() -> dict[str, Any]:
-    """`{"reserved", "allocated", "source"}` now. CUDA figures when this process has a CUDA context
-    (never creates one); otherwise the process RSS as `allocated` and 0 `reserved` (source cpu_rss)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        try:
-            return {"reserved": int(torch.cuda.memory_reserved()),
-                    "allocated": int(torch.cuda.memory_allocated()), "source": SOURCE_CUDA}
-        except (RuntimeError, AssertionError):  # a broken context must not fail the caller
-            pass
-    return {"reserved": 0, "allocated": _process_rss(), "source": SOURCE_CPU_RSS}
 
 
 class MemoryLedger:
@@ -230,8 +203,8 @@ def check_timeline(data: Any) -> list[dict[str, Any]]:
     if not isinstance(data, dict) or data.get("format") != TIMELINE_FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"not a tide memory timeline (format {got!r}, expected "
-                         f"{TIMELINE_FORMAT!r}); write one with MEMORY_LEDGER.dump_json or "
-                         "GET /dump_memory_timeline")
+                         f"{TIMELINE_FORMAT!r}); write one with Engine.dump_memory_timeline "
+                         "or GET /dump_memory_timeline")
     events = data.get("events")
     if not isinstance(events, list):
         raise ValueError("memory timeline: 'events' must be a list")
@@ -254,59 +227,3 @@ def _entry_from_dict(e: dict[str, Any]) -> TimelineEntry:
                             int(e["reserved_after"]), float(e["time"]), int(e.get("allocated", 0)))
     return MemoryMark(e["kind"], e.get("detail", ""), int(e["reserved"]), int(e["allocated"]),
                       float(e["time"]), e.get("source", SOURCE_CUDA))
-
-
-MEMORY_LEDGER = MemoryLedger()
-
-
-def _device_module(device_module: ModuleType | None) -> ModuleType | None:
-    if device_module is not None:
-        return device_module
-    if torch.cuda.is_available():
-        return torch.cuda
-    try:
-        return torch.get_device_module()
-    except (RuntimeError, AttributeError):
-        return None
-
-
-def _query(module: ModuleType, name: str) -> int:
-    fn = getattr(module, name, None)
-    try:
-        return int(fn()) if fn is not None else 0
-    except (RuntimeError, AssertionError):
-        return 0
-
-
-def _reserved(module: ModuleType) -> int:
-    return _query(module, "memory_reserved")
-
-
-def empty_device_cache(device_module: ModuleType | None = None, *, reason: str) -> bool:
-    """Return cached allocator blocks to the device. False (and nothing done) where the backend has
-    no `empty_cache` or no device is initialised."""
-    if not reason:
-        raise ValueError("reason must be a non-empty string")
-    module = _device_module(device_module)
-    fn = getattr(module, "empty_cache", None) if module is not None else None
-    is_available = getattr(module, "is_available", None)
-    if fn is None or (is_available is not None and not is_available()):
-        return False
-    before = _reserved(module)
-    start = time.perf_counter()
-    fn()
-    stall = time.perf_counter() - start
-    MEMORY_LEDGER.record(ReleaseEvent(reason, stall, before, _reserved(module), time.time(),
-                                      _query(module, "memory_allocated")))
-    return True
-
-
-def available_device_memory(device: torch.device, empty_cache: bool = False) -> int:
-    """Free bytes on `device` (host RAM for CPU). Observes only, unless `empty_cache` is asked for."""
-    if device.type == "cuda":
-        if empty_cache:
-            empty_device_cache(torch.cuda, reason="observe_memory")
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
