@@ -10,9 +10,10 @@ import torch
 
 import tide
 from conftest import random_prompts
-from tide.layers.sampler import Sampler, apply_penalties, truncate
+from tide.layers.sampler import Sampler, SamplingBatchInfo, apply_penalties, truncate
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
+from tide.scheduler.schedule_batch import sampling_info
 
 MAX_NEW = 32
 PROMPT = random_prompts(31, [12])[0]
@@ -25,6 +26,17 @@ def _req(origin=(1,), output=(), **params) -> Req:
         origin_input_ids=list(origin),
         sampling_params=SamplingParams(**params),
         output_ids=list(output),
+    )
+
+
+def _info(reqs: list[Req]) -> SamplingBatchInfo:
+    """The sampler's arguments for `reqs`, spelled out (never the argmax-only shortcut)."""
+    return SamplingBatchInfo(
+        params=[r.sampling_params for r in reqs],
+        output_ids=[r.output_ids for r in reqs],
+        prompt_ids=[r.origin_input_ids for r in reqs],
+        return_logprob=[r.return_logprob for r in reqs],
+        top_logprobs_num=[r.top_logprobs_num for r in reqs],
     )
 
 
@@ -261,7 +273,7 @@ def _kept(row: torch.Tensor) -> set[int]:
 )
 def test_truncate_masks(params, kept):
     probs = torch.tensor([PROBS])
-    out = truncate(probs.clone(), [_req(**params)])
+    out = truncate(probs.clone(), [SamplingParams(**params)])
     assert _kept(out[0]) == kept
     # Kept entries keep their values (no renormalisation: the draw is scale-free).
     for i in kept:
@@ -270,8 +282,8 @@ def test_truncate_masks(params, kept):
 
 def test_truncate_per_row_parameters():
     probs = torch.tensor([PROBS, PROBS[::-1], PROBS])
-    reqs = [_req(top_k=2), _req(min_p=0.5), _req()]
-    out = truncate(probs.clone(), reqs)
+    params = [SamplingParams(top_k=2), SamplingParams(min_p=0.5), SamplingParams()]
+    out = truncate(probs.clone(), params)
     assert _kept(out[0]) == {3, 1}
     assert _kept(out[1]) == {1, 3}  # reversed row: 0.4 at id 1, 0.3 at id 3
     assert torch.equal(out[2], probs[2])
@@ -285,7 +297,7 @@ LOGITS = [1.0, -2.0, 3.0, -0.5, 0.25, 2.0]
 
 def test_frequency_penalty_exact():
     req = _req(origin=[1, 4], output=[2, 3, 3, 3], frequency_penalty=0.5)
-    out = apply_penalties(torch.tensor([LOGITS]), [req])[0]
+    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
     expected = list(LOGITS)
     expected[2] -= 0.5 * 1
     expected[3] -= 0.5 * 3
@@ -294,7 +306,7 @@ def test_frequency_penalty_exact():
 
 def test_presence_penalty_exact():
     req = _req(origin=[1, 4], output=[2, 3, 3, 3], presence_penalty=0.75)
-    out = apply_penalties(torch.tensor([LOGITS]), [req])[0]
+    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
     expected = list(LOGITS)
     expected[2] -= 0.75
     expected[3] -= 0.75
@@ -303,7 +315,7 @@ def test_presence_penalty_exact():
 
 def test_repetition_penalty_exact():
     req = _req(origin=[1, 2, 2], output=[3, 4], repetition_penalty=2.0)
-    out = apply_penalties(torch.tensor([LOGITS]), [req])[0]
+    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
     expected = list(LOGITS)
     for t in (1, 2, 3, 4):  # prompt and output tokens, each once even if repeated
         expected[t] = expected[t] / 2.0 if expected[t] > 0 else expected[t] * 2.0
@@ -315,7 +327,7 @@ def test_combined_penalties_and_untouched_rows():
     before = logits.clone()
     pen = _req(origin=[0], output=[2, 2], frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.5)
     plain = _req(origin=[0], output=[2, 2])
-    out = apply_penalties(logits, [pen, plain])
+    out = apply_penalties(logits, _info([pen, plain]))
     assert torch.equal(logits, before), "apply_penalties must not modify its input"
     assert torch.equal(out[1], before[1])
     expected = list(LOGITS)
@@ -326,7 +338,7 @@ def test_combined_penalties_and_untouched_rows():
 
 def test_penalties_with_no_output_yet():
     req = _req(origin=[5], output=[], frequency_penalty=1.0, presence_penalty=1.0)
-    out = apply_penalties(torch.tensor([LOGITS]), [req])[0]
+    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
     assert out.tolist() == pytest.approx(LOGITS)
 
 
@@ -344,7 +356,7 @@ def test_sampler_greedy_rows_and_logprobs():
     for r in reqs:
         r.return_logprob = True
     reqs[0].top_logprobs_num = 3
-    out = Sampler(seed=0)(logits.clone(), reqs)
+    out = Sampler(seed=0)(logits.clone(), _info(reqs))
     assert out.next_ids[0] == int(logits[0].argmax())
     assert out.next_ids[1] == int(logits[1].argmax())
     temps = [1.0, 0.5, 2.0]  # temperature 0 reports logprobs at temperature 1
@@ -355,8 +367,24 @@ def test_sampler_greedy_rows_and_logprobs():
     vals, ids = torch.log_softmax(logits[0], -1).topk(3)
     assert [t for _, t in out.top_logprobs[0]] == ids.tolist()
     # Seeded rows: same draw whatever else is in the batch.
-    again = Sampler(seed=123)(logits[2:].clone(), [reqs[2]])
+    again = Sampler(seed=123)(logits[2:].clone(), _info([reqs[2]]))
     assert again.next_ids[0] == out.next_ids[2]
+
+
+def test_sampling_info_takes_the_argmax_shortcut_only_when_every_row_allows_it():
+    greedy = _req(temperature=0.0)
+    info = sampling_info([greedy, _req(temperature=0.0, top_k=1)])
+    assert info.argmax_only and info.size == 0  # the shared shortcut: nothing else is read
+    logprob = _req(temperature=0.0)
+    logprob.return_logprob = True
+    for other in (logprob, _req(temperature=0.0, repetition_penalty=1.2), _req(temperature=0.7)):
+        info = sampling_info([greedy, other])
+        assert not info.argmax_only and info.size == 2
+        assert info.params[1] is other.sampling_params and info.output_ids[1] is other.output_ids
+    # The shortcut uses the argmax a CUDA-graph replay already computed, when given.
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 1.0]])
+    out = Sampler(seed=0)(logits, sampling_info([greedy, greedy]), torch.tensor([1, 0]))
+    assert out.next_ids == [1, 0] and out.logprobs is None
 
 
 def test_sampler_draw_follows_distribution():
@@ -368,7 +396,7 @@ def test_sampler_draw_follows_distribution():
     n = 2000
     rows = logits.repeat(n, 1)
     reqs = [_req(temperature=1.0) for _ in range(n)]
-    for tok in sampler(rows, reqs).next_ids:
+    for tok in sampler(rows, _info(reqs)).next_ids:
         counts[tok] += 1
     freq = counts / n
     # 4 sigma of a binomial at n=2000 is < 0.045.

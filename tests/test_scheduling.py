@@ -520,10 +520,11 @@ class _ScriptedSampler:
     def __init__(self, script: list[int]) -> None:
         self.script = script
 
-    def __call__(self, logits, reqs, greedy_ids=None):
+    def __call__(self, logits, info, greedy_ids=None):
         from tide.layers.sampler import SampleOutput
 
-        return SampleOutput([self.script[len(r.output_ids)] for r in reqs], None, None)
+        assert not info.argmax_only, "these requests sample (temperature 1): rows carry their outputs"
+        return SampleOutput([self.script[len(out)] for out in info.output_ids], None, None)
 
 
 @pytest.fixture(scope="module")
@@ -547,7 +548,7 @@ def test_scripted_stop_strings(scripted_engine, monkeypatch, text, stop):
     tok = scripted_engine.tokenizer
     ids = tok.encode(text)
     assert tok.decode(ids) == text
-    monkeypatch.setattr(scripted_engine.scheduler, "sampler", _ScriptedSampler(ids + [5] * 8))
+    monkeypatch.setattr(scripted_engine.worker, "sampler", _ScriptedSampler(ids + [5] * 8))
     # The token that completes the first occurrence of the stop string.
     k = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
     out = scripted_engine.generate(

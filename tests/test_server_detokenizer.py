@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tide.server.detokenizer import IncrementalDetokenizer
+from tide.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,14 @@ from tide.executor.model_runner import ModelRunner
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import reserved_bytes
 from tide.memory.release import empty_device_cache
-from tide.memory.occupation import MemoryOccupation, parse_tags
+from tide.memory.occupation import parse_tags
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
 from tide.scheduler.scheduler import Scheduler
+from tide.scheduler.worker import TpModelWorker
+from tide.tokenizer import load_tokenizer
 from tide.weights.update import LOAD_FORMATS, WeightUpdateOptions, WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -48,18 +50,12 @@ class Engine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self.memory_ledger = MemoryLedger()  # this engine's release points and lifecycle marks
-        self.model_runner = ModelRunner(self.config, self.model_config, self.memory_ledger)
-        self.scheduler = Scheduler(
-            self.config,
-            self.model_runner,
-            self.eos_token_ids,
-            self._decode if self.tokenizer is not None else None,
-            self.memory_ledger,
-        )
-        self.context_len = self.model_runner.context_len
-        self.weight_updater = WeightUpdater(self.model_runner.model, self.model_runner.device)
-        self.memory_occupation = MemoryOccupation(self.model_runner, self.config.enable_cpu_backup,
-                                                  self.memory_ledger)
+        self.worker = TpModelWorker(self.config, self.model_config, self.memory_ledger)
+        self.scheduler = Scheduler(self.config, self.worker, self.eos_token_ids, self.tokenizer,
+                                   self.memory_ledger)
+        self.context_len = self.worker.context_len
+        self.weight_updater = self.worker.weight_updater
+        self.memory_occupation = self.worker.memory_occupation
         # One lock for the scheduler and the model: generate() from several threads, and pause /
         # update / continue from another, interleave only between steps.
         self._cond = threading.Condition(threading.RLock())
@@ -68,6 +64,10 @@ class Engine:
         self._controls_waiting = 0
         self._controls_lock = threading.Lock()
         self.memory_ledger.mark("engine_ready", f"{self.model_config.architecture} on {self.model_runner.device}")
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self.worker.model_runner
 
     # ---- generation
     def generate(
@@ -205,9 +205,6 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = {total} exceeds "
                 f"the KV cache capacity of {capacity} tokens (max_total_tokens)"
             )
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[union-attr]
 
     def _make_output(self, req: Req, latency: float) -> dict[str, Any]:
         text = None
@@ -509,8 +506,7 @@ class Engine:
             "model_path": self.config.model_path,
             "max_total_tokens": self.scheduler.max_total_tokens,
             "context_length": self.context_len,
-            "device": str(self.model_runner.device),
-            "dtype": str(self.model_runner.dtype).replace("torch.", ""),
+            **self.worker.device_info(),
         }
 
     def shutdown(self) -> None:
@@ -536,17 +532,3 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
         return list(value)
     return [value] * count
-
-
-def load_tokenizer(config: EngineConfig) -> Any:
-    from transformers import AutoTokenizer
-
-    path = config.tokenizer_path or config.model_path
-    has_files = any(
-        os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json")
-    )
-    if not has_files:
-        if config.load_format == "dummy":
-            return None
-        raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json)")
-    return AutoTokenizer.from_pretrained(path)

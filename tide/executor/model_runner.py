@@ -50,7 +50,8 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 ledger: MemoryLedger | None = None) -> None:
+                 ledger: MemoryLedger | None) -> None:
+        """`ledger`: where this engine's release points are recorded."""
         self.config = config
         self.ledger = ledger
         self.model_config = model_config

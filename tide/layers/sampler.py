@@ -11,13 +11,37 @@ as 1) and before any truncation: the distribution the model proposed at that tem
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from tide.scheduler.request import Req
+from tide.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatchInfo:
+    """The sampling arguments of a batch of logits rows: entry i of every list belongs to row i.
+
+    `argmax_only`: every row is greedy, without penalties or logprobs, so the sampler takes the argmax
+    and reads nothing else (`ARGMAX_ONLY` is that batch, with empty lists, shared by every step).
+    `output_ids[i]` / `prompt_ids[i]` are row i's generated tokens so far and its prompt (penalties; a
+    seeded row draws with its output position). The lists are read, never changed.
+    """
+
+    params: list[SamplingParams]
+    output_ids: list[list[int]]
+    prompt_ids: list[list[int]]
+    return_logprob: list[bool]
+    top_logprobs_num: list[int]
+    argmax_only: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.params)
+
+
+ARGMAX_ONLY = SamplingBatchInfo([], [], [], [], [], argmax_only=True)
 
 
 @dataclass
@@ -40,63 +64,60 @@ class Sampler:
         return gen
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Req],
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo,
                  greedy_ids: torch.Tensor | None = None) -> SampleOutput:
-        """`greedy_ids`, when given, is each row's argmax of `logits` already computed (the decode
-        graph leaves it); it is used when every row is greedy without penalties or logprobs."""
+        """Next token of every row of `logits` [B, vocab] (row i sampled with entry i of `info`).
+        `greedy_ids`, when given, is each row's argmax of `logits` already computed (the decode graph
+        leaves it); it is used when `info.argmax_only`."""
         logits = logits.float()
-        if all(r.sampling_params.is_greedy and not r.return_logprob
-               and not r.sampling_params.has_penalties for r in reqs):
+        if info.argmax_only:
             ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
             return SampleOutput(ids.tolist(), None, None)
-        if any(r.sampling_params.has_penalties for r in reqs):
-            logits = apply_penalties(logits, reqs)
-        temps = torch.tensor(
-            [r.sampling_params.temperature or 1.0 for r in reqs], device=logits.device
-        ).unsqueeze(1)
+        params = info.params
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, info)
+        temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device).unsqueeze(1)
         scaled = logits / temps
 
-        greedy = [r.sampling_params.is_greedy for r in reqs]
+        greedy = [p.is_greedy for p in params]
         next_ids = scaled.argmax(dim=-1)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            sampled = self._draw(scaled[rows], [reqs[i] for i in rows])
+            sampled = self._draw(scaled[rows], [params[i] for i in rows],
+                                 [len(info.output_ids[i]) for i in rows])
             next_ids[rows] = sampled
 
-        want_logprobs = any(r.return_logprob for r in reqs)
         logprobs = top = None
-        if want_logprobs:
+        if any(info.return_logprob):
             logp = torch.log_softmax(scaled, dim=-1)
             logprobs = logp.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
-            k = max(r.top_logprobs_num for r in reqs)
+            k = max(info.top_logprobs_num)
             if k > 0:
                 vals, ids = logp.topk(k, dim=-1)
                 vals_l, ids_l = vals.tolist(), ids.tolist()
-                top = [
-                    list(zip(vals_l[i][: r.top_logprobs_num], ids_l[i][: r.top_logprobs_num]))
-                    for i, r in enumerate(reqs)
-                ]
+                top = [list(zip(vals_l[i][:n], ids_l[i][:n]))
+                       for i, n in enumerate(info.top_logprobs_num)]
         return SampleOutput(next_ids.tolist(), logprobs, top)
 
-    def _draw(self, scaled: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def _draw(self, scaled: torch.Tensor, params: list[SamplingParams],
+              positions: list[int]) -> torch.Tensor:
+        """One draw per row; a seeded row draws with (seed, `positions[i]`: its output position)."""
         probs = torch.softmax(scaled, dim=-1)
-        probs = truncate(probs, reqs)
+        probs = truncate(probs, params)
         noise = torch.empty_like(probs)
-        for i, req in enumerate(reqs):
-            seed = req.sampling_params.seed
-            if seed is None:
+        for i, p in enumerate(params):
+            if p.seed is None:
                 noise[i].exponential_(generator=self._generator(probs.device))
             else:
-                step_seed = (seed * _SEED_MIX + len(req.output_ids)) % (2**63)
+                step_seed = (p.seed * _SEED_MIX + positions[i]) % (2**63)
                 gen = torch.Generator(device="cpu").manual_seed(step_seed)
                 row = torch.empty(probs.shape[1]).exponential_(generator=gen)
                 noise[i].copy_(row)
         return (probs / noise).argmax(dim=-1)
 
 
-def truncate(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the probabilities that top_k, top_p or min_p exclude (the top token always survives)."""
-    params = [r.sampling_params for r in reqs]
     if all(p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
         return probs
     device = probs.device
@@ -114,19 +135,21 @@ def truncate(probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
-def apply_penalties(logits: torch.Tensor, reqs: Sequence[Req]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """A penalised copy of `logits`: frequency/presence over each row's output, then repetition
+    over its prompt and output."""
     logits = logits.clone()
     vocab = logits.shape[1]
-    for i, req in enumerate(reqs):
-        p = req.sampling_params
+    for i, p in enumerate(info.params):
         if not p.has_penalties:
             continue
         if p.frequency_penalty or p.presence_penalty:
-            out = torch.tensor(req.output_ids, dtype=torch.int64, device=logits.device)
+            out = torch.tensor(info.output_ids[i], dtype=torch.int64, device=logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(req.all_token_ids(), dtype=torch.int64, device=logits.device)
+            seen = torch.tensor(info.prompt_ids[i] + info.output_ids[i], dtype=torch.int64,
+                                device=logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty

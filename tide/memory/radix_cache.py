@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 
-if TYPE_CHECKING:
-    from tide.scheduler.request import Req
-
 _clock = itertools.count()
+
+
+class CachedReq(Protocol):
+    """What the tree reads and updates on a request (the scheduler's `Req`): its request slot, how
+    many of its tokens have KV, and the cached prefix it has locked."""
+
+    req_pool_idx: int | None
+    kv_len: int
+    prefix_indices: torch.Tensor
+    last_node: TreeNode | None
+
+    def all_token_ids(self) -> list[int]: ...
 
 
 class TreeNode:
@@ -177,7 +186,7 @@ class RadixCache:
         return out
 
     # ---- request lifecycle
-    def cache_finished_req(self, req: "Req", insert: bool = True) -> None:
+    def cache_finished_req(self, req: CachedReq, insert: bool = True) -> None:
         """Hand a finished (or retracted) request's KV to the tree, free its request slot. With
         `insert=False` (KV computed with weights since replaced) the request's own KV is freed."""
         slot = req.req_pool_idx
@@ -201,7 +210,7 @@ class RadixCache:
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node = None
 
-    def cache_unfinished_req(self, req: "Req") -> None:
+    def cache_unfinished_req(self, req: CachedReq) -> None:
         """After a prompt chunk: publish its KV in the tree and move the request's lock forward
         (in a retired tree the request simply keeps its KV)."""
         if self.disable or self.retired:

@@ -1,4 +1,7 @@
-"""Llama decoder (also the base of Qwen2 and Qwen3): fused qkv and gate_up, RoPE, paged attention."""
+"""Llama decoder (also the base of Qwen2 and Qwen3): fused qkv and gate_up, RoPE, paged attention.
+
+The model never touches the KV pool: its attention layers hand q, k and v (before RoPE) to the batch's
+attention backend, which rotates them, stores K/V and attends."""
 
 from __future__ import annotations
 
@@ -35,9 +38,8 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id, rotary
         )
 
     def forward(
@@ -50,25 +52,8 @@ class DecoderAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
             q = q.reshape(-1, self.q_size)
             k = k.reshape(-1, self.kv_size)
-        rotary = self.rotary[0]
-        if q.is_cuda:
-            # One fused launch: rotate q in place, write rotated k and v into the KV pool.
-            from tide.layers import triton_ops
-
-            pool = forward_batch.token_to_kv_pool
-            triton_ops.rope_and_store_kv(
-                positions, q, k, v, rotary.cos_cache, rotary.sin_cache, self.num_heads,
-                self.num_kv_heads, self.head_dim, forward_batch.out_cache_loc,
-                pool.get_key_buffer(self.attn.layer_id), pool.get_value_buffer(self.attn.layer_id),
-            )
-            return self.o_proj(self.attn(q, None, None, forward_batch))
-        q, k = rotary(
-            positions,
-            q.reshape(-1, self.num_heads, self.head_dim),
-            k.reshape(-1, self.num_kv_heads, self.head_dim),
-        )
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, forward_batch)
-        return self.o_proj(out)
+        # The backend applies RoPE and stores k and v (fused on the GPU), then attends.
+        return self.o_proj(self.attn(q, k, v, forward_batch, positions))
 
 
 class DecoderMLP(nn.Module):

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tide.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tide.detokenizer import IncrementalDetokenizer
+    from tide.memory.radix_cache import RadixCache, TreeNode
 
 
 @dataclass(eq=False)
@@ -26,17 +30,18 @@ class Req:
     # KV state
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: Any = None
-    tree: Any = None  # the RadixCache that holds `last_node` (it may have been retired since)
+    last_node: TreeNode | None = None
+    tree: RadixCache | None = None  # the tree that holds `last_node` (it may have been retired since)
     kv_epoch: int = 0  # the scheduler's KV epoch when this request's KV was started
     kv_len: int = 0
     # accounting
     cached_tokens: int = 0
     weight_version: str | None = None  # the engine's weight version when the request finished
-    stop_check_offset: int = 0  # output text before this offset was already searched for stops
     num_retractions: int = 0
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Decodes the output as it grows, to find stop strings (set by the scheduler when there are any).
+    stop_detokenizer: IncrementalDetokenizer | None = None
 
     def all_token_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
@@ -48,6 +53,12 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Its next token is the argmax of the logits: greedy, no penalties, no logprobs."""
+        p = self.sampling_params
+        return p.is_greedy and not p.has_penalties and not self.return_logprob
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)

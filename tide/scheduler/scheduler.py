@@ -14,17 +14,20 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from tide.config import EngineConfig
-from tide.executor.model_runner import ModelRunner
-from tide.layers.sampler import Sampler
+from tide.detokenizer import IncrementalDetokenizer
+from tide.executor.forward_batch import ForwardMode
+from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
-from tide.memory.release import empty_device_cache
 from tide.memory.radix_cache import RadixCache
+from tide.memory.release import empty_device_cache
 from tide.scheduler.request import Req
+from tide.scheduler.schedule_batch import ScheduleBatch, sampling_info
+from tide.scheduler.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
 
@@ -49,22 +52,23 @@ class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        model_runner: ModelRunner,
+        worker: ModelWorker,
         eos_token_ids: tuple[int, ...],
-        decode_text: Callable[[list[int]], str] | None,
-        ledger: MemoryLedger | None = None,
+        tokenizer: Any,
+        ledger: MemoryLedger,
     ) -> None:
+        """`tokenizer` (None: the model has none) decodes outputs to find stop strings; `ledger`
+        records this engine's release points."""
         self.config = config
         self.ledger = ledger
-        self.runner = model_runner
+        self.worker = worker
         self.eos_token_ids = set(eos_token_ids)
-        self.decode_text = decode_text
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.allocator = model_runner.token_to_kv_pool_allocator
+        self.tokenizer = tokenizer
+        self.req_to_token_pool = worker.req_to_token_pool
+        self.allocator = worker.token_to_kv_pool_allocator
         self.tree_cache = RadixCache(
             self.req_to_token_pool, self.allocator, disable=config.disable_radix_cache
         )
-        self.sampler = Sampler(config.seed)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -86,15 +90,19 @@ class Scheduler:
     # ---- public surface
     @property
     def max_total_tokens(self) -> int:
-        return self.runner.max_total_tokens
+        return self.worker.max_total_tokens
 
     def add_request(self, req: Req) -> None:
         if self.memory_block_reason is not None:
             req.finished_reason = {"type": "abort", "message": self.memory_block_reason}
             return
-        if req.sampling_params.max_new_tokens == 0:
+        params = req.sampling_params
+        if params.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
             return
+        if params.stop_strs and self.tokenizer is not None and req.stop_detokenizer is None:
+            req.stop_detokenizer = IncrementalDetokenizer(
+                self.tokenizer, req.origin_input_ids, params.skip_special_tokens, params.stop_strs)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -115,17 +123,16 @@ class Scheduler:
         """
         if self.paused is not None or self.memory_block_reason is not None:
             return []
-        batch = self._get_prefill_batch()
-        reqs = [r for r, _ in batch] if batch else list(self.running)
-        try:
-            if batch:
-                return self._run_extend(batch)
-            if self.running:
-                return self._run_decode()
+        batch = self.schedule()
+        if batch is None:
             return []
+        try:
+            self.prepare(batch)
+            out = self.worker.forward(batch)
+            return self.process_results(batch, out)
         except Exception as e:  # noqa: BLE001 - any failure must not leak KV or wedge the loop
-            logger.exception("forward failed; aborting %d request(s)", len(reqs))
-            return self._fail(reqs, f"internal error: {type(e).__name__}: {e}")
+            logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
+            return self._fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
 
     def _fail(self, reqs: list[Req], message: str) -> list[Req]:
         if self._inflight_loc is not None:
@@ -362,93 +369,81 @@ class Scheduler:
             raise RuntimeError(f"KV allocation of {n} slots failed after eviction")
         return slots
 
-    # ---- forward passes
-    def _run_extend(self, batch: list[tuple[Req, int]]) -> list[Req]:
-        out_cache_loc = self._alloc_kv(sum(n for _, n in batch))
+    # ---- one step: schedule -> prepare -> worker.forward -> process_results
+    def schedule(self) -> ScheduleBatch | None:
+        """The batch to run next: a prefill batch when waiting requests can be admitted (prefill
+        first keeps time-to-first-token low), else one decode step over every running request
+        (retracting the newest ones while KV is short). None when there is nothing to run."""
+        picked = self._get_prefill_batch()
+        if picked:
+            reqs = [req for req, _ in picked]
+            return ScheduleBatch(ForwardMode.EXTEND, reqs, [n for _, n in picked])
+        self._ensure_decode_room()
+        if not self.running:
+            return None
+        return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+
+    def prepare(self, batch: ScheduleBatch) -> None:
+        """Give the batch's new tokens KV slots (evicting cached prefixes if needed), record them in
+        the request table, and fill the worker's inputs."""
+        out_cache_loc = self._alloc_kv(sum(batch.extend_lens))
         self._inflight_loc = out_cache_loc
-        input_ids: list[int] = []
-        positions: list[int] = []
-        pool_idx: list[int] = []
-        prefix_lens: list[int] = []
+        batch.out_cache_loc = out_cache_loc
+        reqs = batch.reqs
+        if batch.is_decode:
+            # The worker records each new slot in req_to_token (inside the graph when captured).
+            batch.input_ids = [r.output_ids[-1] for r in reqs]
+            batch.positions = [r.kv_len for r in reqs]
+            batch.req_pool_indices = [r.req_pool_idx for r in reqs]  # type: ignore[misc]
+            batch.prefix_lens = batch.positions
+            batch.sampling = sampling_info(reqs)
+            return
         offset = 0
-        for req, n in batch:
+        sample_rows: list[int] = []
+        for i, (req, n) in enumerate(zip(reqs, batch.extend_lens)):
             if req.req_pool_idx is None:
                 slot = self.req_to_token_pool.alloc()
-                assert slot is not None  # checked at admission
+                if slot is None:
+                    raise RuntimeError("no free request slot (admission checked there was one)")
                 req.req_pool_idx = slot
                 self.req_to_token_pool.write(slot, 0, req.prefix_indices)
                 req.cached_tokens = max(req.cached_tokens, len(req.prefix_indices))
                 self.stats.num_cached_tokens += len(req.prefix_indices)
             start = req.kv_len
             self.req_to_token_pool.write(req.req_pool_idx, start, out_cache_loc[offset : offset + n])
-            input_ids.extend(req.all_token_ids()[start : start + n])
-            positions.extend(range(start, start + n))
-            pool_idx.append(req.req_pool_idx)
-            prefix_lens.append(start)
+            batch.input_ids.extend(req.all_token_ids()[start : start + n])
+            batch.positions.extend(range(start, start + n))
+            batch.req_pool_indices.append(req.req_pool_idx)
+            batch.prefix_lens.append(start)
+            if start + n == req.seq_len:  # its prompt completes: it gets a token
+                sample_rows.append(i)
             offset += n
-        logits = self.runner.forward_extend(
-            input_ids, positions, pool_idx, prefix_lens, [n for _, n in batch], out_cache_loc
-        )
-        self.stats.num_forward_extend += 1
-        self.stats.num_prefill_tokens += len(input_ids)
+        sampled = reqs if len(sample_rows) == len(reqs) else [reqs[i] for i in sample_rows]
+        batch.sample_rows = None if sampled is reqs else sample_rows
+        batch.sampling = sampling_info(sampled)
+
+    def process_results(self, batch: ScheduleBatch, out: SampleOutput) -> list[Req]:
+        """Apply one forward's outcome: KV lengths grow, a chunked prompt is cached and waits for its
+        next chunk, and every sampled request takes its token (and finishes, or runs on). Returns the
+        requests that got a token."""
         self._inflight_loc = None
-
-        done_rows: list[int] = []
-        for i, (req, n) in enumerate(batch):
-            req.kv_len += n
-            if req.kv_len < req.seq_len:
-                if req.kv_epoch == self.kv_epoch:  # stale chunks stay private to the request
-                    (req.tree or self.tree_cache).cache_unfinished_req(req)
-                self.chunked_req = req
-            else:
-                done_rows.append(i)
-        if not done_rows:
-            return []
-        reqs = [batch[i][0] for i in done_rows]
-        rows = logits if len(done_rows) == len(batch) else logits[done_rows]
-        self._process_samples(rows, reqs, newly_prefilled=True)
-        return reqs
-
-    def _run_decode(self) -> list[Req]:
-        self._ensure_decode_room()
-        reqs = self.running
-        if not reqs:
-            return []
-        out_cache_loc = self._alloc_kv(len(reqs))
-        self._inflight_loc = out_cache_loc
-        # forward_decode records each new slot in req_to_token (inside the graph when captured).
-        logits = self.runner.forward_decode(
-            [r.output_ids[-1] for r in reqs],
-            [r.kv_len for r in reqs],
-            [r.req_pool_idx for r in reqs],  # type: ignore[misc]
-            out_cache_loc,
-        )
-        self.stats.num_forward_decode += 1
-        self._inflight_loc = None
-        for req in reqs:
-            req.kv_len += 1
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        reqs = list(reqs)
-        self._process_samples(logits, reqs, newly_prefilled=False, greedy_ids=self.runner.last_greedy_ids)
-        return reqs
-
-    def _ensure_decode_room(self) -> None:
-        """Retract the newest running requests until every remaining one has a slot for its token."""
-        while self.running:
-            need = len(self.running)
-            if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
-                return
-            req = self.running.pop()
-            self._release_kv(req)
-            req.reset_for_retract()
-            self.waiting.appendleft(req)
-            self.stats.num_retractions += 1
-            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            logger.info("retracted request %s (KV exhausted)", req.rid)
-
-    def _process_samples(self, logits: torch.Tensor, reqs: list[Req], newly_prefilled: bool,
-                         greedy_ids: torch.Tensor | None = None) -> None:
-        out = self.sampler(logits, reqs, greedy_ids)
+        if batch.is_decode:
+            self.stats.num_forward_decode += 1
+            for req in batch.reqs:
+                req.kv_len += 1
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                       self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        else:
+            self.stats.num_forward_extend += 1
+            self.stats.num_prefill_tokens += len(batch.input_ids)
+            for req, n in zip(batch.reqs, batch.extend_lens):
+                req.kv_len += n
+                if req.kv_len < req.seq_len:
+                    if req.kv_epoch == self.kv_epoch:  # stale chunks stay private to the request
+                        (req.tree or self.tree_cache).cache_unfinished_req(req)
+                    self.chunked_req = req
+        reqs = batch.sampled_reqs()
+        newly_prefilled = not batch.is_decode
         for i, req in enumerate(reqs):
             token = out.next_ids[i]
             req.output_ids.append(token)
@@ -465,6 +460,21 @@ class Scheduler:
                 self._release_kv(req)
             elif newly_prefilled:
                 self.running.append(req)
+        return reqs
+
+    def _ensure_decode_room(self) -> None:
+        """Retract the newest running requests until every remaining one has a slot for its token."""
+        while self.running:
+            need = len(self.running)
+            if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
+                return
+            req = self.running.pop()
+            self._release_kv(req)
+            req.reset_for_retract()
+            self.waiting.appendleft(req)
+            self.stats.num_retractions += 1
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            logger.info("retracted request %s (KV exhausted)", req.rid)
 
     def _check_finished(self, req: Req, token: int) -> dict[str, Any] | None:
         params = req.sampling_params
@@ -472,18 +482,13 @@ class Scheduler:
             return {"type": "stop", "matched": token}
         if token in params.stop_token_ids:  # type: ignore[operator]
             return {"type": "stop", "matched": token}
-        if params.stop_strs and self.decode_text is not None:
-            # Search the decoded output from just before the last search point: a token count
-            # window would miss stops made of multi-byte characters split over many tokens.
-            text = self.decode_text(req.output_ids)
-            longest = max(len(s) for s in params.stop_strs)
-            tail = text[max(0, req.stop_check_offset - longest) :]
-            req.stop_check_offset = len(text)
-            for stop in params.stop_strs:
-                if stop in tail:
-                    return {"type": "stop", "matched": stop}
+        detok = req.stop_detokenizer
+        if detok is not None:  # decodes only the new token (with a little context)
+            detok.add([token])
+            if detok.stop_matched is not None:
+                return {"type": "stop", "matched": detok.stop_matched}
         if len(req.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
-        if req.seq_len >= self.runner.context_len:
+        if req.seq_len >= self.worker.context_len:
             return {"type": "length", "length": len(req.output_ids)}
         return None

@@ -73,10 +73,10 @@ def setup_logging(level: str) -> None:
 
 def launch_server(args: ServerArgs) -> int:
     """Run `tide serve` in this process; returns the exit code."""
-    from tide.engine import load_tokenizer
     from tide.scheduler.process import run_scheduler_process
     from tide.server.http_server import create_app
     from tide.server.tokenizer_manager import ModelInfo, TokenizerManager
+    from tide.tokenizer import load_tokenizer
 
     setup_logging(args.log_level)
     ipc_dir = tempfile.mkdtemp(prefix="tide-ipc-")

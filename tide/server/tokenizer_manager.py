@@ -3,8 +3,8 @@
 `TokenizerManager` owns the zmq channel to the scheduler process. Routes tokenize and validate their
 input, then `submit` one `ReqState` per sequence (n > 1 and batches are several states sharing one
 `asyncio.Event`); the receive loop applies each `BatchTokenIDOut` to the states, runs incremental
-detokenization, finishes requests (scheduler finish, or a stop string found in the text) and sets the
-event. Consumers read whatever is new since their last look, so a slow client sees tokens coalesced
+detokenization (never showing text past a stop string, or a tail that may start one), finishes
+requests when the scheduler does (stop strings included: it finds them) and sets the event. Consumers read whatever is new since their last look, so a slow client sees tokens coalesced
 rather than a growing queue.
 
 Control calls (flush, load, info, and the admin calls: weight updates, pause/continue, versions) get a
@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from tide.sampling_params import SamplingParams
-from tide.server.detokenizer import IncrementalDetokenizer
+from tide.detokenizer import IncrementalDetokenizer
 from tide.server.errors import APIError, invalid_request
 from tide.server.io_struct import (
     AbortReq,
@@ -435,7 +435,7 @@ class TokenizerManager:
         for i, wire_rid in enumerate(msg.rids):
             state = self.wire_to_state.get(wire_rid)
             if state is None:
-                continue  # finished here already (client gone, stop string, shutdown)
+                continue  # finished here already (client gone, shutdown)
             new_ids = msg.new_token_ids[i]
             if new_ids:
                 gap = None if state.last_token_time is None else now - state.last_token_time
@@ -457,12 +457,8 @@ class TokenizerManager:
             if msg.weight_versions:
                 state.weight_version = msg.weight_versions[i]
             reason = msg.finished_reasons[i]
-            if reason is not None:
+            if reason is not None:  # stop strings too: the scheduler finds them, once
                 self._finish(state, dict(reason))
-            elif state.detok is not None and state.detok.stop_matched is not None:
-                # The text holds a stop string the scheduler has not acted on (yet): end it here.
-                self._send(AbortReq(rids=[wire_rid], message="stop string"))
-                self._finish(state, {"type": "stop", "matched": state.detok.stop_matched})
             state.event.set()
 
     def _finish(self, state: ReqState, reason: dict[str, Any]) -> None:

@@ -13,10 +13,10 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend:
-    """Computes attention for a batch and stores the new K/V in the KV pool.
+    """Stores a batch's new K/V in the KV pool and computes attention over the cached K/V.
 
     A backend reads cached K/V only through `req_to_token` (request slot x position -> KV slot) and
-    writes new K/V only at `forward_batch.out_cache_loc`.
+    writes new K/V only at `forward_batch.out_cache_loc`, on every device: models never write the pool.
     """
 
     supports_cuda_graph = False
@@ -31,22 +31,47 @@ class AttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
         layer: "Attention",
         forward_batch: "ForwardBatch",
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hk*D] or None when already stored; returns [T, Hq*D]."""
-        if k is not None and v is not None:
-            forward_batch.token_to_kv_pool.set_kv_buffer(
-                layer.layer_id,
-                forward_batch.out_cache_loc,
-                k.view(-1, layer.num_kv_heads, layer.head_dim),
-                v.view(-1, layer.num_kv_heads, layer.head_dim),
-            )
+        """q: [T, Hq*D], k/v: [T, Hk*D] (before RoPE when the layer has a rotary table); returns
+        [T, Hq*D]."""
+        q = self.store_kv(q, k, v, layer, forward_batch, positions)
         if forward_batch.is_decode:
             return self.forward_decode(q, layer, forward_batch)
         return self.forward_extend(q, layer, forward_batch)
+
+    def store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "Attention",
+        forward_batch: "ForwardBatch",
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rotate q and k with the layer's rotary table (if any) at `positions`, write k and v into
+        the KV pool at `out_cache_loc`, and return q as attention reads it."""
+        rotary = layer.rotary
+        if rotary is not None:
+            if positions is None:
+                raise ValueError("a layer with a rotary table needs the tokens' positions")
+            q_rot, k = rotary(
+                positions,
+                q.reshape(-1, layer.num_heads, layer.head_dim),
+                k.reshape(-1, layer.num_kv_heads, layer.head_dim),
+            )
+            q = q_rot.reshape(-1, layer.num_heads * layer.head_dim)
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.view(-1, layer.num_kv_heads, layer.head_dim),
+            v.view(-1, layer.num_kv_heads, layer.head_dim),
+        )
+        return q
 
     def forward_extend(
         self, q: torch.Tensor, layer: "Attention", forward_batch: "ForwardBatch"

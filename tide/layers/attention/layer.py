@@ -5,15 +5,25 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tide.layers.rotary import RotaryEmbedding
+
 if TYPE_CHECKING:
     from tide.executor.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
-    """One layer's attention over the paged KV cache; the math lives in the batch's backend."""
+    """One layer's attention over the paged KV cache; storing the new K/V and the math live in the
+    batch's backend. With a `rotary` table the layer takes q and k before RoPE, and the backend
+    rotates them as it stores (the Triton backend fuses both into one launch)."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float, layer_id: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float,
+        layer_id: int,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -21,13 +31,21 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        # Shared by every layer; a list keeps it out of this module's children and state dict.
+        self._rotary = [rotary] if rotary is not None else []
+
+    @property
+    def rotary(self) -> RotaryEmbedding | None:
+        return self._rotary[0] if self._rotary else None
 
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
         forward_batch: "ForwardBatch",
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """k/v None: the new K/V are already in the pool at `out_cache_loc` (fused store)."""
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+        """q: [T, Hq*D], k/v: [T, Hk*D] of the batch's new tokens (`positions` [T]: their positions,
+        needed with a rotary table); returns [T, Hq*D]."""
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, positions)

@@ -43,6 +43,22 @@ class TritonAttnBackend(AttentionBackend):
         self._mid_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
         self._extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
+    def store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
+                 fb: "ForwardBatch", positions: torch.Tensor | None) -> torch.Tensor:
+        """One fused launch: rotate q in place, write rotated k and v into the KV pool."""
+        rotary = layer.rotary
+        if rotary is None or positions is None:
+            return super().store_kv(q, k, v, layer, fb, positions)
+        from tide.layers import triton_ops
+
+        pool = fb.token_to_kv_pool
+        triton_ops.rope_and_store_kv(
+            positions, q, k, v, rotary.cos_cache, rotary.sin_cache, layer.num_heads,
+            layer.num_kv_heads, layer.head_dim, fb.out_cache_loc,
+            pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+        )
+        return q
+
     def _splits(self, bs: int) -> int:
         return self.kernels.num_kv_splits(bs * self.num_kv_heads, self.max_kv_splits)
 

@@ -1,4 +1,4 @@
-"""Incremental detokenization on the HTTP side.
+"""Incremental detokenization: the scheduler finds stop strings with it, the HTTP side shows text with it.
 
 `IncrementalDetokenizer` turns a growing list of output token ids into text that is safe to show:
 

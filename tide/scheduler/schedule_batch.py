@@ -1,0 +1,58 @@
+"""One step's batch: the requests the scheduler chose, and what a worker needs to run them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tide.executor.forward_batch import ForwardMode
+from tide.layers.sampler import ARGMAX_ONLY, SamplingBatchInfo
+from tide.scheduler.request import Req
+
+
+@dataclass(slots=True, eq=False)
+class ScheduleBatch:
+    """`Scheduler.schedule()` picks `mode`, `reqs` and `extend_lens` (new tokens per request; 1 each
+    for decode); `Scheduler.prepare()` gives the new tokens KV slots (`out_cache_loc`, in request
+    order) and fills the model inputs; the worker runs it; `Scheduler.process_results()` applies the
+    sampled tokens.
+
+    Model inputs, flat over the new tokens: `input_ids`, `positions`; per request: `req_pool_indices`,
+    `prefix_lens` (KV length before this step). `sample_rows`: the requests that get a token (extend:
+    those whose prompt completes in this step; None: every request), `sampling` their arguments.
+    """
+
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor | None = None
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    req_pool_indices: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    sample_rows: list[int] | None = None
+    sampling: SamplingBatchInfo = ARGMAX_ONLY
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode is ForwardMode.DECODE
+
+    def sampled_reqs(self) -> list[Req]:
+        """The requests that get a token from this step, in the order of the sampled rows."""
+        if self.sample_rows is None:
+            return self.reqs
+        return [self.reqs[i] for i in self.sample_rows]
+
+
+def sampling_info(reqs: list[Req]) -> SamplingBatchInfo:
+    """The sampler's arguments for `reqs` (the shared `ARGMAX_ONLY` when each takes the argmax)."""
+    if all(r.argmax_only for r in reqs):
+        return ARGMAX_ONLY
+    return SamplingBatchInfo(
+        params=[r.sampling_params for r in reqs],
+        output_ids=[r.output_ids for r in reqs],
+        prompt_ids=[r.origin_input_ids for r in reqs],
+        return_logprob=[r.return_logprob for r in reqs],
+        top_logprobs_num=[r.top_logprobs_num for r in reqs],
+    )

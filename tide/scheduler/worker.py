@@ -1,0 +1,85 @@
+"""The worker interface the scheduler drives, and the in-process worker behind it.
+
+The scheduler never calls the model: it hands a prepared `ScheduleBatch` to `worker.forward` and gets
+back the sampled tokens. A worker also owns what lives next to the model: the KV pools the scheduler
+allocates from, the weight updater and memory occupation that the handover drives. `TpModelWorker`
+runs everything in this process (one device); tensor parallelism puts one worker per rank behind the
+same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from tide.config import EngineConfig
+from tide.executor.model_runner import ModelRunner
+from tide.layers.sampler import SampleOutput, Sampler
+from tide.memory.ledger import MemoryLedger
+from tide.memory.occupation import MemoryOccupation
+from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+from tide.model_config import ModelConfig
+from tide.scheduler.schedule_batch import ScheduleBatch
+from tide.weights.update import WeightUpdater
+
+
+class ModelWorker(ABC):
+    """Runs batches and holds the model-side state.
+
+    Invariants: `req_to_token_pool` and `token_to_kv_pool_allocator` are the pools of the KV the model
+    reads (the scheduler allocates from them; the worker never does); `max_total_tokens` KV slots
+    exist; a sequence never exceeds `context_len` tokens.
+    """
+
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    max_total_tokens: int
+    context_len: int
+    weight_updater: WeightUpdater
+    memory_occupation: MemoryOccupation
+
+    @abstractmethod
+    def forward(self, batch: ScheduleBatch) -> SampleOutput:
+        """Run `batch` (its KV slots assigned, its inputs filled) and sample the next token of each of
+        its sampled rows, in order."""
+
+    @abstractmethod
+    def device_info(self) -> dict[str, str]:
+        """`{"device", "dtype"}` of the model, for server info."""
+
+
+class TpModelWorker(ModelWorker):
+    """The in-process worker: a `ModelRunner` (model, pools, attention backend, CUDA graphs) and the
+    sampler, on one device."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 ledger: MemoryLedger) -> None:
+        self.model_runner = ModelRunner(config, model_config, ledger)
+        runner = self.model_runner
+        self.sampler = Sampler(config.seed)
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
+        self.max_total_tokens = runner.max_total_tokens
+        self.context_len = runner.context_len
+        self.weight_updater = WeightUpdater(runner.model, runner.device)
+        self.memory_occupation = MemoryOccupation(runner, config.enable_cpu_backup, ledger)
+
+    def forward(self, batch: ScheduleBatch) -> SampleOutput:
+        runner = self.model_runner
+        assert batch.out_cache_loc is not None, "prepare the batch first"
+        if batch.is_decode:
+            logits = runner.forward_decode(batch.input_ids, batch.positions, batch.req_pool_indices,
+                                           batch.out_cache_loc)
+            return self.sampler(logits, batch.sampling, runner.last_greedy_ids)
+        logits = runner.forward_extend(batch.input_ids, batch.positions, batch.req_pool_indices,
+                                       batch.prefix_lens, batch.extend_lens, batch.out_cache_loc)
+        rows = batch.sample_rows
+        if rows is not None:
+            if not rows:  # every request is mid-prompt: nothing to sample
+                return SampleOutput([], None, None)
+            logits = logits[rows]
+        return self.sampler(logits, batch.sampling)
+
+    def device_info(self) -> dict[str, str]:
+        runner = self.model_runner
+        return {"device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", "")}
+

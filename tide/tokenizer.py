@@ -1,0 +1,27 @@
+"""Loading the HF tokenizer of a checkpoint (shared by `Engine`, the scheduler and the HTTP side)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from tide.config import EngineConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
+    """The tokenizer at `tokenizer_path` (default: `model_path`). None for a dummy-weights model
+    without tokenizer files; ValueError naming the path for a real one without them."""
+    from transformers import AutoTokenizer
+
+    path = config.tokenizer_path or config.model_path
+    has_files = any(
+        os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json")
+    )
+    if not has_files:
+        if config.load_format == "dummy":
+            return None
+        raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json)")
+    return AutoTokenizer.from_pretrained(path)
