@@ -143,7 +143,7 @@ def test_update_weights_from_ipc(gqa_checkpoint):
                     ("model.layers.1.mlp.up_proj.weight", (1024, 512)),
                     ("lm_head.weight", (512, 512))]
     names_shapes = [(n, s) for n, s in names_shapes
-                    if engine.weight_updater.weight_map.resolve(n).shape == s]
+                    if engine.worker.weight_updater.weight_map.resolve(n).shape == s]
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=_ipc_sender, args=(names_shapes, queue, done))

@@ -56,7 +56,7 @@ def test_release_resume_with_cpu_backup_gives_same_output(backed_up, tags):
     assert _weight_bytes(engine) == (0 if "weights" in released else weights)
     # buffers that are not weights (the rotary table) survive a weights release
     assert torch.equal(engine.model_runner.model.model.rotary_emb.cos_cache, rotary)
-    assert engine.memory_occupation.released_bytes()["kv_cache"] == (kv if "kv_cache" in released else 0)
+    assert engine.worker.memory_occupation.released_bytes()["kv_cache"] == (kv if "kv_cache" in released else 0)
     if "kv_cache" in released or "weights" in released:
         with pytest.raises(ValueError, match="resume_memory_occupation"):
             engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
@@ -129,13 +129,13 @@ def test_cpu_backup_buffers_are_reused_and_refreshed(checkpoints):
     hf.generation_config.eos_token_id = None
     before = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
     assert engine.release_memory_occupation(["weights"])["success"]
-    first = {name: t.data_ptr() for name, t in engine.memory_occupation._host.items()}
+    first = {name: t.data_ptr() for name, t in engine.worker.memory_occupation._host.items()}
     assert engine.resume_memory_occupation(["weights"])["success"]
     sgd_steps(hf, steps=2, lr=0.5, seed=4)
     hf.eval()
     assert engine.update_weights_from_tensor(named_tensors=named_weights(hf))["success"]
     assert engine.release_memory_occupation(["weights"])["success"]
-    assert {name: t.data_ptr() for name, t in engine.memory_occupation._host.items()} == first
+    assert {name: t.data_ptr() for name, t in engine.worker.memory_occupation._host.items()} == first
     assert engine.resume_memory_occupation(["weights"])["success"]
     out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
     tokens, _ = hf_greedy_logprobs(hf, PROMPTS[0], GREEDY["max_new_tokens"])
@@ -153,7 +153,7 @@ def test_release_while_requests_run_is_refused_and_changes_nothing(backed_up):
     res = engine.release_memory_occupation()
     assert not res["success"] and "busy" in res["message"]
     assert _kv_bytes(engine) == kv and _weight_bytes(engine) == weights
-    assert engine.memory_occupation.released_bytes() == {"kv_cache": 0, "weights": 0, "cuda_graph": 0}
+    assert engine.worker.memory_occupation.released_bytes() == {"kv_cache": 0, "weights": 0, "cuda_graph": 0}
     # paused in place, the request still holds KV: kv_cache may not go, weights may
     engine.pause_generation("in_place")
     res = engine.release_memory_occupation(["kv_cache"])

@@ -136,7 +136,7 @@ def env(pe, monkeypatch):
     yield SimpleNamespace(pe=pe, engine=engine, sched=engine.scheduler, gate=gate, spawn=spawn)
     for g in gates:
         g.release()
-    if engine.scheduler.paused is not None:
+    if engine.handover.paused is not None:
         engine.continue_generation(torch_empty_cache=False)
     for t in threads:
         t.thread.join(30)
@@ -150,7 +150,7 @@ def env(pe, monkeypatch):
 
 
 def _assert_no_kv_held(sched) -> None:
-    assert sched.num_holding_kv() == 0
+    assert sched.num_running() == 0
     sched.check_invariants()
     assert sched.tree_cache.protected_size() == 0
     assert sched.allocator.available_size() + sched.tree_cache.evictable_size() == sched.max_total_tokens
@@ -283,7 +283,7 @@ def test_pause_in_place_keeps_kv_and_allows_update(env):
 
     res = engine.pause_generation("in_place")
     assert res["success"] and res["num_paused_requests"] == len(PROMPTS)
-    assert sched.num_holding_kv() == len(PROMPTS)
+    assert sched.num_running() == len(PROMPTS)
     assert engine.flush_cache() is False
     assert engine.flush_cache(empty_cache=False) is False
 
@@ -291,7 +291,7 @@ def test_pause_in_place_keeps_kv_and_allows_update(env):
     assert res["success"], res["message"]
     assert res["num_paused_requests"] == len(PROMPTS)
     # Held requests keep their KV exactly; every cached prefix they do not use is gone.
-    assert sched.num_holding_kv() == len(PROMPTS)
+    assert sched.num_running() == len(PROMPTS)
     after = _kv_state(sched, held)
     for (slot, n, rows), (slot2, n2, rows2) in zip(kv, after):
         assert (slot, n) == (slot2, n2) and torch.equal(rows, rows2)
@@ -428,7 +428,7 @@ def test_update_with_abort_all_requests_aborts_in_flight(env):
         abort_all_requests=True, name="update",
     ).result(30)
     assert res["success"], res["message"]
-    assert sched.weight_version == NEW_VERSION
+    assert sched.handover.weight_version == NEW_VERSION
     gate.release()
     for out, ref in zip(gen_a.result(), pe.ref):
         n = len(out["output_ids"])
@@ -454,7 +454,7 @@ def test_update_waits_for_a_prompt_mid_chunked_prefill(checkpoints, pe, monkeypa
     update.thread.join(10)
     stuck = update.thread.is_alive()
     if stuck:  # rescue the spinning update thread so the session can go on, then fail
-        engine.scheduler.admission_blocked = False
+        engine.handover.paused = "in_place"  # lets the waiting update apply at once
     res = update.result(30)
     gate.release()
     out = gen.result(30)

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import pytest
 
 from tide.config import EngineConfig
+from tide.io_struct import WeightUpdateOptions
 from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.sampling_params import SamplingParams
+from tide.scheduler.handover import HandoverResult, WeightUpdate
 from tide.scheduler.request import Req
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.scheduler.scheduler import Scheduler
@@ -37,8 +39,21 @@ class Seen:
     sampled: list[str]
 
 
+class FakeOccupation:
+    """Memory occupation of a worker whose memory is never released."""
+
+    weights_need_refill = False
+
+    def is_released(self, tag: str) -> bool:
+        return False
+
+    def released_bytes(self) -> dict[str, int]:
+        return {"kv_cache": 0, "weights": 0, "cuda_graph": 0}
+
+
 class FakeWorker(ModelWorker):
-    """Real pools, no model: request `r` emits `next_token(r)` (default: 100 + its output length)."""
+    """Real pools, no model: a request emits `next_token(its output so far)` (default: 100 + its
+    output length)."""
 
     def __init__(self, max_total_tokens: int = 512, max_running: int = 16, next_token=None) -> None:
         self.req_to_token_pool = ReqToTokenPool(max_running, CONTEXT, "cpu")
@@ -48,6 +63,8 @@ class FakeWorker(ModelWorker):
         self.next_token = next_token or (lambda out: 100 + len(out))
         self.seen: list[Seen] = []
         self.fail_next = False
+        self.memory_occupation = FakeOccupation()  # type: ignore[assignment]
+        self.weight_updater = None  # type: ignore[assignment]  # FakeUpdate writes nothing
 
     def forward(self, batch: ScheduleBatch) -> SampleOutput:
         if self.fail_next:
@@ -236,3 +253,151 @@ def test_eos_and_stop_token_ids():
     assert ignored.finished_reason["type"] == "length" and ignored.output_ids == [7, 7, EOS, 7]
     assert stop_id.finished_reason == {"type": "stop", "matched": 7} and stop_id.output_ids == [7]
 
+
+
+# ---------------------------------------------------------------- pause modes
+def _decoding(sched: Scheduler, *reqs: Req, steps: int = 2) -> None:
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(steps):
+        sched.step()
+    assert all(len(r.output_ids) == steps for r in reqs) and sched.num_running() == len(reqs)
+
+
+def test_pause_abort_finishes_everything_with_partial_output():
+    sched = make_scheduler()
+    a, b, queued = make_req("a", 4, max_new=9), make_req("b", 6, max_new=9), make_req("q", 3)
+    _decoding(sched, a, b)
+    sched.add_request(queued)
+    result = sched.handover.pause_generation("abort")
+    assert result == HandoverResult(True, "paused (abort); 3 request(s) affected", 3)
+    for r in (a, b, queued):
+        assert r.finished_reason == {"type": "abort", "message": "paused with mode=abort"}
+    assert a.output_ids == [100, 101] and queued.output_ids == []
+    assert not sched.has_work() and sched.tree_cache.protected_size() == 0
+    sched.check_invariants()
+
+
+def test_pause_retract_frees_kv_and_recomputes_on_continue():
+    sched = make_scheduler(disable_radix_cache=True)
+    a, b = make_req("a", 4, max_new=6), make_req("b", 6, max_new=6)
+    _decoding(sched, a, b)
+    assert sched.handover.pause_generation("retract").num_paused_requests == 2
+    assert sched.num_running() == 0 and [r.rid for r in sched.waiting] == ["a", "b"]
+    assert sched.allocator.available_size() == sched.max_total_tokens  # every slot given back
+    assert sched.step() == [] and sched.is_blocked()
+    sched.handover.continue_generation(torch_empty_cache=False)
+    seen = len(sched.worker.seen)
+    run(sched)
+    redo = sched.worker.seen[seen]
+    assert not redo.decode and redo.extend_lens == [4 + 2, 6 + 2]  # prompt + output so far
+    assert [r.output_ids for r in (a, b)] == [[100 + i for i in range(6)]] * 2
+
+
+def test_pause_in_place_keeps_kv_and_resumes_decoding():
+    sched = make_scheduler()
+    a = make_req("a", 5, max_new=6)
+    _decoding(sched, a)
+    free = sched.allocator.available_size()
+    sched.handover.pause_generation("in_place")
+    late = make_req("late", 3, max_new=2)
+    sched.add_request(late)  # queues while paused
+    assert sched.step() == [] and sched.allocator.available_size() == free
+    assert a.kv_len == 6 and a.req_pool_idx is not None
+    sched.handover.continue_generation(torch_empty_cache=False)
+    sched.step()
+    assert sched.worker.seen[-1] == Seen(False, ["late"], [3], ["late"])  # no re-prefill of a
+    run(sched)
+    assert a.output_ids == [100 + i for i in range(6)] and a.num_retractions == 0
+
+
+def test_unknown_pause_mode_changes_nothing():
+    sched = make_scheduler()
+    result = sched.handover.pause_generation("sleep")
+    assert not result.success and "mode" in result.message and sched.handover.paused is None
+
+
+# ---------------------------------------------------------------- weight-update queueing
+@dataclass(frozen=True)
+class FakeUpdate(WeightUpdate):
+    """Records when it is applied; `bad` fails validation."""
+
+    log: list
+    name: str
+    bad: bool = False
+    source = "fake"
+
+    def prepare(self, updater):
+        if self.bad:
+            raise ValueError(f"{self.name}: weight 'x' has the wrong shape")
+        return lambda: self.log.append(("apply", self.name)) or 3
+
+
+def _submit(sched: Scheduler, log: list, name: str, **options) -> list[HandoverResult]:
+    results: list[HandoverResult] = []
+    sched.handover.submit_update(FakeUpdate(log, name, options.pop("bad", False)),
+                                 WeightUpdateOptions(**options), results.append)
+    return results
+
+
+def test_an_update_waits_for_running_requests_and_blocks_admission():
+    sched = make_scheduler()
+    log: list = []
+    running = make_req("running", 4, max_new=5)
+    _decoding(sched, running)
+    results = _submit(sched, log, "u1", weight_version="v1")
+    late = make_req("late", 3, max_new=2)
+    sched.add_request(late)
+    assert sched.handover.admission_blocked and not sched.handover.update_ready()
+    while sched.num_running():
+        assert sched.handover.apply_ready_updates() == 0
+        sched.step()  # the running request drains; the late one is not admitted
+        assert late.req_pool_idx is None
+    assert running.finished_reason["type"] == "length" and running.weight_version == "default"
+    assert sched.handover.apply_ready_updates() == 1
+    assert log == [("apply", "u1")] and results[0].success and "updated 3 tensors" in results[0].message
+    assert sched.handover.weight_version == "v1" and not sched.handover.admission_blocked
+    run(sched)
+    assert late.finished_reason["type"] == "length" and late.weight_version == "v1"
+
+
+def test_updates_apply_in_arrival_order_and_a_bad_one_changes_nothing():
+    sched = make_scheduler()
+    log: list = []
+    running = make_req("running", 4, max_new=4)
+    _decoding(sched, running)
+    bad = _submit(sched, log, "bad", bad=True, abort_all_requests=True)
+    assert bad == [HandoverResult(False, "bad: weight 'x' has the wrong shape", 0)]
+    assert not running.finished and not sched.handover.pending_updates  # nothing aborted or queued
+    first, second = _submit(sched, log, "u1"), _submit(sched, log, "u2", weight_version="v2")
+    run(sched)
+    assert sched.handover.apply_ready_updates() == 2
+    assert log == [("apply", "u1"), ("apply", "u2")] and first[0].success and second[0].success
+    assert sched.handover.weight_version == "v2"
+
+
+def test_abort_all_requests_frees_the_way_at_once():
+    sched = make_scheduler()
+    log: list = []
+    a = make_req("a", 4, max_new=8)
+    _decoding(sched, a)
+    results = _submit(sched, log, "u", abort_all_requests=True)
+    assert a.finished_reason == {"type": "abort", "message": "aborted by weight update"}
+    assert sched.handover.apply_ready_updates() == 1 and results[0].success
+    sched.check_invariants()
+
+
+def test_paused_in_place_an_update_goes_at_once_and_held_kv_is_never_matched_again():
+    sched = make_scheduler()
+    log: list = []
+    a = make_req("a", 8, max_new=6)
+    _decoding(sched, a)
+    sched.handover.pause_generation("in_place")
+    results = _submit(sched, log, "u", weight_version="v1")
+    assert sched.handover.apply_ready_updates() == 1 and results[0].num_paused_requests == 1
+    assert sched.kv_epoch == 1 and a.kv_epoch == 0  # a's KV predates the new weights
+    sched.handover.continue_generation(torch_empty_cache=False)
+    run(sched)
+    assert a.finished_reason["type"] == "length" and a.weight_version == "v1"
+    assert sched.tree_cache.total_size() == 0  # its stale KV was freed, not cached
+    sched.check_invariants()

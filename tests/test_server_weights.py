@@ -695,7 +695,7 @@ def test_update_drains_a_half_prefilled_prompt(model_path, tmp_path, base):
 
     import tide
     from tide.scheduler.process import SchedulerProcess
-    from tide.server.io_struct import (
+    from tide.io_struct import (
         BatchTokenIDOut,
         ControlReqOutput,
         TokenizedGenerateReqInput,
@@ -708,7 +708,7 @@ def test_update_drains_a_half_prefilled_prompt(model_path, tmp_path, base):
     sink = ctx.socket(zmq.PULL)
     out_addr = f"ipc://{tmp_path}/out"
     sink.bind(out_addr)
-    proc = SchedulerProcess(engine, f"ipc://{tmp_path}/in", out_addr, os.getpid())
+    proc = SchedulerProcess(engine.scheduler, f"ipc://{tmp_path}/in", out_addr, os.getpid())
     try:
         params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
         proc._dispatch(TokenizedGenerateReqInput(rid="long", input_ids=list(range(10, 50)),
@@ -722,10 +722,10 @@ def test_update_drains_a_half_prefilled_prompt(model_path, tmp_path, base):
             req_id="upd", serialized_named_tensors=serialize_named_tensors(named),
             weight_version="chunked"))
         for _ in range(40):
-            if not proc.pending_updates:
+            if not engine.handover.pending_updates:
                 break
             proc.run_once()
-        assert not proc.pending_updates, "the update never got its turn"
+        assert not engine.handover.pending_updates, "the update never got its turn"
         for _ in range(40):
             if not engine.scheduler.has_work():
                 break

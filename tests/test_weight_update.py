@@ -263,7 +263,7 @@ def base_restored(upd):
     """Leaves the llama engine on its checkpoint weights, idle and unpaused, after the test."""
     yield upd
     engine = upd.engine
-    if engine.scheduler.paused is not None:
+    if engine.handover.paused is not None:
         engine.continue_generation(torch_empty_cache=False)
     res = engine.update_weights_from_tensor(named_tensors=upd.base, weight_version="default")
     assert res["success"], res["message"]
@@ -314,7 +314,8 @@ def releases(monkeypatch):
         if name.split(".")[0] == "tide" and getattr(module, "empty_device_cache", None) is real:
             monkeypatch.setattr(module, "empty_device_cache", fake)
             patched.append(name)
-    assert {"tide.engine", "tide.scheduler.scheduler", "tide.memory.release"} <= set(patched)
+    assert {"tide.scheduler.scheduler", "tide.scheduler.handover", "tide.memory.occupation",
+            "tide.memory.release"} <= set(patched)
     spy.reasons = lambda: [r for r, _ in spy.calls]
     return spy
 
@@ -389,7 +390,7 @@ def test_continue_generation_empties_cache_only_when_asked_and_while_paused(
     base_restored, releases
 ):
     engine = base_restored.engine
-    releases.probe = lambda: engine.scheduler.paused
+    releases.probe = lambda: engine.handover.paused
     for mode in ("abort", "retract", "in_place"):
         assert engine.pause_generation(mode)["success"]
         engine.continue_generation(torch_empty_cache=False)
@@ -481,7 +482,7 @@ def test_tensor_update_with_one_bad_tensor_changes_nothing(path, kind, base_rest
     good = _perturbed(base_restored.base, seed=11)
     payload, bad = _with_one_bad(good, kind)
     snap = _snapshot(engine)
-    version = engine.scheduler.weight_version
+    version = engine.handover.weight_version
     if path == "tensor":
         res = engine.update_weights_from_tensor(named_tensors=payload, weight_version="bad")
     elif path == "flattened_bucket":
@@ -502,7 +503,7 @@ def test_tensor_update_with_one_bad_tensor_changes_nothing(path, kind, base_rest
     assert res["success"] is False
     assert bad in res["message"], res["message"]
     _assert_unchanged(engine, snap)
-    assert engine.scheduler.weight_version == version
+    assert engine.handover.weight_version == version
     # The same payload without the bad entry goes through (the failure was that one tensor).
     res = engine.update_weights_from_tensor(named_tensors=good)
     assert res["success"], res["message"]
@@ -557,14 +558,14 @@ def test_disk_update_with_bad_checkpoint_changes_nothing(kind, base_restored, tm
         last.write_bytes(data[: len(data) - 64])
         bad = last.name
     snap = _snapshot(engine)
-    version = engine.scheduler.weight_version
+    version = engine.handover.weight_version
     raised = None
     try:
         res = engine.update_weights_from_disk(str(ckpt), weight_version="bad")
     except Exception as e:  # noqa: BLE001 - reported below, after the atomicity check
         raised = e
     _assert_unchanged(engine, snap)
-    assert engine.scheduler.weight_version == version
+    assert engine.handover.weight_version == version
     assert raised is None, (
         f"update_weights_from_disk raised {type(raised).__name__}: {raised} "
         "instead of returning success=False"
@@ -621,7 +622,7 @@ def test_distributed_update_with_one_bad_tensor_drains_and_changes_nothing(
     engine = base_restored.engine
     payload, bad = _with_one_bad(_perturbed(base_restored.base, seed=13), kind)
     snap = _snapshot(engine)
-    version = engine.scheduler.weight_version
+    version = engine.handover.weight_version
     sender = InThread(_broadcast_all, thread_group, payload, load_format, name="trainer-send")
     res = _receive(engine, payload, THREAD_GROUP, load_format, weight_version="bad",
                    torch_empty_cache=True)
@@ -629,7 +630,7 @@ def test_distributed_update_with_one_bad_tensor_drains_and_changes_nothing(
     assert res["success"] is False
     assert bad in res["message"], res["message"]
     _assert_unchanged(engine, snap)
-    assert engine.scheduler.weight_version == version
+    assert engine.handover.weight_version == version
     assert releases.calls == []
 
     # The group is still in step: the next (valid) update lands bit-exact.
@@ -639,7 +640,7 @@ def test_distributed_update_with_one_bad_tensor_drains_and_changes_nothing(
                    torch_empty_cache=True)
     assert sender.result(JOIN_S) == len(good)
     assert res["success"], res["message"]
-    assert engine.scheduler.weight_version == "good"
+    assert engine.handover.weight_version == "good"
     assert releases.reasons() == ["weight_update"]
     _assert_engine_holds(engine, good)
 

@@ -2,6 +2,6 @@
 
 from tide.engine import Engine
 from tide.sampling_params import SamplingParams
+from tide.version import __version__
 
-__all__ = ["Engine", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "__version__"]

@@ -20,16 +20,55 @@ parameter.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 import torch
+from torch import nn
 
 from tide.memory.ledger import MemoryLedger
+from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
 from tide.memory.release import empty_device_cache
 
 if TYPE_CHECKING:
-    from tide.executor.model_runner import ModelRunner
     from tide.memory.vmm import VmmRegion
+
+
+class GraphMemory(Protocol):
+    """The captured decode graphs (`tide.executor.CudaGraphRunner`) as occupation sees them."""
+
+    suspended: bool  # True: replay nothing (decode runs eager)
+
+    @property
+    def logits_region(self) -> VmmRegion | None: ...
+
+    def release(self) -> None: ...
+
+    def capture(self) -> None: ...
+
+
+class OccupationTarget(Protocol):
+    """What occupation releases and resumes: the model runner's weights, KV pools and graphs."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool: ...
+
+    @property
+    def token_to_kv_pool(self) -> MHATokenToKVPool: ...
+
+    @property
+    def cuda_graph_runner(self) -> GraphMemory | None: ...
+
+    @property
+    def weights_region(self) -> VmmRegion | None: ...
+
+    @property
+    def use_vmm(self) -> bool: ...
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +93,7 @@ def parse_tags(tags: Iterable[str] | str | None) -> list[str]:
 class MemoryOccupation:
     """Which tags are released, how many bytes each gave back, and the weights' host copy."""
 
-    def __init__(self, runner: "ModelRunner", enable_cpu_backup: bool,
+    def __init__(self, runner: OccupationTarget, enable_cpu_backup: bool,
                  ledger: MemoryLedger | None) -> None:
         self.runner = runner
         self.ledger = ledger
@@ -70,7 +109,7 @@ class MemoryOccupation:
     def is_released(self, tag: str) -> bool:
         return tag in self._released
 
-    def _region(self, tag: str) -> "VmmRegion | None":
+    def _region(self, tag: str) -> VmmRegion | None:
         if tag == "kv_cache":
             return self.runner.token_to_kv_pool.region
         if tag == "weights":

@@ -13,21 +13,22 @@ Admin messages (sglang's semantics):
   tensor payload is decoded and its names/shapes/dtypes validated; a disk checkpoint's headers are
   read), so a bad request fails at once and changes nothing. Otherwise, with `abort_all_requests`
   every request is aborted now; admission is blocked and the update waits, while the loop keeps
-  stepping and streaming, until no request holds KV (or generation is paused), then the `Engine`
-  method applies it at once and the reply goes out. Updates apply in arrival order; requests that
+  stepping and streaming, until no request holds KV (or generation is paused), then the handover
+  applies it at once and the reply goes out. Updates apply in arrival order; requests that
   arrive meanwhile queue behind them.
 - `pause_generation`, `continue_generation`, `update_weight_version`, `get_weights_by_name`,
   `destroy_weights_update_group`, `release_memory_occupation`, `resume_memory_occupation` and
   `dump_memory_timeline` are immediate. A release is refused while a weight update waits to apply
-  (the engine itself refuses one while requests run and are not paused). While memory is released
-  the loop does not step.
+  (and while requests run and are not paused). While memory is released the loop does not step.
 - `init_weights_update_group` joins the trainer's group in a helper thread (the rendezvous blocks until
   the trainer joins), so the loop keeps serving meanwhile; the reply goes out when the join is done.
   `update_weights_from_distributed` blocks the loop until every broadcast has arrived.
 
-The process owns a full in-process `Engine` (model, KV pools, scheduler, tokenizer for stop strings)
-and never talks HTTP. It exits when asked (`ShutdownReq`), when its parent dies (PR_SET_PDEATHSIG on
-Linux, plus a parent-pid check while idle), or on SIGTERM. SIGINT is ignored: a Ctrl-C in a terminal
+The process is transport only: it decodes a message, calls the scheduler or its `Handover` (which own
+every decision above), and encodes the reply. It holds the scheduler side of one engine (model, KV
+pools, scheduler, tokenizer for stop strings, memory ledger) and never talks HTTP. It exits when asked
+(`ShutdownReq`), when its parent dies (PR_SET_PDEATHSIG on Linux, plus a parent-pid check while
+idle), or on SIGTERM. SIGINT is ignored: a Ctrl-C in a terminal
 reaches the whole process group, and the parent decides how to shut down (abort, reply, then exit).
 """
 
@@ -42,17 +43,14 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
 import zmq
 
 from tide.config import EngineConfig
-from tide.memory.observe import device_memory_stats
-from tide.server.io_struct import (
+from tide.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     ContinueGenerationReqInput,
@@ -79,6 +77,18 @@ from tide.server.io_struct import (
     decode_input,
     encode_message,
 )
+from tide.memory.observe import device_memory_stats
+from tide.sampling_params import SamplingParams
+from tide.scheduler.handover import (
+    DiskUpdate,
+    DistributedUpdate,
+    HandoverResult,
+    IPCUpdate,
+    TensorUpdate,
+    WeightUpdate,
+)
+from tide.scheduler.request import Req
+from tide.scheduler.scheduler import Scheduler, create_scheduler
 
 logger = logging.getLogger("tide.scheduler.process")
 
@@ -99,15 +109,6 @@ class _PendingFlush:
     deadline: float
 
 
-@dataclass
-class _PendingUpdate:
-    """A weight update waiting for running requests to drain. `payload`: the tensor path's decoded
-    and validated tensors (decoded once, at receipt)."""
-
-    msg: WeightUpdateReq
-    payload: Any = None
-
-
 def run_scheduler_process(
     config: EngineConfig,
     input_addr: str,
@@ -116,18 +117,14 @@ def run_scheduler_process(
     ready: Connection,
     weight_version: str | None = None,
 ) -> None:
-    """Entry point of the spawned process: build the engine, report readiness, run the loop."""
+    """Entry point of the spawned process: build the scheduler side, report readiness, run the loop."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     _setup_logging(config.log_level)
     try:
-        from tide.engine import Engine
-
-        engine = Engine(config.model_path, **_config_kwargs(config))
-        if weight_version is not None:
-            engine.scheduler.weight_version = weight_version
-        proc = SchedulerProcess(engine, input_addr, output_addr, parent_pid)
+        scheduler = create_scheduler(config, weight_version)
+        proc = SchedulerProcess(scheduler, input_addr, output_addr, parent_pid)
     except Exception as e:  # reported to the parent, which prints it and exits
         msg = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         logger.debug("scheduler start-up failed:\n%s", traceback.format_exc())
@@ -135,7 +132,7 @@ def run_scheduler_process(
         ready.close()
         return
     info = proc.static_info()
-    engine.memory_ledger.mark("scheduler_ready", f"pid {os.getpid()}, {info['max_total_tokens']} KV slots")
+    scheduler.ledger.mark("scheduler_ready", f"pid {os.getpid()}, {info['max_total_tokens']} KV slots")
     ready.send_bytes(encode_message(SchedulerReady(info=info)))
     ready.close()
     try:
@@ -145,11 +142,12 @@ def run_scheduler_process(
 
 
 class SchedulerProcess:
-    """Runs `engine.scheduler` against the zmq channel to the HTTP process."""
+    """Runs `scheduler` against the zmq channel to the HTTP process."""
 
-    def __init__(self, engine: Any, input_addr: str, output_addr: str, parent_pid: int) -> None:
-        self.engine = engine
-        self.scheduler = engine.scheduler
+    def __init__(self, scheduler: Scheduler, input_addr: str, output_addr: str,
+                 parent_pid: int) -> None:
+        self.scheduler = scheduler
+        self.handover = scheduler.handover
         self.parent_pid = parent_pid
         self.ctx = zmq.Context(1)
         self.recv_sock = self.ctx.socket(zmq.PULL)
@@ -161,12 +159,11 @@ class SchedulerProcess:
         self.send_sock.connect(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.recv_sock, zmq.POLLIN)
-        self.live: dict[str, Any] = {}  # rid -> Req, until its finish has been sent
+        self.live: dict[str, Req] = {}  # rid -> Req, until its finish has been sent
         self.sent_len: dict[str, int] = {}  # rid -> output tokens already sent
         self.pending_flushes: list[_PendingFlush] = []
-        self.pending_updates: deque[_PendingUpdate] = deque()
         self.joins: dict[str, threading.Thread] = {}  # group_name -> joining thread
-        self.join_results: queue.SimpleQueue[tuple[str, str, dict[str, Any]]] = queue.SimpleQueue()
+        self.join_results: queue.SimpleQueue[tuple[str, str, HandoverResult]] = queue.SimpleQueue()
         self.running = True
 
     # ---- loop
@@ -180,10 +177,11 @@ class SchedulerProcess:
     def run_once(self) -> None:
         """One turn of the loop after the messages are in: joins, updates, a step, flushes."""
         self._finish_joins()
-        self._apply_pending_updates()
-        if self._can_step():
+        self.handover.apply_ready_updates()  # each reply goes out from its on_done
+        if self.scheduler.can_step():
+            # While an update waits, the scheduler still finishes a half-prefilled (chunked) prompt.
             try:
-                reqs = self._step()
+                reqs = self.scheduler.step()
             except Exception as e:  # a bug or device error: fail the requests, keep serving
                 logger.error("scheduler step failed:\n%s", traceback.format_exc())
                 self._abort_everything(f"internal error in scheduler step: {type(e).__name__}: {e}")
@@ -192,25 +190,8 @@ class SchedulerProcess:
                 self._send_outputs(reqs)
         self._retry_flushes()
 
-    def _can_step(self) -> bool:
-        """A step would make progress: not paused, and (while an update waits) something holds KV."""
-        sched = self.scheduler
-        if sched.paused is not None or not sched.has_work():
-            return False
-        if sched.memory_block_reason is not None:  # memory released: a step would do nothing
-            return False
-        if sched.admission_blocked:
-            return sched.num_holding_kv() > 0
-        return True
-
     def _has_ready_work(self) -> bool:
-        return self._can_step() or bool(
-            self.pending_updates and self.scheduler.can_update_weights()
-        )
-
-    def _step(self) -> list[Any]:
-        # While admission is blocked the scheduler still finishes a half-prefilled (chunked) prompt.
-        return self.scheduler.step()
+        return self.scheduler.can_step() or self.handover.update_ready()
 
     def _abort_everything(self, message: str) -> None:
         """Finish every live request with an abort, including any a failed step left in limbo."""
@@ -222,13 +203,8 @@ class SchedulerProcess:
             self.live.pop(rid, None)
             self._send_finished(rid, {"type": "abort", "message": message})
 
-    def _abort_all(self, message: str) -> None:
-        aborted = self.scheduler.abort(None, message=message)
-        if aborted:
-            self._send_outputs(aborted)
-
     def _report_finished(self) -> None:
-        """Send the finish of every tracked request an engine call finished (e.g. pause abort)."""
+        """Send the finish of every tracked request a handover call finished (e.g. pause abort)."""
         done = [req for req in self.live.values() if req.finished]
         if done:
             self._send_outputs(done)
@@ -261,6 +237,7 @@ class SchedulerProcess:
             self._dispatch(msg)
 
     def _dispatch(self, msg: Any) -> None:
+        handover = self.handover
         if isinstance(msg, TokenizedGenerateReqInput):
             self._handle_generate(msg)
         elif isinstance(msg, AbortReq):
@@ -274,20 +251,23 @@ class SchedulerProcess:
         elif isinstance(msg, _WEIGHT_UPDATES):
             self._handle_weight_update(msg)
         elif isinstance(msg, PauseGenerationReqInput):
-            result = self.engine.pause_generation(msg.mode)
-            self._report_finished()  # mode=abort finished every request
-            self._reply_result(msg.req_id, result)
+            self._reply_result(msg.req_id, handover.pause_generation(msg.mode))
         elif isinstance(msg, ContinueGenerationReqInput):
-            self._reply_result(msg.req_id, self.engine.continue_generation(msg.torch_empty_cache))
+            self._reply_result(msg.req_id, handover.continue_generation(msg.torch_empty_cache))
         elif isinstance(msg, UpdateWeightVersionReqInput):
-            self._handle_weight_version(msg)
-        elif isinstance(msg, (ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput)):
-            self._handle_memory_occupation(msg)
+            result = handover.update_weight_version(msg.new_version, msg.abort_all_requests)
+            self._reply_result(msg.req_id, result, new_version=handover.weight_version)
+        elif isinstance(msg, ReleaseMemoryOccupationReqInput):
+            self._reply_result(msg.req_id, handover.release_memory_occupation(msg.tags),
+                               released_bytes=handover.released_bytes())
+        elif isinstance(msg, ResumeMemoryOccupationReqInput):
+            self._reply_result(msg.req_id, handover.resume_memory_occupation(msg.tags),
+                               released_bytes=handover.released_bytes())
         elif isinstance(msg, DumpMemoryTimelineReqInput):
-            self._reply(msg.req_id, True, data={"timeline": self.engine.memory_ledger.to_dict()})
+            self._reply(msg.req_id, True, data={"timeline": self.scheduler.ledger.to_dict()})
         elif isinstance(msg, GetWeightsByNameReqInput):
             try:
-                values = self.engine.get_weights_by_name(msg.name, msg.truncate_size)
+                values = handover.get_weights_by_name(msg.name, msg.truncate_size)
             except ValueError as e:
                 self._reply(msg.req_id, False, str(e))
             else:
@@ -298,20 +278,15 @@ class SchedulerProcess:
             if msg.group_name in self.joins:
                 self._reply(msg.req_id, False, f"group_name {msg.group_name!r} is still joining")
             else:
-                self._reply_result(msg.req_id, self.engine.destroy_weights_update_group(msg.group_name))
+                self._reply_result(msg.req_id, handover.destroy_weights_update_group(msg.group_name))
         elif isinstance(msg, ShutdownReq):
             self._abort_everything("server shutting down")
-            for pending in self.pending_updates:
-                self._reply(pending.msg.req_id, False, "server shutting down")
-            self.pending_updates.clear()
+            handover.cancel_pending_updates("server shutting down")
             self._reply(msg.req_id, True, "scheduler stopped")
             self.running = False
 
     # ---- handlers
     def _handle_generate(self, msg: TokenizedGenerateReqInput) -> None:
-        from tide.sampling_params import SamplingParams
-        from tide.scheduler.request import Req
-
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
         except ValueError as e:  # validated on the HTTP side already; never crash on it here
@@ -365,114 +340,31 @@ class SchedulerProcess:
                 still.append(pending)
         self.pending_flushes = still
 
-    # ---- handover: weight updates, versions, trainer groups
+    # ---- handover: weight updates and trainer groups
     def _handle_weight_update(self, msg: WeightUpdateReq) -> None:
-        try:
-            payload = self._precheck_update(msg)
-        except Exception as e:  # noqa: BLE001 - any decoding/validation failure is bad input
-            message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            self._reply(msg.req_id, False, message, self._result_data(0))
-            return
-        if msg.abort_all_requests:
-            self._abort_all("aborted by weight update")
-        self.scheduler.admission_blocked = True
-        self.pending_updates.append(_PendingUpdate(msg, payload))
+        """Validated now (a bad request is answered at once); applied when its turn comes."""
 
-    def _precheck_update(self, msg: WeightUpdateReq) -> Any:
-        """Decode and validate what can be checked before the update waits its turn (raises
-        ValueError naming the problem); the tensor path returns its decoded tensors."""
-        from tide.weights import deserialize_named_tensors, read_checkpoint_shapes
-        from tide.weights.bucket import FlattenedBucket
+        def on_done(result: HandoverResult) -> None:
+            self._reply_result(msg.req_id, result)
 
-        updater = self.engine.weight_updater
-        if isinstance(msg, UpdateWeightsFromTensorReqInput):
-            obj = deserialize_named_tensors(msg.serialized_named_tensors)
-            if msg.load_format == "flattened_bucket":
-                buckets = [obj] if isinstance(obj, FlattenedBucket) else obj
-                if not isinstance(buckets, (list, tuple)) or not all(
-                    isinstance(b, FlattenedBucket) for b in buckets
-                ):
-                    raise ValueError("a flattened_bucket payload must hold FlattenedBucket objects")
-                named = [nt for bucket in buckets for nt in bucket.named_tensors()]
-            else:
-                if not isinstance(obj, (list, tuple)) or not all(
-                    isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor) for item in obj
-                ):
-                    raise ValueError(
-                        "serialized_named_tensors must decode to a list of (name, tensor) pairs")
-                named = list(obj)
-            updater.plan([(n, t.shape, t.dtype) for n, t in named], exact_dtype=True)
-            return obj
-        if isinstance(msg, UpdateWeightFromDiskReqInput):
-            if msg.load_format not in (None, "auto", "safetensors"):
-                raise ValueError(f"load_format {msg.load_format!r} is not supported for disk updates")
-            if not os.path.isdir(msg.model_path):
-                raise ValueError(f"model_path {msg.model_path!r} is not a directory")
-            updater.plan(read_checkpoint_shapes(msg.model_path), exact_dtype=False,
-                         require_complete=True)
-        # Distributed updates are validated by the engine, which still receives every broadcast of
-        # a bad request so the trainer never hangs; IPC handles are opened only once, when applied.
-        return None
-
-    def _apply_pending_updates(self) -> None:
-        sched = self.scheduler
-        while self.pending_updates and sched.can_update_weights():
-            pending = self.pending_updates.popleft()
-            try:
-                result = self._apply_update(pending)
-            except Exception as e:  # noqa: BLE001 - report it; the loop must keep serving
-                logger.error("weight update failed:\n%s", traceback.format_exc())
-                result = {"success": False, "message": f"weight update failed: "
-                          f"{type(e).__name__}: {e}", "num_paused_requests": 0}
-            finally:
-                sched.admission_blocked = bool(self.pending_updates)
-            self._report_finished()
-            self._reply_result(pending.msg.req_id, result)
-
-    def _apply_update(self, pending: _PendingUpdate) -> dict[str, Any]:
-        msg = pending.msg
-        engine = self.engine
-        # Requests were aborted at receipt; ones that arrived since are queued behind the update.
-        flags = dict(flush_cache=msg.flush_cache, abort_all_requests=False,
-                     weight_version=msg.weight_version, torch_empty_cache=msg.torch_empty_cache)
-        if isinstance(msg, UpdateWeightFromDiskReqInput):
-            return engine.update_weights_from_disk(msg.model_path, load_format=msg.load_format,
-                                                   **flags)
-        if isinstance(msg, UpdateWeightsFromTensorReqInput):
-            return engine.update_weights_from_tensor(named_tensors=pending.payload,
-                                                     load_format=msg.load_format, **flags)
-        if isinstance(msg, UpdateWeightsFromIPCReqInput):
-            return engine.update_weights_from_ipc(msg.serialized_buckets, **flags)
-        return engine.update_weights_from_distributed(
-            msg.names, msg.dtypes, msg.shapes, group_name=msg.group_name,
-            load_format=msg.load_format, **flags,
-        )
-
-    def _handle_weight_version(self, msg: UpdateWeightVersionReqInput) -> None:
-        if not msg.new_version:
-            self._reply(msg.req_id, False, "new_version must be a non-empty string")
-            return
-        if msg.abort_all_requests:
-            self._abort_all("aborted by update_weight_version")
-        result = self.engine.update_weight_version(msg.new_version, abort_all_requests=False)
-        self._reply_result(msg.req_id, result, new_version=self.scheduler.weight_version)
+        self.handover.submit_update(_weight_update(msg), msg, on_done)
+        self._report_finished()  # requests its abort_all_requests finished
 
     def _handle_init_group(self, msg: InitWeightsUpdateGroupReqInput) -> None:
         name = msg.group_name
-        if name in self.joins or name in self.engine.weight_updater.groups:
+        if name in self.joins or self.handover.has_group(name):
             self._reply(msg.req_id, False, f"group_name {name!r} already exists; destroy it first")
             return
 
         def join() -> None:
             try:
-                result = self.engine.init_weights_update_group(
+                result = self.handover.init_weights_update_group(
                     msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
                     group_name=name, backend=msg.backend,
                 )
             except Exception as e:  # noqa: BLE001 - reported to the caller
-                result = {"success": False, "num_paused_requests": 0,
-                          "message": f"init_weights_update_group failed: {type(e).__name__}: {e}"}
+                result = HandoverResult(
+                    False, f"init_weights_update_group failed: {type(e).__name__}: {e}")
             self.join_results.put((msg.req_id, name, result))
 
         thread = threading.Thread(target=join, name=f"tide-join-{name}", daemon=True)
@@ -490,52 +382,21 @@ class SchedulerProcess:
                 thread.join()
             self._reply_result(req_id, result)
 
-    # ---- memory occupation (colocated trainer)
-    def _handle_memory_occupation(
-        self, msg: ReleaseMemoryOccupationReqInput | ResumeMemoryOccupationReqInput
-    ) -> None:
-        release = isinstance(msg, ReleaseMemoryOccupationReqInput)
-        if release and self.pending_updates:
-            self._reply(msg.req_id, False,
-                        f"{len(self.pending_updates)} weight update(s) wait to apply; release "
-                        "memory once they have finished", self._result_data(0))
-            return
-        engine = self.engine
-        try:
-            if release:
-                result = engine.release_memory_occupation(msg.tags)
-            else:
-                result = engine.resume_memory_occupation(msg.tags)
-        except Exception as e:  # noqa: BLE001 - reported to the caller; the loop keeps serving
-            logger.error("%s failed:\n%s", type(msg).__name__, traceback.format_exc())
-            name = "release" if release else "resume"
-            result = {"success": False, "num_paused_requests": 0,
-                      "message": f"{name}_memory_occupation failed: {type(e).__name__}: {e}"}
-        self._report_finished()
-        self._reply_result(msg.req_id, result, released_bytes=self._released_bytes())
-
-    def _released_bytes(self) -> dict[str, int]:
-        occupation = getattr(self.engine, "memory_occupation", None)
-        if occupation is None:
-            return {}
-        return {tag: int(n) for tag, n in occupation.released_bytes().items()}
-
     def memory_info(self) -> dict[str, Any]:
         """Device memory now (reserved, allocated, their gap) and bytes released per tag."""
         stats = device_memory_stats()
         return {"reserved_bytes": stats["reserved"], "allocated_bytes": stats["allocated"],
                 "fragmentation_bytes": max(0, stats["reserved"] - stats["allocated"]),
-                "source": stats["source"], "released_bytes": self._released_bytes()}
+                "source": stats["source"], "released_bytes": self.handover.released_bytes()}
 
     # ---- replies
-    def _result_data(self, num_paused_requests: int, **extra: Any) -> dict[str, Any]:
-        return {"num_paused_requests": num_paused_requests, "paused": self.scheduler.paused,
-                "weight_version": self.scheduler.weight_version, **extra}
-
-    def _reply_result(self, req_id: str, result: dict[str, Any], **extra: Any) -> None:
-        """Reply with an `Engine` handover result ({success, message, num_paused_requests})."""
-        data = self._result_data(int(result.get("num_paused_requests", 0)), **extra)
-        self._reply(req_id, bool(result["success"]), str(result["message"]), data)
+    def _reply_result(self, req_id: str, result: HandoverResult, **extra: Any) -> None:
+        """Reply with a handover result (sglang's success, message, num_paused_requests)."""
+        self._report_finished()  # requests the call finished (pause mode=abort, ...) go first
+        data = {"num_paused_requests": result.num_paused_requests,
+                "paused": self.handover.paused, "weight_version": self.handover.weight_version,
+                **extra}
+        self._reply(req_id, result.success, result.message, data)
 
     def _reply(self, req_id: str, success: bool, message: str = "", data: dict | None = None) -> None:
         out = ControlReqOutput(req_id=req_id, success=success, message=message, data=data or {})
@@ -543,10 +404,10 @@ class SchedulerProcess:
 
     def _send_finished(self, rid: str, reason: dict[str, Any]) -> None:
         out = BatchTokenIDOut([rid], [[]], [[]], [[]], [reason], [0],
-                              [self.scheduler.weight_version])
+                              [self.handover.weight_version])
         self.send_sock.send(encode_message(out))
 
-    def _send_outputs(self, reqs: list[Any]) -> None:
+    def _send_outputs(self, reqs: list[Req]) -> None:
         rids: list[str] = []
         new_ids: list[list[int]] = []
         new_lps: list[list[float]] = []
@@ -571,7 +432,7 @@ class SchedulerProcess:
             reasons.append(req.finished_reason)
             cached.append(req.cached_tokens)
             versions.append(req.weight_version if req.finished and req.weight_version is not None
-                            else self.scheduler.weight_version)
+                            else self.handover.weight_version)
             if req.finished:
                 self.sent_len.pop(req.rid, None)
                 self.live.pop(req.rid, None)
@@ -582,18 +443,14 @@ class SchedulerProcess:
 
     # ---- info
     def static_info(self) -> dict[str, Any]:
-        engine = self.engine
-        mc = engine.model_config
-        info = dict(engine.get_server_info())
-        info.update(
-            architecture=mc.architecture,
-            vocab_size=mc.vocab_size,
-            eos_token_ids=list(engine.eos_token_ids),
-            max_running_requests=engine.config.max_running_requests,
-            scheduler_pid=os.getpid(),
-            weight_version=engine.scheduler.weight_version,
-        )
-        return info
+        sched = self.scheduler
+        return {
+            **sched.server_info(),
+            "eos_token_ids": sorted(sched.eos_token_ids),
+            "max_running_requests": sched.config.max_running_requests,
+            "scheduler_pid": os.getpid(),
+            "weight_version": self.handover.weight_version,
+        }
 
     def load_info(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -621,22 +478,26 @@ class SchedulerProcess:
             "num_generated_tokens": stats.num_generated_tokens,
             "num_retractions": stats.num_retractions,
             "invariants_ok": invariants_ok,
-            "weight_version": sched.weight_version,
-            "paused": sched.paused,
-            "admission_blocked": sched.admission_blocked,
-            "num_pending_weight_updates": len(self.pending_updates),
-            "weight_update_groups": sorted(self.engine.weight_updater.groups),
-            "memory_ledger": self.engine.memory_ledger.totals(),
+            "weight_version": self.handover.weight_version,
+            "paused": self.handover.paused,
+            "admission_blocked": self.handover.admission_blocked,
+            "num_pending_weight_updates": len(self.handover.pending_updates),
+            "weight_update_groups": self.handover.group_names(),
+            "memory_ledger": sched.ledger.totals(),
             "memory": self.memory_info(),
         }
 
 
-def _config_kwargs(config: EngineConfig) -> dict[str, Any]:
-    import dataclasses
-
-    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    kwargs.pop("model_path")
-    return kwargs
+def _weight_update(msg: WeightUpdateReq) -> WeightUpdate:
+    """The handover's request for an update message."""
+    if isinstance(msg, UpdateWeightFromDiskReqInput):
+        return DiskUpdate(msg.model_path, msg.load_format)
+    if isinstance(msg, UpdateWeightsFromTensorReqInput):
+        return TensorUpdate(serialized_named_tensors=msg.serialized_named_tensors,
+                            load_format=msg.load_format)
+    if isinstance(msg, UpdateWeightsFromIPCReqInput):
+        return IPCUpdate(msg.serialized_buckets)
+    return DistributedUpdate(msg.names, msg.dtypes, msg.shapes, msg.group_name, msg.load_format)
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -1,7 +1,14 @@
-"""The scheduling loop: admit requests, run prefill/extend or decode, sample, finish or retract.
+"""The scheduling loop: admit requests, run prefill/extend or decode, finish or retract.
 
-One `step()` runs at most one forward: a prefill batch when waiting requests can be admitted (prefill
-first keeps time-to-first-token low), else one decode step over every running request.
+One `step()` runs at most one forward:
+
+    batch = schedule()                  # a prefill batch if requests can be admitted, else decode
+    prepare(batch)                      # KV slots, request table, model inputs
+    out = worker.forward(batch)         # the model and the sampler (never called from here)
+    process_results(batch, out)         # tokens, stop checks, finished requests give KV back
+
+The scheduler owns requests and KV accounting; its `handover` owns pause, weight updates, versions
+and memory release, and the scheduler only reads that state (`may_step`, `admission_blocked`).
 
 KV accounting: a request is admitted when its new prompt tokens plus an estimate of its future decode
 tokens (`remaining * new_token_ratio`) fit in free + evictable slots. The estimate is optimistic; when a
@@ -25,13 +32,16 @@ from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
 from tide.memory.release import empty_device_cache
+from tide.model_config import ModelConfig
+from tide.models import get_model_class
+from tide.scheduler.handover import Handover
 from tide.scheduler.request import Req
 from tide.scheduler.schedule_batch import ScheduleBatch, sampling_info
-from tide.scheduler.worker import ModelWorker
+from tide.scheduler.worker import ModelWorker, TpModelWorker
+from tide.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
@@ -56,10 +66,14 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         tokenizer: Any,
         ledger: MemoryLedger,
+        model_config: ModelConfig | None = None,
+        weight_version: str = "default",
     ) -> None:
         """`tokenizer` (None: the model has none) decodes outputs to find stop strings; `ledger`
-        records this engine's release points."""
+        records this engine's release points; `model_config` (None in unit tests) is reported by
+        `server_info`."""
         self.config = config
+        self.model_config = model_config
         self.ledger = ledger
         self.worker = worker
         self.eos_token_ids = set(eos_token_ids)
@@ -76,25 +90,34 @@ class Scheduler:
         self.stats = SchedulerStats()
         # KV slots allocated for the forward in progress, not yet owned by a request's kv_len.
         self._inflight_loc: torch.Tensor | None = None
-        # Handover state: a pause mode ("abort" | "retract" | "in_place") or None; admission is
-        # blocked while a weight update waits for running requests to drain.
-        self.paused: str | None = None
         self.retired_trees: list[RadixCache] = []  # trees whose KV predates a weight update
         # Bumped by every flush after a weight update: KV of an older epoch is never cached.
         self.kv_epoch = 0
-        self.admission_blocked = False
-        self.weight_version = "default"
-        # Set while memory is released (or weights await a refill): nothing runs, new requests abort.
-        self.memory_block_reason: str | None = None
+        self.handover = Handover(self, worker, ledger, config.enable_memory_saver, weight_version)
 
     # ---- public surface
     @property
     def max_total_tokens(self) -> int:
         return self.worker.max_total_tokens
 
+    def server_info(self) -> dict[str, Any]:
+        """The model, its limits and where it runs."""
+        info: dict[str, Any] = {
+            "model_path": self.config.model_path,
+            "max_total_tokens": self.max_total_tokens,
+            "context_length": self.worker.context_len,
+            **self.worker.device_info(),
+        }
+        if self.model_config is not None:
+            info.update(architecture=self.model_config.architecture,
+                        vocab_size=self.model_config.vocab_size)
+        return info
+
     def add_request(self, req: Req) -> None:
-        if self.memory_block_reason is not None:
-            req.finished_reason = {"type": "abort", "message": self.memory_block_reason}
+        """Queue `req` (finished at once if memory is released or it asks for no tokens)."""
+        blocked = self.handover.memory_block_reason
+        if blocked is not None:
+            req.finished_reason = {"type": "abort", "message": blocked}
             return
         params = req.sampling_params
         if params.max_new_tokens == 0:
@@ -112,16 +135,29 @@ class Scheduler:
         return len(self.waiting)
 
     def num_running(self) -> int:
+        """Requests holding KV: running, or a prompt mid-chunk."""
         return len(self.running) + (1 if self.chunked_req else 0)
+
+    def is_blocked(self) -> bool:
+        """No step can run now: paused, memory released, or a weight update waits and no request
+        holds KV (nothing may be admitted; a held request would drain)."""
+        handover = self.handover
+        if not handover.may_step():
+            return True
+        return handover.admission_blocked and self.num_running() == 0
+
+    def can_step(self) -> bool:
+        """A step would make progress."""
+        return self.has_work() and not self.is_blocked()
 
     def step(self) -> list[Req]:
         """Run one forward; return the requests that got a token in it (finished ones included).
-        Does nothing while paused.
+        Does nothing while paused or while memory is released.
 
         If the forward or sampling raises, the requests of that batch finish with an abort that
         carries the error, their KV is released, and the scheduler stays usable.
         """
-        if self.paused is not None or self.memory_block_reason is not None:
+        if not self.handover.may_step():
             return []
         batch = self.schedule()
         if batch is None:
@@ -145,7 +181,7 @@ class Scheduler:
                 self.chunked_req = None
             if req.finished_reason is None or req.finished_reason.get("type") != "abort":
                 req.finished_reason = {"type": "abort", "message": message}
-            req.weight_version = self.weight_version
+            req.weight_version = self.handover.weight_version
             if req.req_pool_idx is not None:
                 self._release_kv(req)
             elif req.last_node is not None:
@@ -168,7 +204,7 @@ class Scheduler:
             self.chunked_req = None
         for req in aborted:
             req.finished_reason = {"type": "abort", "message": message}
-            req.weight_version = self.weight_version
+            req.weight_version = self.handover.weight_version
             if req.req_pool_idx is not None:
                 self._release_kv(req)
         return aborted
@@ -181,9 +217,10 @@ class Scheduler:
                 f"cannot flush cache: {self.num_queued()} queued and {self.num_running()} "
                 "running requests"
             )
-        self._reset_kv_state()
+        self.reset_kv_state()
         if empty_cache:
             empty_device_cache(reason="flush_cache", ledger=self.ledger)
+        self.ledger.mark("flush_cache", f"empty_cache={empty_cache}")
         return True, "cache flushed"
 
     def _release_kv(self, req: Req) -> None:
@@ -196,52 +233,27 @@ class Scheduler:
 
     def reset_kv_state(self) -> None:
         """Reset radix cache, request slots and KV allocator (caller guarantees no request holds KV)."""
-        self._reset_kv_state()
-
-    def _reset_kv_state(self) -> None:
         self.retired_trees.clear()
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
 
-    # ---- training <-> rollout handover
-    def num_holding_kv(self) -> int:
-        """Requests that own KV slots (running, or a prompt mid-chunk)."""
-        return len(self.running) + (1 if self.chunked_req is not None else 0)
-
-    def can_update_weights(self) -> bool:
-        """Not paused, an update waits until no request holds KV; paused, it may go at once."""
-        return self.paused is not None or self.num_holding_kv() == 0
-
-    def pause_generation(self, mode: str) -> int:
-        """Stop scheduling. `abort`: every in-flight request (queued ones too) finishes now with its
-        partial output; `retract`: running requests give up their KV and re-queue (recomputed on
-        continue); `in_place`: running requests keep their KV and wait. Returns how many requests
-        were affected."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
-        if mode == "abort":
-            count = len(self.abort(message="paused with mode=abort"))
-        elif mode == "retract":
-            held = list(self.running)
-            if self.chunked_req is not None:
-                held.append(self.chunked_req)
-                self.chunked_req = None
-            for req in reversed(held):  # re-queue in admission order, ahead of new arrivals
-                if req in self.running:
-                    self.running.remove(req)
-                self._release_kv(req)
-                req.reset_for_retract()
-                self.waiting.appendleft(req)
-            self.stats.num_retractions += len(held)
-            count = len(held)
-        else:
-            count = self.num_holding_kv()
-        self.paused = mode
-        return count
-
-    def continue_generation(self) -> None:
-        self.paused = None
+    # ---- what the handover asks of the requests and their KV
+    def retract_all(self) -> int:
+        """Every request holding KV gives it up and re-queues ahead of new arrivals, in admission
+        order (recomputed when it runs again). Returns how many."""
+        held = list(self.running)
+        if self.chunked_req is not None:
+            held.append(self.chunked_req)
+            self.chunked_req = None
+        for req in reversed(held):
+            if req in self.running:
+                self.running.remove(req)
+            self._release_kv(req)
+            req.reset_for_retract()
+            self.waiting.appendleft(req)
+        self.stats.num_retractions += len(held)
+        return len(held)
 
     def flush_cache_after_weight_update(self, flush_cache: bool, torch_empty_cache: bool) -> None:
         """After new weights: cached KV was computed with the old ones. With no request holding KV,
@@ -249,8 +261,8 @@ class Scheduler:
         held request uses and leave the held requests' KV alone."""
         if flush_cache:
             self.kv_epoch += 1
-            if self.num_holding_kv() == 0:
-                self._reset_kv_state()
+            if self.num_running() == 0:
+                self.reset_kv_state()
             else:
                 # Held requests keep their (old-weight) KV; nothing new may match it.
                 old = self.tree_cache
@@ -293,7 +305,8 @@ class Scheduler:
 
     def _get_prefill_batch(self) -> list[tuple[Req, int]]:
         """Pick (req, number of new tokens) to extend this step, locking their cached prefixes."""
-        if self.chunked_req is None and (not self.waiting or self.admission_blocked):
+        blocked = self.handover.admission_blocked
+        if self.chunked_req is None and (not self.waiting or blocked):
             return []
         candidates: list[Req] = []
         if self.chunked_req is not None:
@@ -304,7 +317,7 @@ class Scheduler:
         batch: list[tuple[Req, int]] = []
         used = 0
         # While a weight update waits, only a prompt already mid-chunk may go on.
-        waiting_iter = iter([] if self.admission_blocked else list(self.waiting))
+        waiting_iter = iter([] if blocked else list(self.waiting))
         while True:
             req = candidates.pop() if candidates else next(waiting_iter, None)
             if req is None or budget <= 0:
@@ -454,7 +467,7 @@ class Scheduler:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             req.finished_reason = self._check_finished(req, token)
             if req.finished_reason is not None:
-                req.weight_version = self.weight_version
+                req.weight_version = self.handover.weight_version
                 if not newly_prefilled:
                     self.running.remove(req)
                 self._release_kv(req)
@@ -492,3 +505,22 @@ class Scheduler:
         if req.seq_len >= self.worker.context_len:
             return {"type": "length", "length": len(req.output_ids)}
         return None
+
+
+def create_scheduler(config: EngineConfig, weight_version: str | None = None) -> Scheduler:
+    """The scheduler side of one engine, built from `config`: model (on an in-process worker), KV
+    pools, tokenizer (for stop strings), memory ledger, handover. Raises ValueError for a bad model
+    directory or an unsupported architecture."""
+    torch.manual_seed(config.seed)
+    model_config = ModelConfig.from_dir(config.model_path)
+    get_model_class(model_config.architecture)  # unknown architecture -> ValueError early
+    tokenizer = load_tokenizer(config)
+    eos = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    ledger = MemoryLedger()
+    worker = TpModelWorker(config, model_config, ledger)
+    scheduler = Scheduler(config, worker, tuple(sorted(eos)), tokenizer, ledger, model_config,
+                          weight_version or "default")
+    ledger.mark("engine_ready", f"{model_config.architecture} on {worker.device_info()['device']}")
+    return scheduler

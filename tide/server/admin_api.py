@@ -41,7 +41,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from tide.server.errors import APIError, from_validation_error
-from tide.server.io_struct import (
+from tide.io_struct import (
     ContinueGenerationReqInput,
     ControlReqOutput,
     DestroyWeightsUpdateGroupReqInput,
@@ -56,6 +56,7 @@ from tide.server.io_struct import (
     UpdateWeightsFromIPCReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
+    weight_update_options,
 )
 from tide.server.metrics import ServerMetrics
 from tide.server.protocol import (
@@ -173,12 +174,6 @@ def _result(out: ControlReqOutput, param: str | None = None, code: str = "update
                          **extra})
 
 
-def _update_options(body: Any) -> dict[str, Any]:
-    """The four options every weight-update body carries, as keyword arguments."""
-    return {"flush_cache": body.flush_cache, "abort_all_requests": body.abort_all_requests,
-            "weight_version": body.weight_version, "torch_empty_cache": body.torch_empty_cache}
-
-
 def _memory_tags(tags: list[str] | None) -> list[str] | None:
     """`tags` checked (a 400 naming `tags` for an empty list or an unknown tag); None stays None."""
     from tide.memory.occupation import parse_tags
@@ -207,7 +202,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         body = await _parse(request, UpdateWeightFromDiskInput)
         path = resolve_weight_path(body.model_path, weight_roots)
         return await update("disk", "model_path", lambda r: UpdateWeightFromDiskReqInput(
-            req_id=r, model_path=path, load_format=body.load_format, **_update_options(body)))
+            req_id=r, model_path=path, load_format=body.load_format, **weight_update_options(body)))
 
     @app.post("/update_weights_from_tensor",
               openapi_extra=json_body(UpdateWeightsFromTensorInput))
@@ -217,14 +212,14 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         return await update("tensor", "serialized_named_tensors",
                             lambda r: UpdateWeightsFromTensorReqInput(
             req_id=r, serialized_named_tensors=payload, load_format=body.load_format,
-            **_update_options(body)))
+            **weight_update_options(body)))
 
     @app.post("/update_weights_from_ipc", openapi_extra=json_body(UpdateWeightsFromIPCInput))
     async def update_weights_from_ipc(request: Request) -> Response:
         body = await _parse(request, UpdateWeightsFromIPCInput)
         payload = _one_payload(body.serialized_buckets, "serialized_buckets")
         return await update("ipc", "serialized_buckets", lambda r: UpdateWeightsFromIPCReqInput(
-            req_id=r, serialized_buckets=payload, **_update_options(body)))
+            req_id=r, serialized_buckets=payload, **weight_update_options(body)))
 
     @app.post("/update_weights_from_distributed",
               openapi_extra=json_body(UpdateWeightsFromDistributedInput))
@@ -247,7 +242,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
                                     code="invalid_value")
         return await update("distributed", "names", lambda r: UpdateWeightsFromDistributedReqInput(
             req_id=r, names=body.names, dtypes=body.dtypes, shapes=body.shapes,
-            group_name=body.group_name, load_format=body.load_format, **_update_options(body)))
+            group_name=body.group_name, load_format=body.load_format, **weight_update_options(body)))
 
     @app.post("/init_weights_update_group",
               openapi_extra=json_body(InitWeightsUpdateGroupInput))

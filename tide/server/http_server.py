@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import tide
 from tide.sampling_params import SamplingParams
 from tide.server.admin_api import ADMIN_HANDOVER_PATHS, add_admin_routes
 from tide.server.errors import APIError
@@ -42,6 +41,7 @@ from tide.server.protocol import (
 from tide.server.server_args import ServerArgs
 from tide.server.tokenizer_manager import TokenizerManager
 from tide.server.utils import parse_body
+from tide.version import __version__
 
 logger = logging.getLogger("tide.server")
 
@@ -115,7 +115,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         finally:
             await tm.stop()
 
-    app = FastAPI(title="tide", version=tide.__version__, lifespan=lifespan, docs_url="/docs",
+    app = FastAPI(title="tide", version=__version__, lifespan=lifespan, docs_url="/docs",
                   redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible and sglang-compatible LLM serving (tide).")
     auth = Auth(args.api_key, args.admin_api_key)
@@ -165,7 +165,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
 
     @app.get("/")
     async def index() -> dict[str, Any]:
-        return {"name": "tide", "version": tide.__version__, "models": args.model_names,
+        return {"name": "tide", "version": __version__, "models": args.model_names,
                 "openapi": "/openapi.json", "docs": "/docs", "health": "/health"}
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
@@ -261,7 +261,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     async def get_server_info() -> dict[str, Any]:
         info = args.public_dict()
         info.update(await tm.get_server_info())
-        info["version"] = tide.__version__
+        info["version"] = __version__
         info["num_http_requests_in_flight"] = len(tm.rid_to_state)
         return info
 

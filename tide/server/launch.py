@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import uvicorn
 
-from tide.server.io_struct import SchedulerReady
+from tide.io_struct import SchedulerReady
 from tide.server.metrics import ServerMetrics
 from tide.server.server_args import ServerArgs
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from tide.io_struct import WeightUpdateOptions
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -118,25 +121,27 @@ class FlushCacheInput(BaseModel):
 
 
 # ---- admin: training <-> rollout handover (sglang's paths, bodies and defaults)
-class _WeightUpdateFlags(BaseModel):
-    """What every weight update carries: flush the (now stale) KV caches afterwards, empty the
-    device allocator cache too, abort requests instead of waiting for them, the new version."""
+def _weight_update_flags() -> type[BaseModel]:
+    """The body fields every weight update takes: `tide.io_struct.WeightUpdateOptions`'s fields,
+    types and defaults (its one definition)."""
+    fields: dict[str, Any] = {
+        f.name: (f.type, f.default) for f in msgspec.structs.fields(WeightUpdateOptions)
+    }
+    return create_model("WeightUpdateFlags", __config__=_STRICT,
+                        __doc__=WeightUpdateOptions.__doc__, **fields)
 
-    model_config = _STRICT
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    torch_empty_cache: bool = False
+
+_WeightUpdateFlags = _weight_update_flags()
 
 
-class UpdateWeightFromDiskInput(_WeightUpdateFlags):
+class UpdateWeightFromDiskInput(_WeightUpdateFlags):  # type: ignore[misc,valid-type]
     """`POST /update_weights_from_disk`: an HF safetensors directory under --allowed-weight-roots."""
 
     model_path: str = Field(min_length=1)
     load_format: Literal["auto", "safetensors"] | None = None
 
 
-class UpdateWeightsFromTensorInput(_WeightUpdateFlags):
+class UpdateWeightsFromTensorInput(_WeightUpdateFlags):  # type: ignore[misc,valid-type]
     """`POST /update_weights_from_tensor`: `tide.weights.serialize_named_tensors` output, as one
     string or (sglang's per-rank list) a list of one string."""
 
@@ -144,7 +149,7 @@ class UpdateWeightsFromTensorInput(_WeightUpdateFlags):
     load_format: Literal["flattened_bucket"] | None = None
 
 
-class UpdateWeightsFromIPCInput(_WeightUpdateFlags):
+class UpdateWeightsFromIPCInput(_WeightUpdateFlags):  # type: ignore[misc,valid-type]
     """`POST /update_weights_from_ipc`: serialized flattened buckets of CUDA IPC handles."""
 
     serialized_buckets: str | list[str]
@@ -167,7 +172,7 @@ class DestroyWeightsUpdateGroupInput(BaseModel):
     group_name: str = Field(default="weight_update_group", min_length=1)
 
 
-class UpdateWeightsFromDistributedInput(_WeightUpdateFlags):
+class UpdateWeightsFromDistributedInput(_WeightUpdateFlags):  # type: ignore[misc,valid-type]
     """`POST /update_weights_from_distributed`: tensors rank 0 broadcasts, in `names` order."""
 
     names: list[str] = Field(min_length=1)

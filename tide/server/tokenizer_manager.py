@@ -4,8 +4,9 @@
 input, then `submit` one `ReqState` per sequence (n > 1 and batches are several states sharing one
 `asyncio.Event`); the receive loop applies each `BatchTokenIDOut` to the states, runs incremental
 detokenization (never showing text past a stop string, or a tail that may start one), finishes
-requests when the scheduler does (stop strings included: it finds them) and sets the event. Consumers read whatever is new since their last look, so a slow client sees tokens coalesced
-rather than a growing queue.
+requests when the scheduler does (stop strings included: it finds them) and sets the event.
+Consumers read whatever is new since their last look, so a slow client sees tokens coalesced rather
+than a growing queue.
 
 Control calls (flush, load, info, and the admin calls: weight updates, pause/continue, versions) get a
 `req_id` and await the scheduler's `ControlReqOutput` with the same id.
@@ -29,7 +30,7 @@ import zmq.asyncio
 from tide.sampling_params import SamplingParams
 from tide.detokenizer import IncrementalDetokenizer
 from tide.server.errors import APIError, invalid_request
-from tide.server.io_struct import (
+from tide.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     ControlReqOutput,

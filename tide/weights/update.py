@@ -9,7 +9,6 @@ casts like the initial load does.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -27,16 +26,6 @@ _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class WeightUpdateOptions:
-    """The flags every update request carries (sglang's names and defaults)."""
-
-    flush_cache: bool = True
-    torch_empty_cache: bool = False
-    abort_all_requests: bool = False
-    weight_version: str | None = None
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -163,15 +152,6 @@ class WeightUpdater:
 
         return apply
 
-    def load_from_disk(self, model_path: str) -> int:
-        return self.prepare_from_disk(model_path)()
-
-    def load_named_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> int:
-        return self.prepare_named_tensors(named)()
-
-    def load_buckets(self, buckets: Sequence[FlattenedBucket]) -> int:
-        return self.prepare_buckets(buckets)()
-
     # ---- distributed
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -275,7 +255,6 @@ def _numel(shape: Sequence[int]) -> int:
 __all__ = [
     "FlattenedBucket",
     "LOAD_FORMATS",
-    "WeightUpdateOptions",
     "WeightUpdater",
     "flatten_by_dtype",
     "parse_dtype",

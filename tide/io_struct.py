@@ -63,13 +63,35 @@ class ShutdownReq(msgspec.Struct, tag=True):
     req_id: str
 
 
-class WeightUpdateOptions(msgspec.Struct, kw_only=True):
-    """The options every weight update takes (sglang's names and defaults)."""
+class WeightUpdateOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The options every weight update takes (sglang's names and defaults), defined once: the update
+    messages extend it, the HTTP bodies are built from its fields (`tide.server.protocol`), and
+    `Engine.update_weights_*` take them as keyword arguments (`from_kwargs`).
+
+    `flush_cache`: flush the (now stale) KV caches afterwards; `torch_empty_cache`: empty the device
+    allocator cache too; `abort_all_requests`: abort in-flight requests instead of waiting for them;
+    `weight_version`: the version the new weights carry."""
 
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
     torch_empty_cache: bool = False
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> WeightUpdateOptions:
+        """Options from keyword arguments; ValueError naming an unknown option or a wrong type."""
+        try:
+            return msgspec.convert(options, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"weight update options: {e}") from None
+
+
+WEIGHT_UPDATE_OPTIONS: tuple[str, ...] = WeightUpdateOptions.__struct_fields__
+
+
+def weight_update_options(obj: Any) -> dict[str, Any]:
+    """The `WeightUpdateOptions` fields of `obj` (an HTTP body, say) as keyword arguments."""
+    return {name: getattr(obj, name) for name in WEIGHT_UPDATE_OPTIONS}
 
 
 class UpdateWeightFromDiskReqInput(WeightUpdateOptions, tag=True):

@@ -1,0 +1,138 @@
+"""`Engine.generate`'s arguments into scheduler requests, and finished requests into its outputs.
+
+Every item is validated before any request exists, so bad input raises `ValueError` (naming the
+field) and the engine never sees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tide.sampling_params import SamplingParams
+from tide.scheduler.request import Req
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What a request must fit: the vocabulary, the context, the KV cache."""
+
+    vocab_size: int
+    context_len: int
+    max_total_tokens: int
+
+
+def build_requests(
+    prompt: Any,
+    input_ids: Any,
+    sampling_params: Any,
+    return_logprob: Any,
+    top_logprobs_num: Any,
+    rid: Any,
+    tokenizer: Any,
+    limits: InputLimits,
+) -> tuple[bool, list[Req]]:
+    """(whether one item was given, the requests: `n` per item, in order)."""
+    single, token_lists = _token_lists(prompt, input_ids, tokenizer, limits.vocab_size)
+    count = len(token_lists)
+    params = _per_item(sampling_params, count, "sampling_params")
+    logprob_flags = _per_item(return_logprob, count, "return_logprob")
+    top_nums = _per_item(top_logprobs_num, count, "top_logprobs_num")
+    rids = _per_item(rid, count, "rid")
+    reqs: list[Req] = []
+    for i, ids in enumerate(token_lists):
+        sp = SamplingParams.from_dict(params[i])
+        _check_length(ids, sp, limits)
+        top_n = top_nums[i]
+        vocab = limits.vocab_size
+        if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {vocab}], got {top_n!r}")
+        base = rids[i] or uuid.uuid4().hex
+        for j in range(sp.n):
+            # n copies of a seeded request draw different samples, reproducibly.
+            sp_j = sp if j == 0 or sp.seed is None else dataclasses.replace(
+                sp, seed=(sp.seed + j) % 2**63
+            )
+            reqs.append(Req(
+                rid=base if sp.n == 1 else f"{base}-{j}",
+                origin_input_ids=list(ids),
+                sampling_params=sp_j,
+                return_logprob=bool(logprob_flags[i]) or top_n > 0,
+                top_logprobs_num=top_n,
+            ))
+    return single, reqs
+
+
+def make_output(req: Req, tokenizer: Any, latency: float) -> dict[str, Any]:
+    """sglang's `generate` output of a finished request: text (None without a tokenizer, cut before
+    a matched stop string), output ids and meta info."""
+    text = None
+    if tokenizer is not None:
+        text = tokenizer.decode(req.output_ids,
+                                skip_special_tokens=req.sampling_params.skip_special_tokens)
+        matched = (req.finished_reason or {}).get("matched")
+        if isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finished_reason,
+        "weight_version": req.weight_version,
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "e2e_latency": latency,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = list(req.output_token_logprobs)
+        if req.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = list(req.output_top_logprobs)
+    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _token_lists(prompt: Any, input_ids: Any, tokenizer: Any,
+                 vocab: int) -> tuple[bool, list[list[int]]]:
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("exactly one of prompt or input_ids must be given")
+    if prompt is not None:
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else prompt
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of strings")
+        lists = []
+        for p in prompts:
+            if not isinstance(p, str) or not p:
+                raise ValueError("prompt must be a non-empty string (got an empty prompt)")
+            if tokenizer is None:
+                raise ValueError("prompt needs a tokenizer; this model has none, pass input_ids")
+            lists.append(tokenizer.encode(p))
+        return single, lists
+    if not isinstance(input_ids, list) or not input_ids:
+        raise ValueError("input_ids must be a non-empty list of token ids or of lists of them")
+    single = not isinstance(input_ids[0], list)
+    lists = [input_ids] if single else input_ids
+    for ids in lists:
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("input_ids must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"input_ids must be integers in [0, {vocab})")
+    return single, lists
+
+
+def _check_length(ids: list[int], sp: SamplingParams, limits: InputLimits) -> None:
+    total = len(ids) + sp.max_new_tokens
+    what = f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) = {total}"
+    if total > limits.context_len:
+        raise ValueError(f"{what} exceeds the context length {limits.context_len}")
+    if total > limits.max_total_tokens:
+        raise ValueError(f"{what} exceeds the KV cache capacity of {limits.max_total_tokens} "
+                         "tokens (max_total_tokens)")
+
+
+def _per_item(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
+        return list(value)
+    return [value] * count
