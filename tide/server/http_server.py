@@ -265,8 +265,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         try:
             await asyncio.wait_for(_until_finished(tm, state, event), timeout=20.0)
         except TimeoutError:
-            tm.abort_states([state], "health check timed out")
             return Response(status_code=503)
+        finally:
+            tm.abort_states([state], "health check timed out")
         ok = state.finished_reason is not None and state.finished_reason.get("type") != "abort"
         return Response(status_code=200 if ok else 503)
 

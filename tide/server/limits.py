@@ -70,9 +70,6 @@ class RequestLimits:
                                      f"got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
-        if self.max_n > self.max_batch_size:
-            raise ValueError(f"max_n ({self.max_n}) must not exceed max_batch_size "
-                             f"({self.max_batch_size})")
 
     def body_limit(self, path: str) -> int:
         """The most bytes a request body on `path` may have."""

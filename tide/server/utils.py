@@ -21,6 +21,9 @@ _SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", 
                     "skip_special_tokens", "seed", "n")
 _DEFAULT_LIMITS = RequestLimits()
 _json_decoder = msgspec.json.Decoder()
+_DIGIT_MAP = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))  # digit -> "1"
+_LONG_DIGIT_RUN = b"1" * 19
+_INT64_PROBLEM = "integers must be in [-2**63, 2**63 - 1]"
 
 
 async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
@@ -46,36 +49,56 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
 
 def load_json(raw: bytes, max_depth: int) -> Any:
     """Strict JSON (RFC 8259: UTF-8, no NaN/Infinity, no lone UTF-16 surrogates) nested at most
-    `max_depth` deep, or a 400 (`invalid_json`, naming the field where it can)."""
+    `max_depth` deep, whose integers fit in 64 bits (no field takes more; larger ones would overflow
+    torch and the wire), or a 400 (`invalid_json`, or `invalid_value` naming the field). The checks
+    after parsing run only when the text could fail them (more brackets than `max_depth`, a run of
+    19 digits), at C speed over long flat lists."""
     try:
-        data = _json_decoder.decode(raw)
+        data = _json_decoder.decode(raw)  # recursion-safe: a RecursionError, never a crash
     except RecursionError:
         raise _too_deep(max_depth) from None
     except (msgspec.DecodeError, ValueError) as e:
         raise _json_error(raw, e) from None
-    # Brackets bound the depth from above (those inside strings count too): most bodies skip the walk.
-    if raw.count(b"[") + raw.count(b"{") > max_depth and _depth_exceeds(data, max_depth):
-        raise _too_deep(max_depth)
+    deep = raw.count(b"[") + raw.count(b"{") > max_depth  # brackets in strings count too
+    long_digits = _LONG_DIGIT_RUN in raw.translate(_DIGIT_MAP)  # 2**63 has 19 digits
+    if deep or long_digits:
+        error = _check_parsed(data, max_depth)
+        if error is not None:
+            raise error
     return data
+
+
+def _check_parsed(data: Any, max_depth: int) -> APIError | None:
+    """The first nesting beyond `max_depth` or integer outside int64 in parsed JSON, as a 400."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if not isinstance(value, (dict, list)):
+            if _int64_problem(value) is not None:
+                return _bad_value(path, _INT64_PROBLEM)
+            continue
+        if depth > max_depth:
+            return _too_deep(max_depth)
+        if isinstance(value, dict):
+            entries: Any = value.items()
+        else:
+            types = set(map(type, value))
+            if not types & {dict, list, int}:
+                continue
+            if types <= {int, bool} and -(2**63) <= min(value) and max(value) < 2**63:
+                continue
+            entries = enumerate(value)
+        for key, item in entries:
+            if isinstance(item, (dict, list)):
+                stack.append((item, _join(path, key), depth + 1))
+            elif _int64_problem(item) is not None:
+                return _bad_value(_join(path, key), _INT64_PROBLEM)
+    return None
 
 
 def _too_deep(max_depth: int) -> APIError:
     return APIError(f"The request body nests JSON deeper than {max_depth} levels", 400,
                     code="invalid_json")
-
-
-def _depth_exceeds(data: Any, max_depth: int) -> bool:
-    """Whether objects/arrays in `data` nest more than `max_depth` deep (iterative)."""
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > max_depth:
-            return True
-        items = value.values() if isinstance(value, dict) else value
-        for item in items:
-            if isinstance(item, (dict, list)):
-                stack.append((item, depth + 1))
-    return False
 
 
 def _json_error(raw: bytes, err: Exception) -> APIError:
@@ -84,34 +107,52 @@ def _json_error(raw: bytes, err: Exception) -> APIError:
         lenient = json.loads(raw)
     except (RecursionError, ValueError):
         return APIError(f"The request body is not valid JSON: {err}", 400, code="invalid_json")
-    found = _non_strict_value(lenient)
+    found = _first_lenient_value(lenient)
     if found is None:
         return APIError(f"The request body is not valid JSON: {err}", 400, code="invalid_json")
-    path, what = found
-    return APIError(f"Invalid value for '{path}': {what}", 400, param=path or None,
+    return _bad_value(*found)
+
+
+def _bad_value(path: str, problem: str) -> APIError:
+    return APIError(f"Invalid value for '{path}': {problem}", 400, param=path or None,
                     code="invalid_value")
 
 
-def _non_strict_value(data: Any) -> tuple[str, str] | None:
-    """The path of the first string holding a lone surrogate or of the first non-finite number."""
+def _int64_problem(value: Any) -> str | None:
+    if type(value) is int and not -(2**63) <= value < 2**63:
+        return _INT64_PROBLEM
+    return None
+
+
+def _lenient_problem(value: Any) -> str | None:
+    if isinstance(value, str) and not _is_unicode(value):
+        return "the text holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN and infinite numbers are not JSON"
+    return None
+
+
+def _first_lenient_value(data: Any) -> tuple[str, str] | None:
+    """(dotted path, problem) of a string with a lone surrogate or a non-finite number (or such an
+    object key) in leniently parsed JSON."""
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         value, path = stack.pop()
-        if isinstance(value, str):
-            if not _is_unicode(value):
-                return path, "the text holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                return path, "NaN and infinite numbers are not JSON"
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                sub = f"{path}.{key}" if path else str(key)
-                if not _is_unicode(key):
-                    return path, "a key holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
-                stack.append((item, sub))
+        if isinstance(value, dict):
+            for key in value:
+                what = _lenient_problem(key)
+                if what is not None:
+                    return path, f"an object key: {what}"
+            stack.extend((item, _join(path, key)) for key, item in value.items())
         elif isinstance(value, list):
-            stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(value))
+            stack.extend((item, _join(path, i)) for i, item in enumerate(value))
+        elif (what := _lenient_problem(value)) is not None:
+            return path, what
     return None
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
 def _is_unicode(text: str) -> bool:
