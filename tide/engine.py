@@ -172,6 +172,10 @@ class Engine:
             for p in prompts:
                 if not isinstance(p, str) or not p:
                     raise ValueError("prompt must be a non-empty string (got an empty prompt)")
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("prompt must be valid Unicode (it holds a lone surrogate)") from None
                 if self.tokenizer is None:
                     raise ValueError("prompt needs a tokenizer; this model has none, pass input_ids")
                 lists.append(self.tokenizer.encode(p))

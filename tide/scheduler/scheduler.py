@@ -107,8 +107,9 @@ class Scheduler:
         """Run one forward; return the requests that got a token in it (finished ones included).
         Does nothing while paused.
 
-        If the forward or sampling raises, the requests of that batch finish with an abort that
-        carries the error, their KV is released, and the scheduler stays usable.
+        If the forward raises, the requests of that batch finish with an abort that carries the
+        error, their KV is released, and the scheduler stays usable. If sampling raises, only the
+        requests whose own sampling fails are aborted (see `_sample`); the rest go on.
         """
         if self.paused is not None or self.memory_block_reason is not None:
             return []
