@@ -251,11 +251,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
             raise invalid_request("'prompt' must not be an empty list", "prompt", "invalid_value")
         if isinstance(prompt[0], str):
             texts: list[str] = list(prompt)  # type: ignore[arg-type]
-            params = [f"prompt.{k}" for k in range(len(texts))]
-            for text, param in zip(texts, params):
+            names = [f"prompt.{k}" for k in range(len(texts))]
+            for text, name in zip(texts, names):
                 if not text:
-                    raise invalid_request(f"'{param}' must not be empty", param, "invalid_value")
-            ids_list = await self.tm.tokenize(texts, params)
+                    raise invalid_request(f"'{name}' must not be empty", name, "invalid_value")
+            ids_list = await self.tm.tokenize(texts, names)
             return [_Prompt(ids, text) for ids, text in zip(ids_list, texts)]
         if isinstance(prompt[0], int):
             self.tm.check_input_ids(prompt, "prompt")  # type: ignore[arg-type]
