@@ -156,6 +156,7 @@ def test_bad_input_is_400_naming_the_field(server, path, raw, param):
     assert err["param"] == param, err
     assert err["message"] and err["type"] == "invalid_request_error"
     assert resp.headers.get("connection") != "close"  # a 4xx keeps the connection
+    assert _server_info(server)["num_http_requests_in_flight"] == 0  # nothing registered
 
 
 def test_nothing_leaks_after_failed_requests(server):
@@ -350,16 +351,21 @@ def test_weight_payload_routes_take_larger_bodies(server):
 
 # ---------------------------------------------------------------- prompts: bound and tokenization
 def test_prompt_over_the_character_bound_is_refused_untokenized(server, info):
+    """A 6 MB prompt (tokenizing it would take seconds and about a GB) is refused at once."""
     limit = info["context_length"] * CHARS_PER_TOKEN
     start = time.monotonic()
-    resp = server.post("/generate", {"text": "b" * (limit + 1)})
+    resp = server.post("/generate", {"text": "b" * 6_000_000})
     err = assert_error(resp, 400, "text")
     assert err["code"] == "context_length_exceeded" and str(limit) in err["message"]
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 3.0
+    err = assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": ["ok", "b" * (
+        limit + 1)]}), 400, "prompt.1")
+    assert err["code"] == "context_length_exceeded"
     err = assert_error(server.post("/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "b" * (limit + 1)}]}),
         400, "messages")
     assert err["code"] == "context_length_exceeded"
+    _assert_clean(server)
 
 
 def test_long_prompt_does_not_stall_health(server, info):
