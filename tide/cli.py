@@ -57,6 +57,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tide.config import EngineConfig
     from tide.server import ServerArgs, launch_server
+    from tide.server.limits import RequestLimits
 
     kwargs = engine_kwargs(args)
     for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path",
@@ -64,6 +65,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
     log_level = kwargs.pop("log_level", None) or "info"
+    limit_keys = ("max_request_body_bytes", "max_weight_update_body_bytes", "body_read_timeout",
+                  "prompt_chars_per_token", "max_batch_size", "tokenizer_threads")
+    limits = RequestLimits(**{k: getattr(args, k) for k in limit_keys
+                              if getattr(args, k, None) is not None})
     server_args = ServerArgs(
         engine=EngineConfig.from_kwargs(**kwargs, log_level=log_level),
         host=args.host,
@@ -74,6 +79,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=log_level,
         allowed_weight_roots=tuple(args.allowed_weight_roots) if args.allowed_weight_roots else None,
         weight_version=args.weight_version,
+        limits=limits,
     )
     return launch_server(server_args)
 
@@ -123,6 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the weight version reported before the first update (default: default)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the model path; tide-demo for the demo)")
+    limits = srv.add_argument_group("request limits", "bounds on one request's cost (docs/server.md, "
+                                    "Limits)")
+    limits.add_argument("--max-request-body-bytes", type=int, default=None, metavar="N",
+                        help="largest request body on every route but the weight-payload ones "
+                             "(default: 8 MiB); larger bodies get 413 before they are read")
+    limits.add_argument("--max-weight-update-body-bytes", type=int, default=None, metavar="N",
+                        help="largest body of /update_weights_from_tensor and "
+                             "/update_weights_from_ipc (default: 1 GiB)")
+    limits.add_argument("--body-read-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request body must have arrived this long after the request "
+                             "started, else 408 (default: 30)")
+    limits.add_argument("--prompt-chars-per-token", type=int, default=None, metavar="N",
+                        help="text prompts longer than context length x N characters are refused "
+                             "before tokenization (default: 32)")
+    limits.add_argument("--max-batch-size", type=int, default=None, metavar="N",
+                        help="most sequences one request may ask for, prompts x n (default: 4096)")
+    limits.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
+                        help="threads that tokenize off the event loop (default: 2)")
     srv.add_argument("--tokenizer-path", default=None)
     srv.add_argument("--max-running-requests", type=int, default=None)
     srv.add_argument("--mem-fraction-static", type=float, default=None)

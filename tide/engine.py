@@ -91,9 +91,10 @@ class Engine:
         reqs: list[Req] = []
         for i, ids in enumerate(token_lists):
             sp = SamplingParams.from_dict(params[i])
+            vocab = self.model_config.vocab_size
+            sp.check_vocab(vocab)
             self._check_length(ids, sp)
             top_n = top_nums[i]
-            vocab = self.model_config.vocab_size
             if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:
                 raise ValueError(f"top_logprobs_num must be an integer in [0, {vocab}], got {top_n!r}")
             base = rids[i] or uuid.uuid4().hex
@@ -171,6 +172,10 @@ class Engine:
             for p in prompts:
                 if not isinstance(p, str) or not p:
                     raise ValueError("prompt must be a non-empty string (got an empty prompt)")
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("prompt must be valid Unicode (it holds a lone surrogate)") from None
                 if self.tokenizer is None:
                     raise ValueError("prompt needs a tokenizer; this model has none, pass input_ids")
                 lists.append(self.tokenizer.encode(p))

@@ -20,7 +20,7 @@ import torch
 
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
-from tide.layers.sampler import Sampler
+from tide.layers.sampler import SampleOutput, Sampler
 from tide.memory.device import empty_device_cache
 from tide.memory.radix_cache import RadixCache
 from tide.scheduler.request import Req
@@ -107,8 +107,9 @@ class Scheduler:
         """Run one forward; return the requests that got a token in it (finished ones included).
         Does nothing while paused.
 
-        If the forward or sampling raises, the requests of that batch finish with an abort that
-        carries the error, their KV is released, and the scheduler stays usable.
+        If the forward raises, the requests of that batch finish with an abort that carries the
+        error, their KV is released, and the scheduler stays usable. If sampling raises, only the
+        requests whose own sampling fails are aborted (see `_sample`); the rest go on.
         """
         if self.paused is not None or self.memory_block_reason is not None:
             return []
@@ -445,8 +446,15 @@ class Scheduler:
 
     def _process_samples(self, logits: torch.Tensor, reqs: list[Req], newly_prefilled: bool,
                          greedy_ids: torch.Tensor | None = None) -> None:
-        out = self.sampler(logits, reqs, greedy_ids)
+        out, failed = self._sample(logits, reqs, greedy_ids)
         for i, req in enumerate(reqs):
+            if i in failed:  # this request alone ends; the rest of the batch goes on
+                req.finished_reason = {"type": "abort", "message": failed[i]}
+                req.weight_version = self.weight_version
+                if not newly_prefilled:
+                    self.running.remove(req)
+                self._release_kv(req)
+                continue
             token = out.next_ids[i]
             req.output_ids.append(token)
             self.stats.num_generated_tokens += 1
@@ -462,6 +470,37 @@ class Scheduler:
                 self._release_kv(req)
             elif newly_prefilled:
                 self.running.append(req)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], greedy_ids: torch.Tensor | None
+                ) -> tuple[SampleOutput, dict[int, str]]:
+        """Sample the batch; if that raises, sample row by row so a request whose sampling setup
+        fails (parameters that got past validation) is the only one to fail. Returns the output and
+        the failed rows' error messages (their entries in the output are placeholders)."""
+        try:
+            return self.sampler(logits, reqs, greedy_ids), {}
+        except Exception:  # noqa: BLE001 - find the row(s) at fault below
+            if len(reqs) == 1:
+                raise
+        logger.warning("sampling a batch of %d failed; sampling its requests one by one", len(reqs))
+        ids: list[int] = []
+        logprobs: list[float] = []
+        top: list[list[tuple[float, int]]] = []
+        failed: dict[int, str] = {}
+        for i, req in enumerate(reqs):
+            try:
+                row = self.sampler(logits[i : i + 1], [req],
+                                   None if greedy_ids is None else greedy_ids[i : i + 1])
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                logger.exception("sampling failed for request %s", req.rid)
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+                ids.append(-1)
+                logprobs.append(0.0)
+                top.append([])
+                continue
+            ids.append(row.next_ids[0])
+            logprobs.append(row.logprobs[0] if row.logprobs is not None else 0.0)
+            top.append(row.top_logprobs[0] if row.top_logprobs is not None else [])
+        return SampleOutput(ids, logprobs, top), failed
 
     def _check_finished(self, req: Req, token: int) -> dict[str, Any] | None:
         params = req.sampling_params

@@ -77,6 +77,8 @@ from tide.server.utils import parse_body
 
 M = TypeVar("M", bound=BaseModel)
 
+_MAX_DIM = 2**63 - 1  # a tensor dimension torch (and the wire) can hold
+
 ADMIN_HANDOVER_PATHS = frozenset({
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
@@ -109,7 +111,9 @@ class AdminAPIError(APIError):
 
     @classmethod
     def wrap(cls, err: APIError) -> AdminAPIError:
-        return cls(err.message, err.status_code, param=err.param, code=err.code)
+        wrapped = cls(err.message, err.status_code, param=err.param, code=err.code)
+        wrapped.close_connection = err.close_connection
+        return wrapped
 
 
 def is_under(path: str, roots: list[str]) -> bool:
@@ -126,6 +130,9 @@ def resolve_weight_path(model_path: str, roots: list[str]) -> str:
     a shard may be a symlink)."""
     from tide.weights.loader import checkpoint_files
 
+    if "\x00" in model_path:
+        raise AdminAPIError("model_path must not contain a NUL character", param="model_path",
+                            code="invalid_value")
     real = os.path.realpath(model_path)
     outside = (f"model_path {model_path!r} is outside the allowed weight roots {roots} "
                "(start the server with --allowed-weight-roots to allow another directory)")
@@ -242,9 +249,9 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             except ValueError as e:
                 raise AdminAPIError(str(e), param=f"dtypes.{i}", code="invalid_value") from None
         for i, shape in enumerate(body.shapes):
-            if any(d < 0 for d in shape):
-                raise AdminAPIError(f"'shapes.{i}' has a negative dimension", param=f"shapes.{i}",
-                                    code="invalid_value")
+            if any(not 0 <= d <= _MAX_DIM for d in shape):
+                raise AdminAPIError(f"'shapes.{i}' has a dimension outside [0, 2**63 - 1]",
+                                    param=f"shapes.{i}", code="invalid_value")
         return await update("distributed", "names", lambda r: UpdateWeightsFromDistributedReqInput(
             req_id=r, names=body.names, dtypes=body.dtypes, shapes=body.shapes,
             group_name=body.group_name, load_format=body.load_format, **_update_options(body)))

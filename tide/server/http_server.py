@@ -5,6 +5,10 @@ routes (`ADMIN_PATHS`: `/flush_cache` and the handover routes of `admin_api`, an
 `abort_all`) need that key (without one they need the
 API key, if any). The admin key is accepted wherever the API key is. A missing or wrong key is a 401
 and nothing happens.
+
+Bounds: request bodies are limited in size and arrival time while they stream in
+(`tide.server.limits`); every other bound of `RequestLimits` is checked by the routes before the work
+it bounds. Errors are OpenAI-style bodies; an unexpected exception is a 500 with `Connection: close`.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tide
 from tide.sampling_params import SamplingParams
 from tide.server.admin_api import ADMIN_HANDOVER_PATHS, add_admin_routes
 from tide.server.errors import APIError
+from tide.server.limits import BodyLimitMiddleware
 from tide.server.metrics import CONTENT_TYPE, ServerMetrics
 from tide.server.native_api import NativeServing
 from tide.server.openapi import install_openapi, json_body
@@ -85,6 +90,37 @@ class Auth:
                        code="invalid_api_key")
 
 
+class InternalErrorMiddleware:
+    """Pure ASGI middleware, the last resort for a bug: an exception no route handled becomes a 500
+    with the OpenAI-style error body and `Connection: close`, so the client opens a fresh connection
+    for its next request instead of finding this one reset. Once a response has started nothing more
+    can be said; the exception goes on to the HTTP layer, which closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            error = APIError(f"Internal server error: {type(exc).__name__}", 500,
+                             code="internal_error", close_connection=True)
+            await error.response()(scope, receive, send)
+
+
 class AuthMiddleware:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from the
     routes) that rejects requests without a good enough key before any route runs."""
@@ -124,7 +160,12 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     native = NativeServing(tm)
     started = int(time.time())
 
+    app.state.limits = args.limits
+    # Outermost first: InternalErrorMiddleware (a bug anywhere becomes a clean 500), then the body
+    # bounds (`RequestLimits`), then auth.
     app.add_middleware(AuthMiddleware, auth=auth)
+    app.add_middleware(BodyLimitMiddleware, limits=args.limits)
+    app.add_middleware(InternalErrorMiddleware)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -142,12 +183,6 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(str(exc.detail), exc.status_code,
                         code="not_found" if exc.status_code == 404 else None).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return APIError(f"Internal server error: {type(exc).__name__}", 500,
-                        code="internal_error").response()
 
     # ---- OpenAI
     @app.get("/v1/models")
@@ -239,8 +274,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         try:
             await asyncio.wait_for(_until_finished(tm, state, event), timeout=20.0)
         except TimeoutError:
-            tm.abort_states([state], "health check timed out")
             return Response(status_code=503)
+        finally:
+            tm.abort_states([state], "health check timed out")
         ok = state.finished_reason is not None and state.finished_reason.get("type") != "abort"
         return Response(status_code=200 if ok else 503)
 

@@ -101,7 +101,7 @@ def launch_server(args: ServerArgs) -> int:
         model_info = ModelInfo.from_ready(info)
         metrics = ServerMetrics(args.model_names[0])
         tm = TokenizerManager(tokenizer, model_info, input_addr, output_addr, metrics,
-                              scheduler_alive=proc.is_alive)
+                              scheduler_alive=proc.is_alive, limits=args.limits)
         app = create_app(args, tm, metrics)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level.lower(),

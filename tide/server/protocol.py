@@ -2,8 +2,9 @@
 
 Models forbid unknown fields and do not coerce types (`"0.5"` is not a number), so a typo or a wrong
 type is a 400 naming the field instead of being silently ignored. Ranges are checked here too where
-they belong to the protocol (OpenAI's `temperature` in [0, 2], ...); `SamplingParams` re-validates what
-reaches the engine.
+they belong to the protocol (OpenAI's `temperature` in [0, 2], ...); the server's own bounds (`n`,
+`logprobs`, stop lists, batch sizes, ...) are `RequestLimits`, checked by the routes; `SamplingParams`
+re-validates what reaches the engine.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class _OpenAISampling(BaseModel):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1)
     stop: StopType = None
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
@@ -55,7 +56,7 @@ class CompletionRequest(_OpenAISampling):
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
 
 
@@ -80,7 +81,7 @@ class ChatCompletionRequest(_OpenAISampling):
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

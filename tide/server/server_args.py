@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide.config import DEMO_MODEL_PATH, EngineConfig
+from tide.server.limits import RequestLimits
 
 DEMO_MODEL_NAME = "tide-demo"
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -28,6 +29,8 @@ class ServerArgs:
     # Directories `/update_weights_from_disk` may read from (default: the model's parent dir).
     allowed_weight_roots: tuple[str, ...] | None = None
     weight_version: str = "default"
+    # Bounds on what one request may cost (body size, read time, prompt length, counts).
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -46,6 +49,8 @@ class ServerArgs:
                     raise ValueError(f"allowed_weight_roots: {root!r} is not a directory")
         if not isinstance(self.weight_version, str) or not self.weight_version:
             raise ValueError("weight_version must be a non-empty string")
+        if not isinstance(self.limits, RequestLimits):
+            raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
 
     @property
     def weight_roots(self) -> list[str]:
@@ -68,7 +73,9 @@ class ServerArgs:
 
     def public_dict(self) -> dict[str, Any]:
         """Everything but the secrets, for `/get_server_info`."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("engine", "limits")}
+        out["limits"] = dataclasses.asdict(self.limits)
         out["api_key"] = "***" if self.api_key else None
         out["admin_api_key"] = "***" if self.admin_api_key else None
         out["allowed_weight_roots"] = self.weight_roots

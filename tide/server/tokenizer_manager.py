@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from tide.server.io_struct import (
     decode_output,
     encode_message,
 )
+from tide.server.limits import RequestLimits
 from tide.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tide.server")
@@ -162,9 +164,15 @@ class TokenizerManager:
         output_addr: str,
         metrics: ServerMetrics,
         scheduler_alive: Callable[[], bool] = lambda: True,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.limits = limits or RequestLimits()
+        # Tokenizing (and rendering chat templates) runs here, off the event loop: a long prompt
+        # never stalls other clients. The tokenizer releases the GIL while it works.
+        self._tokenize_pool = ThreadPoolExecutor(self.limits.tokenizer_threads,
+                                                 thread_name_prefix="tide-tokenize")
         self.input_addr = input_addr
         self.output_addr = output_addr
         self.metrics = metrics
@@ -214,23 +222,49 @@ class TokenizerManager:
         self._send_sock.close(linger=500)
         self._actx.term()
         self._sctx.term()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- tokenization and validation
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def check_prompt_chars(self, length: int, param: str) -> None:
+        """A 400 (`context_length_exceeded`) for a text too long to fit the context whatever its
+        tokens; checked before anything tokenizes it."""
+        limit = self.limits.max_prompt_chars(self.model_info.context_len)
+        if length > limit:
+            raise APIError(
+                f"'{param}' has {length} characters; this model's context of "
+                f"{self.model_info.context_len} tokens holds at most {limit} "
+                f"({self.limits.prompt_chars_per_token} per token). Shorten '{param}'.",
+                400, param=param, code="context_length_exceeded")
+
+    async def tokenize(self, texts: Sequence[str], params: Sequence[str],
+                       add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, tokenized in the tokenizer pool after each text's length has
+        been checked (`params` names each text for errors)."""
         if self.tokenizer is None:
-            raise invalid_request("this model has no tokenizer; send token ids instead", "text")
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            raise invalid_request("this model has no tokenizer; send token ids instead", params[0])
+        for text, param in zip(texts, params, strict=True):
+            self.check_prompt_chars(len(text), param)
+        return await self.run_in_tokenizer_pool(self._encode_all, list(texts), add_special_tokens)
+
+    async def run_in_tokenizer_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on a tokenizer thread (CPU-heavy work that must not block the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _encode_all(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens))
+                for t in texts]
 
     def check_input_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise invalid_request(f"'{param}' must not be empty", param, "invalid_value")
         vocab = self.model_info.vocab_size
-        for t in ids:
-            if t < 0 or t >= vocab:
-                raise invalid_request(
-                    f"'{param}' contains token id {t}, outside the vocabulary [0, {vocab})",
-                    param, "invalid_value",
-                )
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise invalid_request(
+                f"'{param}' contains token id {_short_int(bad)}, outside the vocabulary "
+                f"[0, {vocab})", param, "invalid_value",
+            )
 
     @property
     def max_seq_len(self) -> int:
@@ -290,11 +324,11 @@ class TokenizerManager:
         wire_rid = f"{rid}@{self._wire_seq}"
         state = ReqState(rid, user_rid, wire_rid, prompt_ids, params, return_logprob,
                          top_logprobs_num, detok, event)
-        self.rid_to_state[rid] = state
-        self.wire_to_state[wire_rid] = state
         wire_params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
         wire_params["n"] = 1
-        self._send(
+        # Encoded before the state is registered: a message that cannot be encoded (or sent)
+        # leaves nothing behind.
+        data = encode_message(
             TokenizedGenerateReqInput(
                 rid=wire_rid,
                 input_ids=prompt_ids,
@@ -303,6 +337,9 @@ class TokenizerManager:
                 top_logprobs_num=top_logprobs_num,
             )
         )
+        self._send_sock.send(data)
+        self.rid_to_state[rid] = state
+        self.wire_to_state[wire_rid] = state
         return state
 
     def check_rids_free(self, rids: list[str], param: str = "rid") -> None:
@@ -398,6 +435,9 @@ class TokenizerManager:
         try:
             self._send(make(req_id))
             return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise APIError(f"the scheduler did not answer within {timeout:g} s", 503,
+                           code="scheduler_timeout", err_type="server_error") from None
         finally:
             self._pending_control.pop(req_id, None)
 
@@ -508,3 +548,7 @@ class TokenizerManager:
 
 def _finite(x: float) -> float:
     return x if x > _NEG_INF_LOGPROB else _NEG_INF_LOGPROB
+
+
+def _short_int(value: int) -> str:
+    return str(value) if abs(value) < 10**18 else f"a {value.bit_length()}-bit integer"
