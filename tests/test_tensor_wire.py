@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import base64
 import inspect
-import os
-import pickle
-import subprocess
-import sys
 
 import msgspec
 import pytest
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from server_utils import assert_pickle_is_live, pickle_exploit_payload
 
 from tide.weights import FlattenedBucket, deserialize_named_tensors, flatten_by_dtype
 from tide.weights import serialize_named_tensors
@@ -136,27 +133,10 @@ def test_serialize_rejects_what_it_cannot_carry():
 
 
 # ---------------------------------------------------------------- nothing runs
-class _Exploit:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def exploit_payload(marker: str) -> str:
-    """The attack from the issue: a pickle that runs a shell command when loaded."""
-    return base64.b64encode(pickle.dumps([("w", _Exploit(marker))])).decode()
-
-
 def test_crafted_pickle_is_refused_and_does_not_run(tmp_path):
     marker = tmp_path / "pwned"
-    payload = exploit_payload(str(marker))
-    # The payload is live: plain pickle.loads in a child process runs the command.
-    subprocess.run([sys.executable, "-c", "import base64, pickle, sys; "
-                    "pickle.loads(base64.b64decode(sys.argv[1]))", payload], check=True)
-    assert marker.exists()
-    marker.unlink()
+    payload = pickle_exploit_payload(marker)
+    assert_pickle_is_live(payload, marker)
     with pytest.raises(ValueError, match="pickle stream; pickles are refused"):
         deserialize_named_tensors(payload)
     # Hidden where tensor bytes go, or behind the magic, it is still only data.

@@ -5,6 +5,10 @@ routes (`ADMIN_PATHS`: `/flush_cache` and the handover routes of `admin_api`, an
 `abort_all`) need that key (without one they need the
 API key, if any). The admin key is accepted wherever the API key is. A missing or wrong key is a 401
 and nothing happens.
+
+Before auth, `BrowserGuard` refuses (403) requests a web page on another origin made a browser send,
+and every JSON route takes only `Content-Type: application/json` (415 otherwise; see
+`tide.server.security`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tide.server.protocol import (
     FlushCacheInput,
     GenerateReqInput,
 )
+from tide.server.security import BrowserGuard
 from tide.server.server_args import ServerArgs
 from tide.server.tokenizer_manager import TokenizerManager
 from tide.server.utils import parse_body
@@ -123,6 +128,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     started = int(time.time())
 
     app.add_middleware(AuthMiddleware, auth=auth)
+    app.add_middleware(BrowserGuard)  # added last: runs first
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:

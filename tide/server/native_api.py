@@ -1,6 +1,7 @@
 """sglang-compatible `POST /generate`: one item or a batch, by text or token ids, streamed or not.
 
-Output per sequence (as sglang): `{"text", "output_ids", "meta_info": {"id", "finish_reason",
+Output per sequence (as sglang; no `text` when the server has no tokenizer, `--skip-tokenizer-init`):
+`{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "weight_version",
 "output_token_logprobs", "output_top_logprobs"}}` (`weight_version`: the weights the tokens so far were
 generated with; once finished, the version it finished with); logprob entries are
@@ -123,6 +124,7 @@ class NativeServing:
                                   "invalid_value")
         prompts: list[list[int]]
         if req.text is not None:
+            tm.require_tokenizer("text")
             single = isinstance(req.text, str)
             texts = [req.text] if isinstance(req.text, str) else req.text
             if not texts:
@@ -154,6 +156,8 @@ class NativeServing:
         for k, ids in enumerate(prompts):
             sfx = "" if single else f".{k}"
             params = make_sampling_params(sp_list[k], "sampling_params" + sfx)
+            if params.stop_strs:
+                tm.require_tokenizer(f"sampling_params{sfx}.stop")
             tm.resolve_max_new_tokens(len(ids), params.max_new_tokens, prompt_param + sfx,
                                       f"sampling_params{sfx}.max_new_tokens")
             if tops[k] < 0 or tops[k] > 100:
@@ -193,6 +197,8 @@ class NativeServing:
                 meta["output_top_logprobs"] = [
                     [[lp, t, decode(t)] for lp, t in row] for row in s.output_top_logprobs
                 ]
+        if self.tm.tokenizer is None:  # as sglang with skip_tokenizer_init: ids, no text
+            return {"output_ids": list(s.output_ids), "meta_info": meta}
         return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
     def _token_text(self, token_id: int) -> str | None:

@@ -9,6 +9,9 @@ client that does not ask for it still gets the totals. Finish reasons: `stop`, `
 
 Non-streaming responses carry sglang's `"metadata": {"weight_version": ...}` (streams do not).
 
+Without a tokenizer (`--skip-tokenizer-init`) completions take token-id prompts only and return empty
+`text`; chat, text prompts and stop strings are a 400 naming the field.
+
 Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`, prompt logprobs with `echo`
 beyond `null` entries for prompt tokens.
 """
@@ -92,6 +95,8 @@ class OpenAIServingBase:
         }
         if isinstance(req.stop, list) and len(req.stop) > 16:
             raise invalid_request("'stop' may hold at most 16 strings", "stop", "invalid_value")
+        if req.stop:
+            self.tm.require_tokenizer("stop")
         return make_sampling_params(params, "", _OPENAI_NAMES)
 
     def submit(self, prompts: list[_Prompt], params: SamplingParams, n: int, event: asyncio.Event,
@@ -229,6 +234,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                       and isinstance(prompt[0], str)):
+            self.tm.require_tokenizer("prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise invalid_request("'prompt' must not be empty", "prompt", "invalid_value")
@@ -372,8 +380,9 @@ class OpenAIServingChat(OpenAIServingBase):
         })
 
     def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
+        self.tm.require_tokenizer("messages")
         tok = self.tm.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if not getattr(tok, "chat_template", None):
             raise invalid_request("This model has no chat template; use /v1/completions",
                                   "messages", "chat_template_missing")
         messages: list[dict[str, Any]] = []

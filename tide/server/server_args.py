@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide.config import DEMO_MODEL_PATH, EngineConfig
+from tide.server.security import is_loopback_host
 
 DEMO_MODEL_NAME = "tide-demo"
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -15,7 +16,12 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """HTTP options plus the engine configuration the scheduler process is built from."""
+    """HTTP options plus the engine configuration the scheduler process is built from.
+
+    Bind policy: on a `host` that is not loopback, admin routes (weight updates, pause, memory
+    release, ...) must sit behind `admin_api_key` unless `allow_unauthenticated_admin` says
+    otherwise; construction raises ValueError before anything loads.
+    """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -28,6 +34,8 @@ class ServerArgs:
     # Directories `/update_weights_from_disk` may read from (default: the model's parent dir).
     allowed_weight_roots: tuple[str, ...] | None = None
     weight_version: str = "default"
+    # Serve admin routes without an admin key on a non-loopback host (see the class docstring).
+    allow_unauthenticated_admin: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -46,6 +54,23 @@ class ServerArgs:
                     raise ValueError(f"allowed_weight_roots: {root!r} is not a directory")
         if not isinstance(self.weight_version, str) or not self.weight_version:
             raise ValueError("weight_version must be a non-empty string")
+        if (not is_loopback_host(self.host) and self.admin_api_key is None
+                and not self.allow_unauthenticated_admin):
+            who = "anyone with the API key" if self.api_key else "anyone who can reach it"
+            raise ValueError(
+                f"--host {self.host} is not a loopback address and there is no --admin-api-key: "
+                f"{who} could update weights, pause generation and release memory. Set "
+                "--admin-api-key KEY, or pass --allow-unauthenticated-admin to serve the admin "
+                "routes without one")
+
+    def open_admin_warning(self) -> str | None:
+        """The warning to log when admin routes need no key at all (None when they do)."""
+        if self.api_key is not None or self.admin_api_key is not None:
+            return None
+        where = ("local users and processes" if is_loopback_host(self.host)
+                 else f"everyone who can reach {self.host}")
+        return ("no --api-key or --admin-api-key: every route, admin routes included (weight "
+                f"updates, pause/continue, memory release), is open to {where}")
 
     @property
     def weight_roots(self) -> list[str]:

@@ -216,6 +216,14 @@ class TokenizerManager:
         self._sctx.term()
 
     # ---- tokenization and validation
+    def require_tokenizer(self, param: str) -> None:
+        """A 400 naming `param` (a text input, stop strings) when this server has no tokenizer."""
+        if self.tokenizer is None:
+            raise invalid_request(
+                f"'{param}' needs a tokenizer, and this server runs without one "
+                "(--skip-tokenizer-init): send token ids ('input_ids', or a prompt of ids) and "
+                "stop_token_ids instead", param, "tokenizer_missing")
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise invalid_request("this model has no tokenizer; send token ids instead", "text")
