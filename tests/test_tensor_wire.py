@@ -151,6 +151,27 @@ def test_crafted_pickle_is_refused_and_does_not_run(tmp_path):
     assert not marker.exists()
 
 
+def test_engine_refuses_a_crafted_pickle(llama_engine, tmp_path):
+    marker = tmp_path / "pwned-engine"
+    payload = pickle_exploit_payload(marker)
+    name = "model.norm.weight"
+    before = llama_engine.get_weights_by_name(name)
+    for result in (llama_engine.update_weights_from_tensor(serialized_named_tensors=payload),
+                   llama_engine.update_weights_from_tensor(serialized_named_tensors=[payload],
+                                                           load_format="flattened_bucket"),
+                   llama_engine.update_weights_from_ipc(payload)):
+        assert result["success"] is False and "pickle" in result["message"], result
+    assert not marker.exists()
+    assert llama_engine.get_weights_by_name(name) == before
+    # The same route takes the real format.
+    named = [(name, torch.tensor(before) + 1.0)]
+    assert llama_engine.update_weights_from_tensor(
+        serialized_named_tensors=serialize_named_tensors(named))["success"]
+    assert llama_engine.update_weights_from_ipc(
+        serialize_named_tensors(flatten_by_dtype([(name, torch.tensor(before))])))["success"]
+    assert llama_engine.get_weights_by_name(name) == before
+
+
 # ---------------------------------------------------------------- strict validation
 GOOD = torch.arange(6, dtype=torch.float32)
 

@@ -67,26 +67,27 @@ def cross_origin_problem(headers: Headers) -> str | None:
     if origin is None:
         return None
     host = headers.get("host", "")
-    if _origin_netloc(origin) != _netloc(host, _scheme(origin)):
+    parsed = _parse_origin(origin)
+    if parsed is None or parsed[1] != _netloc(host, parsed[0]):
         return f"Origin {origin[:100]!r} is not this server ({host[:100]!r})"
     return None
 
 
-def _scheme(origin: str) -> str:
-    return origin.split("://", 1)[0].lower() if "://" in origin else ""
-
-
-def _origin_netloc(origin: str) -> str | None:
+def _parse_origin(origin: str) -> tuple[str, str] | None:
+    """(scheme, host[:port]) of an `Origin` header; None for "null" (sandboxed frames, file://)
+    and anything else that is not an origin."""
     try:
         parts = urlsplit(origin.strip())
     except ValueError:
         return None
     if not parts.scheme or not parts.netloc:
-        return None  # "null" (sandboxed frames, file://) and garbage
-    return _netloc(parts.netloc, parts.scheme.lower())
+        return None
+    scheme = parts.scheme.lower()
+    return scheme, _netloc(parts.netloc, scheme)
 
 
 def _netloc(netloc: str, scheme: str) -> str:
+    """`host[:port]` lower-cased, without the scheme's default port."""
     netloc = netloc.strip().lower()
     default = _DEFAULT_PORTS.get(scheme)
     if default and netloc.endswith(f":{default}"):
