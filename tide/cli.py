@@ -61,7 +61,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     kwargs = engine_kwargs(args)
     for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path",
-                "enable_memory_saver", "enable_cpu_backup"):
+                "skip_tokenizer_init", "enable_memory_saver", "enable_cpu_backup"):
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
     log_level = kwargs.pop("log_level", None) or "info"
@@ -80,6 +80,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allowed_weight_roots=tuple(args.allowed_weight_roots) if args.allowed_weight_roots else None,
         weight_version=args.weight_version,
         limits=limits,
+        allow_unauthenticated_admin=args.allow_unauthenticated_admin,
     )
     return launch_server(server_args)
 
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--admin-api-key", default=None,
                      help="require this key on admin routes (flush_cache, abort_all, weight updates, "
                           "pause/continue, ...)")
+    srv.add_argument("--allow-unauthenticated-admin", action="store_true",
+                     help="serve the admin routes without --admin-api-key on a --host that is not "
+                          "loopback (refused by default)")
     srv.add_argument("--allowed-weight-roots", nargs="+", default=None, metavar="DIR",
                      help="directories /update_weights_from_disk may read under (symlinks and .. "
                           "are resolved first; default: the model directory's parent)")
@@ -148,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
                         help="threads that tokenize off the event loop (default: 2)")
     srv.add_argument("--tokenizer-path", default=None)
+    srv.add_argument("--skip-tokenizer-init", action="store_true", default=None,
+                     help="load no tokenizer (the model needs no tokenizer files): requests send "
+                          "input_ids and get output_ids; text prompts, chat messages and stop "
+                          "strings are refused")
     srv.add_argument("--max-running-requests", type=int, default=None)
     srv.add_argument("--mem-fraction-static", type=float, default=None)
     srv.add_argument("--enable-memory-saver", action="store_true", default=None,

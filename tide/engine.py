@@ -93,6 +93,9 @@ class Engine:
             sp = SamplingParams.from_dict(params[i])
             vocab = self.model_config.vocab_size
             sp.check_vocab(vocab)
+            if sp.stop_strs and self.tokenizer is None:
+                raise ValueError(f"stop strings need a tokenizer and this engine has none "
+                                 f"({self._no_tokenizer_reason()}); use stop_token_ids")
             self._check_length(ids, sp)
             top_n = top_nums[i]
             if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:
@@ -177,7 +180,8 @@ class Engine:
                 except UnicodeEncodeError:
                     raise ValueError("prompt must be valid Unicode (it holds a lone surrogate)") from None
                 if self.tokenizer is None:
-                    raise ValueError("prompt needs a tokenizer; this model has none, pass input_ids")
+                    raise ValueError(f"prompt needs a tokenizer and this engine has none "
+                                     f"({self._no_tokenizer_reason()}); pass input_ids")
                 lists.append(self.tokenizer.encode(p))
             return single, lists
         if not isinstance(input_ids, list) or not input_ids:
@@ -206,11 +210,17 @@ class Engine:
                 f"the KV cache capacity of {capacity} tokens (max_total_tokens)"
             )
 
+    def _no_tokenizer_reason(self) -> str:
+        if self.config.skip_tokenizer_init:
+            return "skip_tokenizer_init=True"
+        return "the checkpoint has no tokenizer files"
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[union-attr]
 
     def _make_output(self, req: Req, latency: float) -> dict[str, Any]:
-        text = None
+        """sglang's output dict; without a tokenizer there is no `text` key (ids only)."""
+        out: dict[str, Any] = {}
         if self.tokenizer is not None:
             text = self.tokenizer.decode(
                 req.output_ids, skip_special_tokens=req.sampling_params.skip_special_tokens
@@ -218,6 +228,7 @@ class Engine:
             matched = (req.finished_reason or {}).get("matched")
             if isinstance(matched, str) and matched in text:
                 text = text[: text.index(matched)]
+            out["text"] = text
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": req.finished_reason,
@@ -231,7 +242,8 @@ class Engine:
             meta["output_token_logprobs"] = list(req.output_token_logprobs)
             if req.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = list(req.output_top_logprobs)
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        out.update(output_ids=list(req.output_ids), meta_info=meta)
+        return out
 
     # ---- cache and lifecycle
     def flush_cache(self, empty_cache: bool = True) -> bool:
@@ -543,8 +555,12 @@ def _per_item(value: Any, count: int, name: str) -> list[Any]:
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
+    """The HF tokenizer of `config`; None with `skip_tokenizer_init` (or a dummy model without
+    tokenizer files)."""
     from transformers import AutoTokenizer
 
+    if config.skip_tokenizer_init:
+        return None
     path = config.tokenizer_path or config.model_path
     has_files = any(
         os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json")
@@ -552,5 +568,6 @@ def load_tokenizer(config: EngineConfig) -> Any:
     if not has_files:
         if config.load_format == "dummy":
             return None
-        raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json)")
+        raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json); pass "
+                         "skip_tokenizer_init=True (--skip-tokenizer-init) to serve token ids only")
     return AutoTokenizer.from_pretrained(path)

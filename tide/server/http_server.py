@@ -9,6 +9,9 @@ and nothing happens.
 Bounds: request bodies are limited in size and arrival time while they stream in
 (`tide.server.limits`); every other bound of `RequestLimits` is checked by the routes before the work
 it bounds. Errors are OpenAI-style bodies; an unexpected exception is a 500 with `Connection: close`.
+Before auth, `BrowserGuard` refuses (403) requests a web page on another origin made a browser send,
+and every JSON route takes only `Content-Type: application/json` (415 otherwise; see
+`tide.server.security`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from tide.server.protocol import (
     FlushCacheInput,
     GenerateReqInput,
 )
+from tide.server.security import BrowserGuard
 from tide.server.server_args import ServerArgs
 from tide.server.tokenizer_manager import TokenizerManager
 from tide.server.utils import parse_body
@@ -165,6 +169,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     # bounds (`RequestLimits`), then auth.
     app.add_middleware(AuthMiddleware, auth=auth)
     app.add_middleware(BodyLimitMiddleware, limits=args.limits)
+    app.add_middleware(BrowserGuard)  # refuses cross-origin browser requests before any body is read
     app.add_middleware(InternalErrorMiddleware)
 
     @app.exception_handler(APIError)

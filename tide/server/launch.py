@@ -79,6 +79,9 @@ def launch_server(args: ServerArgs) -> int:
     from tide.server.tokenizer_manager import ModelInfo, TokenizerManager
 
     setup_logging(args.log_level)
+    warning = args.open_admin_warning()
+    if warning is not None:
+        logger.warning("%s", warning)
     ipc_dir = tempfile.mkdtemp(prefix="tide-ipc-")
     input_addr = f"ipc://{os.path.join(ipc_dir, 'scheduler_input')}"
     output_addr = f"ipc://{os.path.join(ipc_dir, 'scheduler_output')}"

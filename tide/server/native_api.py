@@ -1,6 +1,7 @@
 """sglang-compatible `POST /generate`: one item or a batch, by text or token ids, streamed or not.
 
-Output per sequence (as sglang): `{"text", "output_ids", "meta_info": {"id", "finish_reason",
+Output per sequence (as sglang; no `text` when the server has no tokenizer, `--skip-tokenizer-init`):
+`{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "weight_version",
 "output_token_logprobs", "output_top_logprobs"}}` (`weight_version`: the weights the tokens so far were
 generated with; once finished, the version it finished with); logprob entries are
@@ -126,6 +127,7 @@ class NativeServing:
             raise invalid_request("Exactly one of 'text' or 'input_ids' must be given", "text",
                                   "invalid_value")
         if req.text is not None:
+            tm.require_tokenizer("text")
             single = isinstance(req.text, str)
             texts = [req.text] if isinstance(req.text, str) else req.text
             if not texts:
@@ -173,6 +175,8 @@ class NativeServing:
         for k, ids in enumerate(prompts):
             sfx = "" if single else f".{k}"
             params = params_list[k]
+            if params.stop_strs:
+                tm.require_tokenizer(f"sampling_params{sfx}.stop")
             tm.resolve_max_new_tokens(len(ids), params.max_new_tokens, prompt_param + sfx,
                                       f"sampling_params{sfx}.max_new_tokens")
             if lp_flags[k] and starts[k] not in (-1, None) and starts[k] < len(ids):
@@ -209,6 +213,8 @@ class NativeServing:
                 meta["output_top_logprobs"] = [
                     [[lp, t, decode(t)] for lp, t in row] for row in s.output_top_logprobs
                 ]
+        if self.tm.tokenizer is None:  # as sglang with skip_tokenizer_init: ids, no text
+            return {"output_ids": list(s.output_ids), "meta_info": meta}
         return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
     def _token_text(self, token_id: int) -> str | None:

@@ -9,6 +9,9 @@ client that does not ask for it still gets the totals. Finish reasons: `stop`, `
 
 Non-streaming responses carry sglang's `"metadata": {"weight_version": ...}` (streams do not).
 
+Without a tokenizer (`--skip-tokenizer-init`) completions take token-id prompts only and return empty
+`text`; chat, text prompts and stop strings are a 400 naming the field.
+
 Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`, prompt logprobs with `echo`
 beyond `null` entries for prompt tokens.
 """
@@ -98,6 +101,8 @@ class OpenAIServingBase:
             "skip_special_tokens": req.skip_special_tokens,
             "seed": req.seed,
         }
+        if req.stop:
+            self.tm.require_tokenizer("stop")
         return make_sampling_params(params, "", _OPENAI_NAMES, limits=limits,
                                     vocab_size=self.tm.model_info.vocab_size)
 
@@ -242,6 +247,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                       and isinstance(prompt[0], str)):
+            self.tm.require_tokenizer("prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise invalid_request("'prompt' must not be empty", "prompt", "invalid_value")
@@ -391,8 +399,9 @@ class OpenAIServingChat(OpenAIServingBase):
     async def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
         """Render the chat template and tokenize, on a tokenizer thread, after bounding the
         messages' number and characters."""
+        self.tm.require_tokenizer("messages")
         tok = self.tm.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if not getattr(tok, "chat_template", None):
             raise invalid_request("This model has no chat template; use /v1/completions",
                                   "messages", "chat_template_missing")
         check_at_most(len(req.messages), self.tm.limits.max_messages, "messages", "messages")

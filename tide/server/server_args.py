@@ -9,6 +9,7 @@ from typing import Any
 
 from tide.config import DEMO_MODEL_PATH, EngineConfig
 from tide.server.limits import RequestLimits
+from tide.server.security import is_loopback_host
 
 DEMO_MODEL_NAME = "tide-demo"
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -16,7 +17,12 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 @dataclass(frozen=True)
 class ServerArgs:
-    """HTTP options plus the engine configuration the scheduler process is built from."""
+    """HTTP options plus the engine configuration the scheduler process is built from.
+
+    Bind policy: on a `host` that is not loopback, admin routes (weight updates, pause, memory
+    release, ...) must sit behind `admin_api_key` unless `allow_unauthenticated_admin` says
+    otherwise; construction raises ValueError before anything loads.
+    """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -31,6 +37,8 @@ class ServerArgs:
     weight_version: str = "default"
     # Bounds on what one request may cost (body size, read time, prompt length, counts).
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Serve admin routes without an admin key on a non-loopback host (see the class docstring).
+    allow_unauthenticated_admin: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -51,6 +59,23 @@ class ServerArgs:
             raise ValueError("weight_version must be a non-empty string")
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
+        if (not is_loopback_host(self.host) and self.admin_api_key is None
+                and not self.allow_unauthenticated_admin):
+            who = "anyone with the API key" if self.api_key else "anyone who can reach it"
+            raise ValueError(
+                f"--host {self.host} is not a loopback address and there is no --admin-api-key: "
+                f"{who} could update weights, pause generation and release memory. Set "
+                "--admin-api-key KEY, or pass --allow-unauthenticated-admin to serve the admin "
+                "routes without one")
+
+    def open_admin_warning(self) -> str | None:
+        """The warning to log when admin routes need no key at all (None when they do)."""
+        if self.api_key is not None or self.admin_api_key is not None:
+            return None
+        where = ("local users and processes" if is_loopback_host(self.host)
+                 else f"everyone who can reach {self.host}")
+        return ("no --api-key or --admin-api-key: every route, admin routes included (weight "
+                f"updates, pause/continue, memory release), is open to {where}")
 
     @property
     def weight_roots(self) -> list[str]:

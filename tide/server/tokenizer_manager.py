@@ -225,6 +225,14 @@ class TokenizerManager:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- tokenization and validation
+    def require_tokenizer(self, param: str) -> None:
+        """A 400 naming `param` (a text input, stop strings) when this server has no tokenizer."""
+        if self.tokenizer is None:
+            raise invalid_request(
+                f"'{param}' needs a tokenizer, and this server runs without one "
+                "(--skip-tokenizer-init): send token ids ('input_ids', or a prompt of ids) and "
+                "stop_token_ids instead", param, "tokenizer_missing")
+
     def check_prompt_chars(self, length: int, param: str) -> None:
         """A 400 (`context_length_exceeded`) for a text too long to fit the context whatever its
         tokens; checked before anything tokenizes it."""

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from tide.sampling_params import SamplingParams
 from tide.server.errors import APIError, from_validation_error, invalid_request
 from tide.server.limits import RequestLimits, check_at_most
+from tide.server.security import require_json_content_type
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -27,7 +28,9 @@ _INT64_PROBLEM = "integers must be in [-2**63, 2**63 - 1]"
 
 
 async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
-    """Read a JSON object body into `model`; every problem is a 400 naming the field."""
+    """Read a JSON object body into `model`; every problem is a 400 naming the field (a 415 for a
+    body not declared `application/json`)."""
+    require_json_content_type(request, allow_empty)
     raw = await request.body()
     if not raw.strip():
         if allow_empty:

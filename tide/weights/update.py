@@ -15,10 +15,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from tide.weights.bucket import FlattenedBucket, deserialize_named_tensors, flatten_by_dtype
+from tide.weights.bucket import FlattenedBucket, flatten_by_dtype
 from tide.weights.distributed import WeightUpdateGroup, init_custom_process_group
 from tide.weights.loader import PinnedStaging, read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
+from tide.weights.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
 
