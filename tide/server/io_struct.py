@@ -105,6 +105,7 @@ class InitWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+    timeout: float = 120.0  # seconds the join may take before it fails and cleans up
 
 
 class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
@@ -200,6 +201,16 @@ class ControlReqOutput(msgspec.Struct, tag=True):
     data: dict[str, Any] = {}
 
 
+class SchedulerHeartbeat(msgspec.Struct, tag=True):
+    """Sent by the scheduler process's heartbeat thread every interval: `loop_count` turns of the
+    loop so far, and the long operation the loop has declared (`operation`, running for
+    `operation_seconds`), if any. The HTTP side judges liveness from these (`server.liveness`)."""
+
+    loop_count: int
+    operation: str | None = None
+    operation_seconds: float = 0.0
+
+
 class SchedulerReady(msgspec.Struct, tag=True):
     """Sent once (over the start-up pipe) when the model is loaded, or with `error` when it failed."""
 
@@ -228,7 +239,7 @@ SchedulerInput = Union[
     ResumeMemoryOccupationReqInput,
     DumpMemoryTimelineReqInput,
 ]
-SchedulerOutput = Union[BatchTokenIDOut, ControlReqOutput]
+SchedulerOutput = Union[BatchTokenIDOut, ControlReqOutput, SchedulerHeartbeat]
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(SchedulerInput)
