@@ -25,6 +25,7 @@ import pytest
 from safetensors import safe_open
 from server_utils import ServerProcess, assert_error, free_port, running_server, serve_model_path
 
+from tide.scheduler.process import MAX_CONCURRENT_JOINS
 from tide.server.auth import key_identity
 from tide.server.io_struct import SchedulerHeartbeat
 from tide.server.liveness import SchedulerLiveness
@@ -142,6 +143,30 @@ def test_server_args_keys_and_liveness_bounds():
             ServerArgs(**kwargs)
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_process_group_join_is_validated_bounded_and_leaves_nothing():
+    for kwargs, field in (({"master_address": "10.0.0.1\n"}, "master_address"),
+                          ({"master_address": "h:1"}, "master_address"),
+                          ({"master_port": 70000}, "master_port"),
+                          ({"world_size": 1}, "world_size"),
+                          ({"group_name": "a/b"}, "group_name")):
+        args = {"backend": "gloo", "master_address": "127.0.0.1", "master_port": 1, "rank": 1,
+                "world_size": 2, **kwargs}
+        with pytest.raises(ValueError, match=field):
+            init_custom_process_group(**args)
+    before = _threads()
+    for _ in range(2):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="could not join group 'g' .* within 0.5 s"):
+            init_custom_process_group("gloo", "127.0.0.1", free_port(), 1, 2, "g",
+                                      join_timeout_s=0.5)
+        assert time.monotonic() - start < 5
+    assert _threads() == before
+
+
 # ---------------------------------------------------------------- rid scoping
 def test_rids_are_scoped_to_the_callers_key(server):
     long_body = {"text": "Hello", "rid": "shared",
@@ -239,7 +264,8 @@ def test_failed_joins_are_bounded_and_leave_no_thread(server):
             "timeout": join_s}, headers=_bearer(ADMIN))
         return time.monotonic() - start, resp
 
-    with ThreadPoolExecutor(6) as pool:  # fewer at once than the join cap
+    # As many at once as the cap allows (a join's slot is free before its reply goes out).
+    with ThreadPoolExecutor(MAX_CONCURRENT_JOINS) as pool:
         results = list(pool.map(join, range(30)))
     for elapsed, resp in results:
         assert resp.status_code == 400, resp.text
@@ -252,12 +278,11 @@ def test_failed_joins_are_bounded_and_leave_no_thread(server):
 
 def test_concurrent_joins_are_capped(server):
     port = free_port()
-    from tide.scheduler.process import MAX_CONCURRENT_JOINS
 
     def join(i: int) -> httpx.Response:
         return server.post("/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": f"cap-{i}", "backend": "gloo", "timeout": 3}, headers=_bearer(ADMIN))
+            "group_name": f"cap-{i}", "backend": "gloo", "timeout": 2}, headers=_bearer(ADMIN))
 
     with ThreadPoolExecutor(MAX_CONCURRENT_JOINS + 2) as pool:
         messages = [r.json()["message"] for r in pool.map(join, range(MAX_CONCURRENT_JOINS + 2))]

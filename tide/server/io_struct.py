@@ -8,6 +8,7 @@ Control messages (flush, info, load, shutdown, and the admin messages: weight up
 weight version, memory release/resume, memory timeline) carry a `req_id`; the scheduler answers each
 with one `ControlReqOutput` bearing the same `req_id`, so the HTTP side can match replies to callers.
 Admin replies put sglang's `num_paused_requests` (and anything else a route returns) in `data`.
+The scheduler's heartbeat thread also sends a `SchedulerHeartbeat` every interval (liveness).
 """
 
 from __future__ import annotations

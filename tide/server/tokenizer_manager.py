@@ -198,6 +198,7 @@ class TokenizerManager:
         self._pending_control: dict[str, asyncio.Future[ControlReqOutput]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._last_load: dict[str, Any] | None = None
+        self._last_info: dict[str, Any] | None = None
         # Last known scheduler state, from replies and outputs (for routes that must not wait).
         self.weight_version: str | None = model_info.raw.get("weight_version")
         self.paused: str | None = None
@@ -403,14 +404,15 @@ class TokenizerManager:
         return self._last_load
 
     async def get_server_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The scheduler's facts and live counters, plus `scheduler_liveness`. While the scheduler
-        does not respond: the facts it reported at start-up and the last known counters."""
+        """The scheduler's facts and live counters, plus `scheduler_responsive` and
+        `scheduler_liveness`. While the scheduler does not respond: the last known ones."""
         if self.responsive:
             out = await self._control(lambda r: GetServerInfoReqInput(req_id=r), timeout)
             info = dict(out.data)
+            self._last_info = dict(info)
         else:
             self._check_alive()
-            info = {**self.model_info.raw, **(self._last_load or {})}
+            info = dict(self._last_info or self.model_info.raw)
         info["scheduler_responsive"] = self.responsive
         info["scheduler_liveness"] = self.liveness.describe()
         return info
