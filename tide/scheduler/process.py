@@ -28,9 +28,10 @@ Admin messages (sglang's semantics):
   `update_weights_from_distributed` blocks the loop until every broadcast has arrived.
 
 Liveness: a heartbeat thread sends a `SchedulerHeartbeat` every interval with the loop's turn count
-and the long operation it has declared (`LoopProgress.operation`: weight updates, memory release and
-resume, pause/continue), so the HTTP side can tell a frozen process (no heartbeat), a stuck loop (turn
-count still) and a long legitimate operation apart.
+and the long operation it has declared (`LoopProgress.operation`, for the messages in
+`_LONG_OPERATIONS`: weight updates, memory release/resume, pause/continue, ...), so the HTTP side can
+tell a frozen process (no heartbeat), a stuck loop (turn count still) and a long legitimate operation
+apart.
 
 The process owns a full in-process `Engine` (model, KV pools, scheduler, tokenizer for stop strings)
 and never talks HTTP. It exits when asked (`ShutdownReq`), when its parent dies (PR_SET_PDEATHSIG
