@@ -73,7 +73,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine=EngineConfig.from_kwargs(**kwargs, log_level=log_level),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=",".join(args.api_key) if args.api_key else None,
         admin_api_key=args.admin_api_key,
         served_model_name=args.served_model_name,
         log_level=log_level,
@@ -81,6 +81,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         limits=limits,
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+        scheduler_health_timeout=args.scheduler_health_timeout,
+        scheduler_abort_timeout=args.scheduler_abort_timeout,
     )
     return launch_server(server_args)
 
@@ -119,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI and sglang-native HTTP API")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route; give it several times "
+                          "(or KEY1,KEY2) for several users: each key is its own identity, and "
+                          "request ids (rids) are scoped to it")
     srv.add_argument("--admin-api-key", default=None,
                      help="require this key on admin routes (flush_cache, abort_all, weight updates, "
                           "pause/continue, ...)")
@@ -131,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "are resolved first; default: the model directory's parent)")
     srv.add_argument("--weight-version", default="default",
                      help="the weight version reported before the first update (default: default)")
+    srv.add_argument("--scheduler-health-timeout", type=float, default=30.0, metavar="S",
+                     help="/health is 503 and new requests are refused once the scheduler has "
+                          "neither stepped nor answered for S seconds (default: 30)")
+    srv.add_argument("--scheduler-abort-timeout", type=float, default=120.0, metavar="S",
+                     help="in-flight requests end with reason abort once the scheduler has not "
+                          "responded for S seconds (default: 120)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the model path; tide-demo for the demo)")
     limits = srv.add_argument_group("request limits", "bounds on one request's cost (docs/server.md, "

@@ -345,11 +345,14 @@ class Engine:
         world_size: int,
         group_name: str = "weight_update_group",
         backend: str = "nccl",
+        timeout: float = 120.0,
     ) -> dict[str, Any]:
-        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
+        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0); fails
+        (and keeps nothing of the attempt) if the trainer has not joined within `timeout` seconds
+        (at most 600)."""
         try:
             self.weight_updater.init_group(
-                master_address, master_port, rank_offset, world_size, group_name, backend
+                master_address, master_port, rank_offset, world_size, group_name, backend, timeout
             )
         except (ValueError, RuntimeError) as e:
             return _result(False, f"init_weights_update_group failed: {e}")

@@ -5,7 +5,7 @@
     POST /update_weights_from_tensor        {serialized_named_tensors, load_format, ...same flags}
     POST /update_weights_from_ipc           {serialized_buckets, ...same flags}
     POST /init_weights_update_group         {master_address, master_port, rank_offset, world_size,
-                                             group_name, backend}
+                                             group_name, backend, timeout}
     POST /destroy_weights_update_group      {group_name}
     POST /update_weights_from_distributed   {names, dtypes, shapes, group_name, load_format, ...flags}
     GET|POST /get_weights_by_name           {name, truncate_size}
@@ -263,11 +263,12 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         if body.rank_offset >= body.world_size:
             raise AdminAPIError(f"'rank_offset' ({body.rank_offset}) must be below 'world_size' "
                                 f"({body.world_size})", param="rank_offset", code="invalid_value")
-        # Blocks (in a scheduler helper thread, not the loop) until the trainer joins as rank 0.
+        # Blocks (in a scheduler helper thread, not the loop) until the trainer joins as rank 0,
+        # or fails once `timeout` seconds have passed.
         out = await tm.admin(lambda r: InitWeightsUpdateGroupReqInput(
             req_id=r, master_address=body.master_address, master_port=body.master_port,
             rank_offset=body.rank_offset, world_size=body.world_size,
-            group_name=body.group_name, backend=body.backend))
+            group_name=body.group_name, backend=body.backend, timeout=body.timeout))
         return _result(out, param="group_name", code="group_failed")
 
     @app.post("/destroy_weights_update_group",

@@ -1,10 +1,12 @@
 """The FastAPI app: OpenAI routes, sglang-native routes, admin routes, auth and error handling.
 
-Auth: with `--api-key`, every route needs `Authorization: Bearer <key>`; with `--admin-api-key`, admin
-routes (`ADMIN_PATHS`: `/flush_cache` and the handover routes of `admin_api`, and `/abort_request` with
-`abort_all`) need that key (without one they need the
-API key, if any). The admin key is accepted wherever the API key is. A missing or wrong key is a 401
-and nothing happens.
+Auth: with `--api-key` (one or several user keys), every route needs `Authorization: Bearer <key>`;
+with `--admin-api-key`, admin routes (`ADMIN_PATHS`: `/flush_cache` and the handover routes of
+`admin_api`, and `/abort_request` with `abort_all`) need that key (without one they need a user key,
+if any). The admin key is accepted wherever a user key is. A missing or wrong key is a 401 and nothing
+happens. The middleware also records the caller's identity (`tide.server.auth`): client rids are
+scoped to it, so one user can neither abort nor block another's request; the admin key reaches every
+scope.
 
 Bounds: request bodies are limited in size and arrival time while they stream in
 (`tide.server.limits`); every other bound of `RequestLimits` is checked by the routes before the work
@@ -34,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import tide
 from tide.sampling_params import SamplingParams
 from tide.server.admin_api import ADMIN_HANDOVER_PATHS, add_admin_routes
+from tide.server.auth import ADMIN, INTERNAL, PUBLIC, Caller, caller_of, key_identity, set_caller
 from tide.server.errors import APIError
 from tide.server.limits import BodyLimitMiddleware
 from tide.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -58,10 +61,13 @@ ADMIN_PATHS = frozenset({"/flush_cache"}) | ADMIN_HANDOVER_PATHS
 
 
 class Auth:
-    """Bearer-token checks for normal and admin routes."""
+    """Bearer-token checks for normal and admin routes, and the caller's identity (`Caller`).
 
-    def __init__(self, api_key: str | None, admin_api_key: str | None) -> None:
-        self.api_key = api_key
+    `api_keys`: the user keys (any number; each is its own identity). `admin_api_key`: accepted
+    wherever a user key is, required on admin routes when set."""
+
+    def __init__(self, api_keys: tuple[str, ...] | list[str], admin_api_key: str | None) -> None:
+        self.user_keys = {key: Caller(key_identity(key)) for key in api_keys}
         self.admin_api_key = admin_api_key
 
     @staticmethod
@@ -75,23 +81,35 @@ class Auth:
         return token is not None and key is not None and hmac.compare_digest(
             token.encode(), key.encode())
 
+    def identify(self, request: Request, admin: bool) -> Caller:
+        """The caller, or a 401 APIError unless the request carries a key good enough for the
+        route. Every key is compared (in constant time), so timing tells nothing about which."""
+        token = self._token(request)
+        is_admin = self._matches(token, self.admin_api_key)
+        user = None
+        for key, caller in self.user_keys.items():
+            if self._matches(token, key):
+                user = caller
+        if admin and self.admin_api_key is not None:
+            ok = is_admin
+        elif self.user_keys:
+            ok = is_admin or user is not None
+        else:
+            ok = True
+        if not ok:
+            what = "an admin API key" if admin and self.admin_api_key else "an API key"
+            if token is None:
+                raise APIError(f"This route needs {what}: send 'Authorization: Bearer <key>'", 401,
+                               code="missing_api_key")
+            raise APIError(f"Incorrect API key provided; this route needs {what}", 401,
+                           code="invalid_api_key")
+        if is_admin:
+            return ADMIN
+        return user if user is not None else PUBLIC
+
     def check(self, request: Request, admin: bool) -> None:
         """Raise a 401 APIError unless the request carries a key good enough for the route."""
-        token = self._token(request)
-        if admin and self.admin_api_key is not None:
-            required = [self.admin_api_key]
-        elif self.api_key is not None:
-            required = [k for k in (self.api_key, self.admin_api_key) if k is not None]
-        else:
-            return
-        if any(self._matches(token, key) for key in required):
-            return
-        what = "an admin API key" if admin and self.admin_api_key else "an API key"
-        if token is None:
-            raise APIError(f"This route needs {what}: send 'Authorization: Bearer <key>'", 401,
-                           code="missing_api_key")
-        raise APIError(f"Incorrect API key provided; this route needs {what}", 401,
-                       code="invalid_api_key")
+        self.identify(request, admin)
 
 
 class InternalErrorMiddleware:
@@ -136,10 +154,11 @@ class AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
-                self.auth.check(Request(scope), admin=scope["path"] in ADMIN_PATHS)
+                caller = self.auth.identify(Request(scope), admin=scope["path"] in ADMIN_PATHS)
             except APIError as e:
                 await e.response()(scope, receive, send)
                 return
+            set_caller(scope, caller)
         await self.app(scope, receive, send)
 
 
@@ -158,7 +177,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     app = FastAPI(title="tide", version=tide.__version__, lifespan=lifespan, docs_url="/docs",
                   redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible and sglang-compatible LLM serving (tide).")
-    auth = Auth(args.api_key, args.admin_api_key)
+    auth = Auth(args.api_keys, args.admin_api_key)
     completions = OpenAIServingCompletion(tm, args.model_names)
     chat = OpenAIServingChat(tm, args.model_names)
     native = NativeServing(tm)
@@ -228,7 +247,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
             auth.check(request, admin=True)
             count = await tm.abort_request(None)
         elif body.rid:
-            count = await tm.abort_request(body.rid)
+            # A rid lives in its owner's scope: others' requests are simply not found (0 aborted).
+            caller = caller_of(request)
+            count = await tm.abort_request(body.rid, owner=None if caller.admin else caller.identity)
         else:
             raise APIError("Give 'rid' or 'abort_all': true", 400, param="rid",
                            code="invalid_value")
@@ -255,13 +276,13 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
 
     @app.get("/health")
     async def health() -> Response:
-        if tm.dead or tm.shutting_down:
+        if tm.dead or tm.shutting_down or not tm.responsive:
             return Response(status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if tm.dead or tm.shutting_down:
+        if tm.dead or tm.shutting_down or not tm.responsive:
             return Response(status_code=503)
         if tm.paused is not None:
             # Paused for a weight handover: a generation would wait for continue_generation, and a
@@ -275,7 +296,8 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         bos = tm.tokenizer.bos_token_id if tm.tokenizer is not None else None
         prompt = [bos if isinstance(bos, int) else 0]
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        state = tm.submit(prompt, params, event, rid=f"health-{tm.new_rid()}")
+        state = tm.submit(prompt, params, event, rid=f"health-{tm.new_rid()}",
+                          owner=INTERNAL.identity)
         try:
             await asyncio.wait_for(_until_finished(tm, state, event), timeout=20.0)
         except TimeoutError:

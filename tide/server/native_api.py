@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from tide.sampling_params import SamplingParams
+from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
 from tide.server.limits import check_at_most
 from tide.server.protocol import GenerateReqInput
@@ -50,15 +51,16 @@ class NativeServing:
         self.tm = tm
 
     async def generate(self, req: GenerateReqInput, raw_request: Request) -> Response:
-        single, items = await self._normalize(req)
+        owner = caller_of(raw_request).identity
+        single, items = await self._normalize(req, owner)
         event = asyncio.Event()
         if req.stream:
             # Submitted inside the stream, so a client gone before it starts leaves nothing behind.
             return StreamingResponse(
-                self._stream(items, event, req.return_text_in_logprobs),
+                self._stream(items, event, req.return_text_in_logprobs, owner),
                 media_type="text/event-stream", headers=SSE_HEADERS,
             )
-        states = self._submit(items, event)
+        states = self._submit(items, event, owner)
         try:
             async with DisconnectWatch(raw_request, event) as watch:
                 while not all(s.finished for s in states):
@@ -70,7 +72,7 @@ class NativeServing:
         outs = [self._output(s, req.return_text_in_logprobs) for s in states]
         return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
 
-    def _submit(self, items: list[_Item], event: asyncio.Event) -> list[ReqState]:
+    def _submit(self, items: list[_Item], event: asyncio.Event, owner: str) -> list[ReqState]:
         states: list[ReqState] = []
         try:
             for item in items:
@@ -85,7 +87,7 @@ class NativeServing:
                         item.prompt_ids, params, event,
                         rid=base if n == 1 else f"{base}-{j}", user_rid=item.rid,
                         return_logprob=item.return_logprob,
-                        top_logprobs_num=item.top_logprobs_num,
+                        top_logprobs_num=item.top_logprobs_num, owner=owner,
                     ))
         except BaseException:
             self.tm.abort_states(states, "request failed")
@@ -93,9 +95,9 @@ class NativeServing:
         return states
 
     async def _stream(self, items: list[_Item], event: asyncio.Event,
-                      text_in_logprobs: bool) -> AsyncIterator[bytes]:
+                      text_in_logprobs: bool, owner: str) -> AsyncIterator[bytes]:
         try:
-            states = self._submit(items, event)
+            states = self._submit(items, event, owner)
         except APIError as e:
             yield sse(e.body())
             return
@@ -118,7 +120,7 @@ class NativeServing:
             self.tm.abort_states(states, "client disconnected")
 
     # ---- input
-    async def _normalize(self, req: GenerateReqInput) -> tuple[bool, list[_Item]]:
+    async def _normalize(self, req: GenerateReqInput, owner: str) -> tuple[bool, list[_Item]]:
         """Validate the whole request (counts and sampling parameters before any text is
         tokenized), then tokenize; one item per prompt."""
         tm = self.tm
@@ -189,7 +191,7 @@ class NativeServing:
             raise invalid_request("'rid' values must be unique", "rid", "duplicate_rid")
         expanded = [r if it.params.n == 1 else f"{r}-{j}"
                     for it in items if (r := it.rid) is not None for j in range(it.params.n)]
-        tm.check_rids_free(expanded)
+        tm.check_rids_free(expanded, owner)
         return single, items
 
     # ---- output

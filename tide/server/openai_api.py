@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from tide.sampling_params import SamplingParams
+from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
 from tide.server.limits import check_at_most
 from tide.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
@@ -107,7 +108,7 @@ class OpenAIServingBase:
                                     vocab_size=self.tm.model_info.vocab_size)
 
     def submit(self, prompts: list[_Prompt], params: SamplingParams, n: int, event: asyncio.Event,
-               rid: str | None, logprobs: int | None) -> list[ReqState]:
+               rid: str | None, logprobs: int | None, owner: str) -> list[ReqState]:
         """n sequences per prompt (prompt-major); seeded requests get seed + j for copy j."""
         states: list[ReqState] = []
         try:
@@ -119,7 +120,7 @@ class OpenAIServingBase:
                     states.append(self.tm.submit(
                         prompt.ids, dataclasses.replace(params, seed=seed), event, rid=sub,
                         user_rid=rid, return_logprob=logprobs is not None,
-                        top_logprobs_num=logprobs or 0,
+                        top_logprobs_num=logprobs or 0, owner=owner,
                     ))
         except BaseException:
             self.tm.abort_states(states, "request failed")
@@ -213,14 +214,15 @@ class OpenAIServingCompletion(OpenAIServingBase):
             for p in prompts:
                 if p.text is None:
                     p.text = self.tm.tokenizer.decode(p.ids) if self.tm.tokenizer else ""
-        self._check_rid(req.rid, len(prompts) * req.n)
+        owner = caller_of(raw_request).identity
+        self._check_rid(req.rid, len(prompts) * req.n, owner)
         event = asyncio.Event()
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, prompts, params, event, cid, created),
+            return StreamingResponse(self._stream(req, prompts, params, event, cid, created, owner),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs)
+        states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner)
         if not await self.wait_all(states, event, raw_request):
             return Response(status_code=499)
         choices = []
@@ -241,9 +243,10 @@ class OpenAIServingCompletion(OpenAIServingBase):
         }
         return JSONResponse(body)
 
-    def _check_rid(self, rid: str | None, count: int) -> None:
+    def _check_rid(self, rid: str | None, count: int, owner: str) -> None:
         if rid:
-            self.tm.check_rids_free([rid] if count == 1 else [f"{rid}-{i}" for i in range(count)])
+            self.tm.check_rids_free([rid] if count == 1 else [f"{rid}-{i}" for i in range(count)],
+                                    owner)
 
     async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
@@ -307,9 +310,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     async def _stream(self, req: CompletionRequest, prompts: list[_Prompt],
                       params: SamplingParams, event: asyncio.Event, cid: str,
-                      created: int) -> AsyncIterator[bytes]:
+                      created: int, owner: str) -> AsyncIterator[bytes]:
         try:
-            states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs)
+            states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner)
         except APIError as e:
             yield sse(e.body())
             return
@@ -367,18 +370,19 @@ class OpenAIServingChat(OpenAIServingBase):
         max_new = self.tm.resolve_max_new_tokens(len(prompt_ids), max_new, "messages", max_param)
         params = dataclasses.replace(params, max_new_tokens=max_new)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        owner = caller_of(raw_request).identity
         if req.rid:
             self.tm.check_rids_free([req.rid] if req.n == 1 else
-                                    [f"{req.rid}-{i}" for i in range(req.n)])
+                                    [f"{req.rid}-{i}" for i in range(req.n)], owner)
         prompts = [_Prompt(prompt_ids, None)]
         event = asyncio.Event()
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
             return StreamingResponse(self._stream(req, prompts, params, logprobs, event, cid,
-                                                  created),
+                                                  created, owner),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        states = self.submit(prompts, params, req.n, event, req.rid, logprobs)
+        states = self.submit(prompts, params, req.n, event, req.rid, logprobs, owner)
         if not await self.wait_all(states, event, raw_request):
             return Response(status_code=499)
         choices = []
@@ -454,9 +458,9 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def _stream(self, req: ChatCompletionRequest, prompts: list[_Prompt],
                       params: SamplingParams, logprobs: int | None, event: asyncio.Event,
-                      cid: str, created: int) -> AsyncIterator[bytes]:
+                      cid: str, created: int, owner: str) -> AsyncIterator[bytes]:
         try:
-            states = self.submit(prompts, params, req.n, event, req.rid, logprobs)
+            states = self.submit(prompts, params, req.n, event, req.rid, logprobs, owner)
         except APIError as e:
             yield sse(e.body())
             return

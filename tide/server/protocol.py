@@ -9,13 +9,25 @@ re-validates what reaches the engine.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from tide.weights.distributed import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    MAX_GROUP_NAME_LEN,
+    MAX_JOIN_TIMEOUT_S,
+    MAX_WORLD_SIZE,
+    check_group_name,
+    check_master_address,
+)
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 TokenIds = list[int]
+# A weight-update group's name: 1 to 128 of [A-Za-z0-9_.-].
+GroupName = Annotated[str, Field(min_length=1, max_length=MAX_GROUP_NAME_LEN),
+                      AfterValidator(check_group_name)]
 StopType = Union[str, list[str], None]
 
 
@@ -152,20 +164,25 @@ class UpdateWeightsFromIPCInput(_WeightUpdateFlags):
 
 
 class InitWeightsUpdateGroupInput(BaseModel):
-    """`POST /init_weights_update_group`: join the trainer's group as rank `rank_offset`."""
+    """`POST /init_weights_update_group`: join the trainer's group as rank `rank_offset`.
+
+    `master_address`: a host name or an IP literal (IPv6 included), no port; `timeout` (seconds,
+    default 120, at most 600) bounds the join: past it the request fails and nothing is kept."""
 
     model_config = _STRICT
-    master_address: str = Field(min_length=1)
+    master_address: Annotated[str, Field(min_length=1, max_length=253),
+                              AfterValidator(check_master_address)]
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    group_name: str = Field(default="weight_update_group", min_length=1)
+    rank_offset: int = Field(ge=1, le=MAX_WORLD_SIZE - 1)
+    world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
+    group_name: GroupName = "weight_update_group"
     backend: Literal["nccl", "gloo"] = "nccl"
+    timeout: float = Field(default=DEFAULT_JOIN_TIMEOUT_S, gt=0, le=MAX_JOIN_TIMEOUT_S)
 
 
 class DestroyWeightsUpdateGroupInput(BaseModel):
     model_config = _STRICT
-    group_name: str = Field(default="weight_update_group", min_length=1)
+    group_name: GroupName = "weight_update_group"
 
 
 class UpdateWeightsFromDistributedInput(_WeightUpdateFlags):
@@ -174,7 +191,7 @@ class UpdateWeightsFromDistributedInput(_WeightUpdateFlags):
     names: list[str] = Field(min_length=1)
     dtypes: list[str] = Field(min_length=1)
     shapes: list[list[int]] = Field(min_length=1)
-    group_name: str = Field(default="weight_update_group", min_length=1)
+    group_name: GroupName = "weight_update_group"
     load_format: Literal["flattened_bucket"] | None = None
 
 

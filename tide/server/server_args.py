@@ -27,6 +27,8 @@ class ServerArgs:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 30000
+    # One user key, or several separated by commas (`--api-key` may also be given several times):
+    # each key is its own identity, and client rids are scoped to it.
     api_key: str | None = None
     admin_api_key: str | None = None
     served_model_name: str | None = None
@@ -39,6 +41,12 @@ class ServerArgs:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Serve admin routes without an admin key on a non-loopback host (see the class docstring).
     allow_unauthenticated_admin: bool = False
+    # Liveness: /health is 503 and new requests are refused once the scheduler has neither stepped
+    # nor answered for `scheduler_health_timeout` seconds (a declared long operation, such as a
+    # weight update, counts as answering); in-flight requests are aborted after
+    # `scheduler_abort_timeout` seconds of that.
+    scheduler_health_timeout: float = 30.0
+    scheduler_abort_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -49,6 +57,16 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and not value:
                 raise ValueError(f"{name} must not be empty")
+        if self.api_key is not None and any(not k.strip() for k in self.api_key.split(",")):
+            raise ValueError("api_key: an empty key in the comma-separated list")
+        if self.admin_api_key is not None and self.admin_api_key in self.api_keys:
+            raise ValueError("admin_api_key must differ from every api_key")
+        for name, low in (("scheduler_health_timeout", 0.5), ("scheduler_abort_timeout", 0.5)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not low <= value <= 86400:
+                raise ValueError(f"{name} must be in [{low}, 86400] seconds, got {value!r}")
+        if self.scheduler_abort_timeout < self.scheduler_health_timeout:
+            raise ValueError("scheduler_abort_timeout must be at least scheduler_health_timeout")
         if self.allowed_weight_roots is not None:
             if isinstance(self.allowed_weight_roots, str) or not self.allowed_weight_roots:
                 raise ValueError("allowed_weight_roots must be a non-empty list of directories")
@@ -76,6 +94,13 @@ class ServerArgs:
                  else f"everyone who can reach {self.host}")
         return ("no --api-key or --admin-api-key: every route, admin routes included (weight "
                 f"updates, pause/continue, memory release), is open to {where}")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The user keys (none: the user routes are open, and every caller is one identity)."""
+        if self.api_key is None:
+            return ()
+        return tuple(dict.fromkeys(key.strip() for key in self.api_key.split(",")))
 
     @property
     def weight_roots(self) -> list[str]:
