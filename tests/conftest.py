@@ -103,6 +103,19 @@ def llama_path(checkpoints) -> Path:
     return checkpoints["llama"]
 
 
+@pytest.fixture(scope="session")
+def no_tokenizer_checkpoint(llama_path, tmp_path_factory) -> Path:
+    """The llama checkpoint's config and weights only: no tokenizer files (skip_tokenizer_init)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("no-tokenizer")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        if (llama_path / name).is_file():
+            shutil.copy(llama_path / name, path / name)
+    assert (path / "model.safetensors").is_file()
+    return path
+
+
 # ---- shared engines, HF reference models and prompts (session scoped: built once, reused)
 
 

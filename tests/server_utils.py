@@ -8,9 +8,11 @@ tree on `stop()`.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -166,3 +168,26 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = "__any__
     if param != "__any__":
         assert err["param"] == param, err
     return err
+
+
+class _ShellCommand:
+    """Unpickling this runs `command` in a shell (the attack a pickle-based payload allowed)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (self.command,))
+
+
+def pickle_exploit_payload(marker: Path) -> str:
+    """A base64 pickle, shaped like the old tensor payloads, that creates `marker` when loaded."""
+    return base64.b64encode(pickle.dumps([("w", _ShellCommand(f"touch {marker}"))])).decode()
+
+
+def assert_pickle_is_live(payload: str, marker: Path) -> None:
+    """Prove the exploit works where pickle is run (a child process), then remove its marker."""
+    code = "import base64, pickle, sys; pickle.loads(base64.b64decode(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", code, payload], check=True, timeout=60)
+    assert marker.exists(), "the exploit payload did not run under plain pickle"
+    marker.unlink()

@@ -49,6 +49,15 @@ def _still_works(engine, baseline) -> None:
         ({"stop": ""}, "stop"),
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [512]}, "stop_token_ids"),  # vocab is 512
+        ({"stop_token_ids": [2**64 + 5]}, "stop_token_ids"),
+        ({"top_k": 513}, "top_k"),
+        ({"top_k": 2**63 + 5}, "top_k"),  # used to overflow in the sampler and abort the batch
+        ({"max_new_tokens": 2**63}, "max_new_tokens"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"seed": 2**63}, "seed"),
+        ({"stop": "\ud800"}, "stop"),
         ({"temprature": 0.5}, "temprature"),
         ({"not_a_param": 1}, "not_a_param"),
     ],
@@ -125,6 +134,23 @@ def test_bad_item_rejects_whole_batch(llama_engine, baseline):
     assert llama_engine.scheduler.stats.num_generated_tokens == stats_before
     with pytest.raises(ValueError, match="sampling_params"):
         llama_engine.generate(input_ids=[[3, 4, 5], [6, 7, 8]], sampling_params=[OK])
+    _still_works(llama_engine, baseline)
+
+
+def test_tiny_temperature_is_greedy(llama_engine, baseline):
+    """Below 1e-5 a temperature means greedy: 1e-300 used to overflow the logits to inf and
+    return token 0 with logprob -9999."""
+    for temp in (1e-300, 1e-6):
+        out = llama_engine.generate(input_ids=[3, 4, 5], return_logprob=True,
+                                    sampling_params={**OK, "temperature": temp})
+        assert out["output_ids"] == baseline
+        assert all(-50 < lp <= 0 for lp, _ in out["meta_info"]["output_token_logprobs"])
+    _still_works(llama_engine, baseline)
+
+
+def test_prompt_with_lone_surrogate(llama_engine, baseline):
+    with pytest.raises(ValueError, match="prompt"):
+        llama_engine.generate(prompt="hi \ud800", sampling_params=OK)
     _still_works(llama_engine, baseline)
 
 

@@ -8,6 +8,7 @@ Run alone: `python -m pytest -q tests/test_layers.py`.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import tide
@@ -121,3 +122,28 @@ def test_the_check_sees_an_upward_import():
     assert names == ["tide.scheduler.request", "tide.engine"]
     assert _layer("tide.layers.sampler")[0] < _layer("tide.scheduler.request")[0]
     assert _layer("tide.executor.forward_batch")[0] < _layer("tide.models.llama")[0]
+
+
+def test_life_of_a_request_names_what_exists():
+    """docs/life_of_a_request.md names, in order, the files a token passes through: every file it
+    names exists, and every code name it quotes is defined or used in tide."""
+    root = Path(tide.__file__).parent.parent
+    text = (root / "docs" / "life_of_a_request.md").read_text()
+    paths = re.findall(r"`(tide/[\w/]+\.py)`", text)
+    assert len(paths) >= 20
+    missing = [p for p in paths if not (root / p).is_file()]
+    assert not missing, f"life_of_a_request.md names files that do not exist: {missing}"
+    names: set[str] = set()
+    for path in (root / "tide").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name):
+                names.add(node.id)
+    files = {path.name for path in (root / "tide").rglob("*.py")}
+    quoted = re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", text)
+    unknown = [q for q in quoted if not (q in files if q.endswith(".py") else all(
+        part in names for part in q.removeprefix("tide.").split(".")))]
+    assert not unknown, f"life_of_a_request.md quotes names the code does not have: {unknown}"

@@ -23,11 +23,22 @@ def model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_path, tmp_path_factory):
+def server_tmp(tmp_path_factory):
+    """The server's TMPDIR: where its zmq ipc:// directory lives."""
+    return tmp_path_factory.mktemp("server-tmp")
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory, server_tmp):
     with running_server(model_path, "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
                         "--served-model-name", "m", api_key=API_KEY,
-                        log_dir=tmp_path_factory.mktemp("server-log")) as srv:
+                        log_dir=tmp_path_factory.mktemp("server-log"),
+                        env={"TMPDIR": str(server_tmp)}) as srv:
         yield srv
+
+
+def _ipc_dirs(tmp) -> list[str]:
+    return sorted(p.name for p in tmp.glob("tide-ipc-*"))
 
 
 def _bearer(key: str | None) -> dict[str, str]:
@@ -121,9 +132,10 @@ def test_wrong_key_does_not_abort(server):
 
 
 # ---------------------------------------------------------------- shutdown (runs last here)
-def test_sigterm_aborts_in_flight_and_leaves_no_processes(server):
+def test_sigterm_aborts_in_flight_and_leaves_no_processes(server, server_tmp):
     sched_pid = server.get("/get_server_info").json()["scheduler_pid"]
     assert _alive(sched_pid)
+    assert len(_ipc_dirs(server_tmp)) == 1
     results: dict = {}
 
     async def stream_then_signal() -> None:
@@ -153,17 +165,21 @@ def test_sigterm_aborts_in_flight_and_leaves_no_processes(server):
     assert _wait_gone(sched_pid), "scheduler process outlived the server"
     assert server.group_pids() == []
     assert "aborting" in server.log()
+    assert _ipc_dirs(server_tmp) == []
 
 
 def test_scheduler_dies_with_a_killed_server(model_path, tmp_path):
-    srv = ServerProcess(model_path, log_dir=tmp_path)
+    """kill -9 of the HTTP process: the scheduler exits and removes the ipc:// directory."""
+    srv = ServerProcess(model_path, log_dir=tmp_path, env={"TMPDIR": str(tmp_path)})
     try:
         srv.wait_ready()
         sched_pid = srv.get("/get_server_info").json()["scheduler_pid"]
         assert _alive(sched_pid)
+        assert len(_ipc_dirs(tmp_path)) == 1
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
         assert _wait_gone(sched_pid), "orphaned scheduler process"
+        assert _ipc_dirs(tmp_path) == [], "the scheduler left its ipc:// directory behind"
     finally:
         srv.stop()
 

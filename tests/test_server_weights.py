@@ -9,6 +9,7 @@ server unpaused; weight-changing tests push the same tensors to the reference en
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import threading
@@ -16,13 +17,23 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
-from server_utils import ServerProcess, assert_error, free_port, running_server, serve_model_path
+from server_utils import (
+    ServerProcess,
+    assert_error,
+    assert_pickle_is_live,
+    free_port,
+    pickle_exploit_payload,
+    running_server,
+    serve_model_path,
+)
 
 from tide.weights import flatten_by_dtype, init_custom_process_group, serialize_named_tensors
+from tide.weights.wire import MAGIC
 
 ADMIN = "admin-key-789"
 PROMPTS = ["The for statement", "A class definition", "Exceptions are"]
@@ -246,10 +257,12 @@ def test_bad_tensor_update_changes_nothing(server, base, case):
 
 def test_malformed_payloads_are_refused(server):
     before_probe, version = probe(server), info(server)["weight_version"]
-    for payload in ("not base64 !!", "aGVsbG8=", serialize_named_tensors({"a": 1}),
-                    serialize_named_tensors([("x", 3)])):
+    not_a_tensor = base64.b64encode(MAGIC + msgspec.msgpack.encode(
+        {"type": "named_tensors", "tensors": [{"name": "x", "tensor": 3}]})).decode()
+    for payload, needle in (("not base64 !!", "base64"), ("aGVsbG8=", "tensor format"),
+                            (not_a_tensor, "$.tensors[0].tensor")):
         assert_refused(server.post("/update_weights_from_tensor",
-                                   {"serialized_named_tensors": payload}), 400)
+                                   {"serialized_named_tensors": payload}), 400, needle)
     assert_refused(server.post("/update_weights_from_tensor", {
         "serialized_named_tensors": serialize_named_tensors([("a", torch.zeros(1))]),
         "load_format": "flattened_bucket"}), 400, "FlattenedBucket")
@@ -261,8 +274,28 @@ def test_malformed_payloads_are_refused(server):
                 {"serialized_named_tensors": "x", "load_format": "direct"}):
         assert_refused(server.post("/update_weights_from_tensor", bad), 400)
     assert_refused(server.post("/update_weights_from_tensor", None,
-                               content=b"{not json", headers={"Authorization": f"Bearer {ADMIN}"}))
+                               content=b"{not json", headers={"Authorization": f"Bearer {ADMIN}",
+                                                             "Content-Type": "application/json"}))
     assert_refused(server.post("/update_weights_from_ipc", {"serialized_buckets": "@@"}), 400)
+    assert probe(server) == before_probe and info(server)["weight_version"] == version
+
+
+def test_crafted_pickle_never_runs_with_the_admin_key(server, tmp_path):
+    """The attack from issue 18 with the admin key (no key and the user key: test_server_security)."""
+    marker = tmp_path / "ran-admin-key"
+    payload = pickle_exploit_payload(marker)
+    assert_pickle_is_live(payload, marker)
+    before_probe, version = probe(server), info(server)["weight_version"]
+    for path, field in (("/update_weights_from_tensor", "serialized_named_tensors"),
+                        ("/update_weights_from_ipc", "serialized_buckets")):
+        for value in (payload, [payload]):
+            body = assert_refused(server.post(path, {field: value}), 400, "pickle")
+            assert body["error"]["param"] == field
+        resp = server.post(path, None, content=json.dumps({field: payload}),
+                           headers={**server.headers, "Content-Type": "text/plain"})
+        assert_refused(resp, 415, "application/json")
+    time.sleep(0.5)
+    assert not marker.exists(), "the pickle payload ran"
     assert probe(server) == before_probe and info(server)["weight_version"] == version
 
 
@@ -698,6 +731,7 @@ def test_update_drains_a_half_prefilled_prompt(model_path, tmp_path, base):
     from tide.io_struct import (
         BatchTokenIDOut,
         ControlReqOutput,
+        SchedulerHeartbeat,
         TokenizedGenerateReqInput,
         UpdateWeightsFromTensorReqInput,
         decode_output,
@@ -733,6 +767,8 @@ def test_update_drains_a_half_prefilled_prompt(model_path, tmp_path, base):
         order = []
         while sink.poll(200):
             msg = decode_output(sink.recv())
+            if isinstance(msg, SchedulerHeartbeat):  # from the heartbeat thread, any time
+                continue
             if isinstance(msg, ControlReqOutput):
                 assert msg.success, msg.message
                 order.append(("reply", msg.req_id))

@@ -57,23 +57,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from tide.config import EngineConfig
     from tide.server import ServerArgs, launch_server
+    from tide.server.limits import RequestLimits
 
     kwargs = engine_kwargs(args)
     for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path",
-                "enable_memory_saver", "enable_cpu_backup"):
+                "skip_tokenizer_init", "enable_memory_saver", "enable_cpu_backup"):
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
     log_level = kwargs.pop("log_level", None) or "info"
+    limit_keys = ("max_request_body_bytes", "max_weight_update_body_bytes", "body_read_timeout",
+                  "prompt_chars_per_token", "max_batch_size", "tokenizer_threads")
+    limits = RequestLimits(**{k: getattr(args, k) for k in limit_keys
+                              if getattr(args, k, None) is not None})
     server_args = ServerArgs(
         engine=EngineConfig.from_kwargs(**kwargs, log_level=log_level),
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=",".join(args.api_key) if args.api_key else None,
         admin_api_key=args.admin_api_key,
         served_model_name=args.served_model_name,
         log_level=log_level,
         allowed_weight_roots=tuple(args.allowed_weight_roots) if args.allowed_weight_roots else None,
         weight_version=args.weight_version,
+        limits=limits,
+        allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+        scheduler_health_timeout=args.scheduler_health_timeout,
+        scheduler_abort_timeout=args.scheduler_abort_timeout,
     )
     return launch_server(server_args)
 
@@ -112,18 +121,52 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI and sglang-native HTTP API")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route")
+    srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route; give it several times "
+                          "(or KEY1,KEY2) for several users: each key is its own identity, and "
+                          "request ids (rids) are scoped to it")
     srv.add_argument("--admin-api-key", default=None,
                      help="require this key on admin routes (flush_cache, abort_all, weight updates, "
                           "pause/continue, ...)")
+    srv.add_argument("--allow-unauthenticated-admin", action="store_true",
+                     help="serve the admin routes without --admin-api-key on a --host that is not "
+                          "loopback (refused by default)")
     srv.add_argument("--allowed-weight-roots", nargs="+", default=None, metavar="DIR",
                      help="directories /update_weights_from_disk may read under (symlinks and .. "
                           "are resolved first; default: the model directory's parent)")
     srv.add_argument("--weight-version", default="default",
                      help="the weight version reported before the first update (default: default)")
+    srv.add_argument("--scheduler-health-timeout", type=float, default=30.0, metavar="S",
+                     help="/health is 503 and new requests are refused once the scheduler has "
+                          "neither stepped nor answered for S seconds (default: 30)")
+    srv.add_argument("--scheduler-abort-timeout", type=float, default=120.0, metavar="S",
+                     help="in-flight requests end with reason abort once the scheduler has not "
+                          "responded for S seconds (default: 120)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the model path; tide-demo for the demo)")
+    limits = srv.add_argument_group("request limits", "bounds on one request's cost (docs/server.md, "
+                                    "Limits)")
+    limits.add_argument("--max-request-body-bytes", type=int, default=None, metavar="N",
+                        help="largest request body on every route but the weight-payload ones "
+                             "(default: 8 MiB); larger bodies get 413 before they are read")
+    limits.add_argument("--max-weight-update-body-bytes", type=int, default=None, metavar="N",
+                        help="largest body of /update_weights_from_tensor and "
+                             "/update_weights_from_ipc (default: 1 GiB)")
+    limits.add_argument("--body-read-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request body must have arrived this long after the request "
+                             "started, else 408 (default: 30)")
+    limits.add_argument("--prompt-chars-per-token", type=int, default=None, metavar="N",
+                        help="text prompts longer than context length x N characters are refused "
+                             "before tokenization (default: 32)")
+    limits.add_argument("--max-batch-size", type=int, default=None, metavar="N",
+                        help="most sequences one request may ask for, prompts x n (default: 4096)")
+    limits.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
+                        help="threads that tokenize off the event loop (default: 2)")
     srv.add_argument("--tokenizer-path", default=None)
+    srv.add_argument("--skip-tokenizer-init", action="store_true", default=None,
+                     help="load no tokenizer (the model needs no tokenizer files): requests send "
+                          "input_ids and get output_ids; text prompts, chat messages and stop "
+                          "strings are refused")
     srv.add_argument("--max-running-requests", type=int, default=None)
     srv.add_argument("--mem-fraction-static", type=float, default=None)
     srv.add_argument("--enable-memory-saver", action="store_true", default=None,

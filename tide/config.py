@@ -24,6 +24,9 @@ class EngineConfig:
 
     model_path: str = DEMO_MODEL_PATH
     tokenizer_path: str | None = None
+    # No tokenizer at all: requests are token ids in, token ids out (text inputs and stop strings
+    # are refused). The checkpoint needs no tokenizer files.
+    skip_tokenizer_init: bool = False
     load_format: str = "auto"
     dtype: str = "auto"
     device: str = "auto"

@@ -57,8 +57,10 @@ class Engine:
         model_config = self.scheduler.model_config
         assert model_config is not None  # create_scheduler always sets it
         self.model_config = model_config
-        self._limits = InputLimits(model_config.vocab_size, self.context_len,
-                                   self.worker.max_total_tokens)
+        self._limits = InputLimits(
+            model_config.vocab_size, self.context_len, self.worker.max_total_tokens,
+            "skip_tokenizer_init=True" if self.config.skip_tokenizer_init
+            else "the checkpoint has no tokenizer files")
         # One lock for the scheduler and the model: generate() from several threads, and pause /
         # update / continue from another, interleave only between steps.
         self._cond = threading.Condition(threading.RLock())
@@ -219,10 +221,13 @@ class Engine:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl") -> dict[str, Any]:
-        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
+                                  backend: str = "nccl", timeout: float = 120.0) -> dict[str, Any]:
+        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0); fails
+        (keeping nothing of the attempt) if the trainer has not joined within `timeout` seconds
+        (at most 600)."""
         return self.handover.init_weights_update_group(
-            master_address, master_port, rank_offset, world_size, group_name, backend).to_dict()
+            master_address, master_port, rank_offset, world_size, group_name, backend,
+            timeout).to_dict()
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group"
                                      ) -> dict[str, Any]:

@@ -17,11 +17,13 @@ from tide.scheduler.request import Req
 
 @dataclass(frozen=True)
 class InputLimits:
-    """What a request must fit: the vocabulary, the context, the KV cache."""
+    """What a request must fit: the vocabulary, the context, the KV cache; and why there is no
+    tokenizer when there is none (for the error of a text input or a stop string)."""
 
     vocab_size: int
     context_len: int
     max_total_tokens: int
+    no_tokenizer_reason: str = "the checkpoint has no tokenizer files"
 
 
 def build_requests(
@@ -35,7 +37,7 @@ def build_requests(
     limits: InputLimits,
 ) -> tuple[bool, list[Req]]:
     """(whether one item was given, the requests: `n` per item, in order)."""
-    single, token_lists = _token_lists(prompt, input_ids, tokenizer, limits.vocab_size)
+    single, token_lists = _token_lists(prompt, input_ids, tokenizer, limits)
     count = len(token_lists)
     params = _per_item(sampling_params, count, "sampling_params")
     logprob_flags = _per_item(return_logprob, count, "return_logprob")
@@ -44,9 +46,13 @@ def build_requests(
     reqs: list[Req] = []
     for i, ids in enumerate(token_lists):
         sp = SamplingParams.from_dict(params[i])
+        vocab = limits.vocab_size
+        sp.check_vocab(vocab)
+        if sp.stop_strs and tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer and this engine has none "
+                             f"({limits.no_tokenizer_reason}); use stop_token_ids")
         _check_length(ids, sp, limits)
         top_n = top_nums[i]
-        vocab = limits.vocab_size
         if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:
             raise ValueError(f"top_logprobs_num must be an integer in [0, {vocab}], got {top_n!r}")
         base = rids[i] or uuid.uuid4().hex
@@ -66,15 +72,16 @@ def build_requests(
 
 
 def make_output(req: Req, tokenizer: Any, latency: float) -> dict[str, Any]:
-    """sglang's `generate` output of a finished request: text (None without a tokenizer, cut before
-    a matched stop string), output ids and meta info."""
-    text = None
+    """sglang's `generate` output of a finished request: text (cut before a matched stop string; no
+    `text` key without a tokenizer: ids only), output ids and meta info."""
+    out: dict[str, Any] = {}
     if tokenizer is not None:
         text = tokenizer.decode(req.output_ids,
                                 skip_special_tokens=req.sampling_params.skip_special_tokens)
         matched = (req.finished_reason or {}).get("matched")
         if isinstance(matched, str) and matched in text:
             text = text[: text.index(matched)]
+        out["text"] = text
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finished_reason,
@@ -88,11 +95,12 @@ def make_output(req: Req, tokenizer: Any, latency: float) -> dict[str, Any]:
         meta["output_token_logprobs"] = list(req.output_token_logprobs)
         if req.top_logprobs_num > 0:
             meta["output_top_logprobs"] = list(req.output_top_logprobs)
-    return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    out.update(output_ids=list(req.output_ids), meta_info=meta)
+    return out
 
 
 def _token_lists(prompt: Any, input_ids: Any, tokenizer: Any,
-                 vocab: int) -> tuple[bool, list[list[int]]]:
+                 limits: InputLimits) -> tuple[bool, list[list[int]]]:
     if (prompt is None) == (input_ids is None):
         raise ValueError("exactly one of prompt or input_ids must be given")
     if prompt is not None:
@@ -104,14 +112,20 @@ def _token_lists(prompt: Any, input_ids: Any, tokenizer: Any,
         for p in prompts:
             if not isinstance(p, str) or not p:
                 raise ValueError("prompt must be a non-empty string (got an empty prompt)")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("prompt must be valid Unicode (it holds a lone surrogate)") from None
             if tokenizer is None:
-                raise ValueError("prompt needs a tokenizer; this model has none, pass input_ids")
+                raise ValueError(f"prompt needs a tokenizer and this engine has none "
+                                 f"({limits.no_tokenizer_reason}); pass input_ids")
             lists.append(tokenizer.encode(p))
         return single, lists
     if not isinstance(input_ids, list) or not input_ids:
         raise ValueError("input_ids must be a non-empty list of token ids or of lists of them")
     single = not isinstance(input_ids[0], list)
     lists = [input_ids] if single else input_ids
+    vocab = limits.vocab_size
     for ids in lists:
         if not isinstance(ids, list) or not ids:
             raise ValueError("input_ids must not be empty")

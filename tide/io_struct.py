@@ -8,6 +8,7 @@ Control messages (flush, info, load, shutdown, and the admin messages: weight up
 weight version, memory release/resume, memory timeline) carry a `req_id`; the scheduler answers each
 with one `ControlReqOutput` bearing the same `req_id`, so the HTTP side can match replies to callers.
 Admin replies put sglang's `num_paused_requests` (and anything else a route returns) in `data`.
+The scheduler's heartbeat thread also sends a `SchedulerHeartbeat` every interval (liveness).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class InitWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+    timeout: float = 120.0  # seconds the join may take before it fails and cleans up
 
 
 class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
@@ -222,6 +224,16 @@ class ControlReqOutput(msgspec.Struct, tag=True):
     data: dict[str, Any] = {}
 
 
+class SchedulerHeartbeat(msgspec.Struct, tag=True):
+    """Sent by the scheduler process's heartbeat thread every interval: `loop_count` turns of the
+    loop so far, and the long operation the loop has declared (`operation`, running for
+    `operation_seconds`), if any. The HTTP side judges liveness from these (`server.liveness`)."""
+
+    loop_count: int
+    operation: str | None = None
+    operation_seconds: float = 0.0
+
+
 class SchedulerReady(msgspec.Struct, tag=True):
     """Sent once (over the start-up pipe) when the model is loaded, or with `error` when it failed."""
 
@@ -250,7 +262,7 @@ SchedulerInput = Union[
     ResumeMemoryOccupationReqInput,
     DumpMemoryTimelineReqInput,
 ]
-SchedulerOutput = Union[BatchTokenIDOut, ControlReqOutput]
+SchedulerOutput = Union[BatchTokenIDOut, ControlReqOutput, SchedulerHeartbeat]
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(SchedulerInput)

@@ -1,4 +1,11 @@
-"""Per-request sampling parameters (sglang's field names), validated on construction."""
+"""Per-request sampling parameters (sglang's field names), validated on construction.
+
+Ranges are those the sampler and the wire take: integer counts and token ids fit in 32 bits, a seed in
+[0, 2**63 - 1], every float is finite (and stored as a float), and a temperature below
+`GREEDY_TEMPERATURE` means greedy (dividing logits by 1e-300 overflows them to inf). Token ids and
+`top_k` are checked against the model's vocabulary by `check_vocab`, which `Engine.generate` and the
+server call.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - 1
+MAX_INT32 = 2**31 - 1
+GREEDY_TEMPERATURE = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty")
 
 
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    `temperature == 0` means greedy. `top_k == -1` disables top-k. Penalties follow the OpenAI
+    `temperature` below `GREEDY_TEMPERATURE` (1e-5) means greedy and is stored as 0.
+    `top_k == -1` disables top-k. Penalties follow the OpenAI
     definitions for `frequency_penalty`/`presence_penalty` (over generated tokens) and the HF definition
     for `repetition_penalty` (over prompt and generated tokens).
     """
@@ -37,6 +49,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+        for name in _FLOAT_FIELDS:  # ints are accepted; the sampler and the wire take floats
+            setattr(self, name, float(getattr(self, name)))
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if self.stop is None:
             self.stop_strs = []
         elif isinstance(self.stop, str):
@@ -58,14 +74,14 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        _int_field("max_new_tokens", self.max_new_tokens, lo=0)
+        _int_field("max_new_tokens", self.max_new_tokens, lo=0, hi=MAX_INT32)
         _num_field("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         _num_field("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _int_field("top_k", self.top_k)
+        _int_field("top_k", self.top_k, hi=MAX_INT32)
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         _num_field("min_p", self.min_p)
@@ -85,17 +101,27 @@ class SamplingParams:
                 isinstance(s, str) and s for s in stops
             ):
                 raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+            for s in stops:
+                if not _is_unicode(s):
+                    raise ValueError("stop must be valid Unicode (it holds a lone surrogate)")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32
                 for t in self.stop_token_ids
             ):
-                raise ValueError("stop_token_ids must be a list of non-negative integers")
+                raise ValueError(f"stop_token_ids must be a list of integers in [0, {MAX_INT32}]")
         if self.seed is not None:
-            _int_field("seed", self.seed, lo=0)
-            if self.seed > _MAX_SEED:
-                raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
-        _int_field("n", self.n, lo=1)
+            _int_field("seed", self.seed, lo=0, hi=MAX_SEED)
+        _int_field("n", self.n, lo=1, hi=MAX_INT32)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError unless `top_k` and `stop_token_ids` fit a vocabulary of this size."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, {vocab_size}] (the vocabulary "
+                             f"size), got {self.top_k}")
+        bad = next((t for t in self.stop_token_ids or () if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
@@ -112,13 +138,34 @@ class SamplingParams:
         return cls(**params)
 
 
-def _int_field(name: str, value: Any, lo: int | None = None) -> None:
+def _int_field(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
 
 
 def _num_field(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

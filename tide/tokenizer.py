@@ -12,10 +12,13 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
-    """The tokenizer at `tokenizer_path` (default: `model_path`). None for a dummy-weights model
-    without tokenizer files; ValueError naming the path for a real one without them."""
+    """The tokenizer at `tokenizer_path` (default: `model_path`). None with `skip_tokenizer_init`
+    or for a dummy-weights model without tokenizer files; ValueError naming the path for a real
+    one without them."""
     from transformers import AutoTokenizer
 
+    if config.skip_tokenizer_init:
+        return None
     path = config.tokenizer_path or config.model_path
     has_files = any(
         os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json")
@@ -23,5 +26,6 @@ def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
     if not has_files:
         if config.load_format == "dummy":
             return None
-        raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json)")
+        raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json); pass "
+                         "skip_tokenizer_init=True (--skip-tokenizer-init) to serve token ids only")
     return AutoTokenizer.from_pretrained(path)

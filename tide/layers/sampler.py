@@ -40,15 +40,24 @@ class SamplingBatchInfo:
     def size(self) -> int:
         return len(self.params)
 
+    def row(self, i: int) -> SamplingBatchInfo:
+        """Row i alone."""
+        return SamplingBatchInfo([self.params[i]], [self.output_ids[i]], [self.prompt_ids[i]],
+                                 [self.return_logprob[i]], [self.top_logprobs_num[i]])
+
 
 ARGMAX_ONLY = SamplingBatchInfo([], [], [], [], [], argmax_only=True)
 
 
 @dataclass
 class SampleOutput:
+    """Row i's next token, and its logprob and top logprobs when any row asked for them. `failed`:
+    rows that could not be sampled (their entries are placeholders), with the error."""
+
     next_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[float, int]]] | None
+    failed: dict[int, str] | None = None
 
 
 class Sampler:

@@ -32,6 +32,7 @@ from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import reserved_bytes
 from tide.memory.occupation import parse_tags
 from tide.memory.release import empty_device_cache
+from tide.weights.distributed import DEFAULT_JOIN_TIMEOUT_S
 from tide.weights.update import LOAD_FORMATS, WeightUpdater
 
 if TYPE_CHECKING:
@@ -251,16 +252,22 @@ class Handover:
     def apply_ready_updates(self) -> int:
         """Apply queued updates, in order, while their turn has come; returns how many ran."""
         applied = 0
-        while self.update_ready():
-            pending = self.pending_updates.popleft()
-            try:
-                result = self._apply(pending)
-            except Exception as e:  # noqa: BLE001 - reported to the caller; serving goes on
-                logger.exception("weight update failed")
-                result = self._result(False, f"weight update failed: {type(e).__name__}: {e}")
+        while self.apply_next_update():
             applied += 1
-            pending.on_done(result)
         return applied
+
+    def apply_next_update(self) -> bool:
+        """Apply the next queued update if its turn has come (its result goes to its `on_done`)."""
+        if not self.update_ready():
+            return False
+        pending = self.pending_updates.popleft()
+        try:
+            result = self._apply(pending)
+        except Exception as e:  # noqa: BLE001 - reported to the caller; serving goes on
+            logger.exception("weight update failed")
+            result = self._result(False, f"weight update failed: {type(e).__name__}: {e}")
+        pending.on_done(result)
+        return True
 
     def _apply(self, pending: PendingUpdate) -> HandoverResult:
         start = time.perf_counter()
@@ -294,12 +301,13 @@ class Handover:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl") -> HandoverResult:
-        """Join the trainer's broadcast group as rank `rank_offset` (blocks until the trainer
-        joins)."""
+                                  backend: str = "nccl",
+                                  timeout: float = DEFAULT_JOIN_TIMEOUT_S) -> HandoverResult:
+        """Join the trainer's broadcast group as rank `rank_offset` (blocks until the trainer joins,
+        at most `timeout` seconds; a failed join keeps nothing)."""
         try:
             self.worker.weight_updater.init_group(
-                master_address, master_port, rank_offset, world_size, group_name, backend)
+                master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
         except (ValueError, RuntimeError) as e:
             return HandoverResult(False, f"init_weights_update_group failed: {e}")
         return HandoverResult(True, f"joined {group_name} as rank {rank_offset} of {world_size}")

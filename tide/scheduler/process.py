@@ -21,28 +21,40 @@ Admin messages (sglang's semantics):
   `dump_memory_timeline` are immediate. A release is refused while a weight update waits to apply
   (and while requests run and are not paused). While memory is released the loop does not step.
 - `init_weights_update_group` joins the trainer's group in a helper thread (the rendezvous blocks until
-  the trainer joins), so the loop keeps serving meanwhile; the reply goes out when the join is done.
+  the trainer joins, at most the request's `timeout`), so the loop keeps serving meanwhile; the reply
+  goes out when the join is done or has failed (a failed join keeps nothing: its thread ends, its
+  store connection is closed). At most `MAX_CONCURRENT_JOINS` joins run at once.
   `update_weights_from_distributed` blocks the loop until every broadcast has arrived.
+
+Liveness: a heartbeat thread sends a `SchedulerHeartbeat` every interval with the loop's turn count
+and the long operation it has declared (`LoopProgress.operation`, for the messages in
+`_LONG_OPERATIONS`: weight updates, memory release/resume, pause/continue, ...), so the HTTP side can
+tell a frozen process (no heartbeat), a stuck loop (turn count still) and a long legitimate operation
+apart.
 
 The process is transport only: it decodes a message, calls the scheduler or its `Handover` (which own
 every decision above), and encodes the reply. It holds the scheduler side of one engine (model, KV
 pools, scheduler, tokenizer for stop strings, memory ledger) and never talks HTTP. It exits when asked
-(`ShutdownReq`), when its parent dies (PR_SET_PDEATHSIG on Linux, plus a parent-pid check while
-idle), or on SIGTERM. SIGINT is ignored: a Ctrl-C in a terminal
+(`ShutdownReq`), when its parent dies (PR_SET_PDEATHSIG delivers SIGTERM on Linux, and a watcher
+thread checks the parent pid), or on SIGTERM; however it
+exits it removes the zmq `ipc://` directory it was given. SIGINT is ignored: a Ctrl-C in a terminal
 reaches the whole process group, and the parent decides how to shut down (abort, reply, then exit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -65,6 +77,7 @@ from tide.io_struct import (
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
+    SchedulerHeartbeat,
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReqInput,
@@ -92,15 +105,98 @@ from tide.scheduler.scheduler import Scheduler, create_scheduler
 
 logger = logging.getLogger("tide.scheduler.process")
 
-_IDLE_POLL_MS = 1000  # how often an idle loop checks that the parent is alive
+_IDLE_POLL_MS = 1000  # how often an idle loop turns (checks the parent, counts a turn), at most
 _BUSY_POLL_MS = 50  # while something waits on time or a helper thread (flush timeout, group join)
+_PARENT_CHECK_S = 0.5  # how often the watcher thread checks that the parent lives
 _PR_SET_PDEATHSIG = 1
+MAX_CONCURRENT_JOINS = 8  # init_weights_update_group joins in progress at once
 _WEIGHT_UPDATES = (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromIPCReqInput,
     UpdateWeightsFromDistributedReqInput,
 )
+# Messages whose handling may block the loop for long; declared to the heartbeat while they run.
+_LONG_OPERATIONS: dict[type, str] = {
+    UpdateWeightFromDiskReqInput: "update_weights_from_disk",
+    UpdateWeightsFromTensorReqInput: "update_weights_from_tensor",
+    UpdateWeightsFromIPCReqInput: "update_weights_from_ipc",
+    UpdateWeightsFromDistributedReqInput: "update_weights_from_distributed",
+    ReleaseMemoryOccupationReqInput: "release_memory_occupation",
+    ResumeMemoryOccupationReqInput: "resume_memory_occupation",
+    PauseGenerationReqInput: "pause_generation",
+    ContinueGenerationReqInput: "continue_generation",
+    GetWeightsByNameReqInput: "get_weights_by_name",
+    DumpMemoryTimelineReqInput: "dump_memory_timeline",
+}
+
+
+class LoopProgress:
+    """The loop's turn count and the long operation it is in; written by the loop, read by the
+    heartbeat thread (single attribute reads and writes, so no lock is needed)."""
+
+    def __init__(self) -> None:
+        self.loop_count = 0
+        self.operation: str | None = None
+        self.operation_start = 0.0
+
+    def tick(self) -> None:
+        self.loop_count += 1
+
+    @contextlib.contextmanager
+    def operation_scope(self, name: str) -> Iterator[None]:
+        """Declare a long operation for as long as the block runs (nesting keeps the outer one)."""
+        if self.operation is not None:
+            yield
+            return
+        self.operation_start = time.monotonic()
+        self.operation = name
+        try:
+            yield
+        finally:
+            self.operation = None
+            self.tick()
+
+    def heartbeat(self) -> SchedulerHeartbeat:
+        name, start = self.operation, self.operation_start
+        return SchedulerHeartbeat(loop_count=self.loop_count, operation=name,
+                                  operation_seconds=time.monotonic() - start if name else 0.0)
+
+
+class Heartbeat:
+    """A daemon thread that sends `progress.heartbeat()` to the HTTP process every `interval` s,
+    on its own socket (zmq sockets are not shared across threads). Beats are dropped, not queued
+    without bound, when the HTTP side does not read them."""
+
+    def __init__(self, ctx: zmq.Context, output_addr: str, progress: LoopProgress,
+                 interval: float) -> None:
+        self._ctx = ctx
+        self._addr = output_addr
+        self._progress = progress
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tide-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 16)
+        sock.connect(self._addr)
+        try:
+            while True:
+                with contextlib.suppress(zmq.Again):
+                    sock.send(encode_message(self._progress.heartbeat()), zmq.NOBLOCK)
+                if self._stop.wait(self._interval):
+                    return
+        finally:
+            sock.close()
 
 
 @dataclass
@@ -116,15 +212,28 @@ def run_scheduler_process(
     parent_pid: int,
     ready: Connection,
     weight_version: str | None = None,
+    heartbeat_interval: float = 1.0,
+    ipc_dir: str | None = None,
 ) -> None:
-    """Entry point of the spawned process: build the scheduler side, report readiness, run the loop."""
-    _die_with_parent(parent_pid)
+    """Entry point of the spawned process: build the scheduler side, report readiness, run the loop.
+    `ipc_dir` (the directory of the `ipc://` sockets) is removed however the process exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _die_with_parent(parent_pid, ipc_dir)
     _setup_logging(config.log_level)
     try:
+        _serve(config, input_addr, output_addr, parent_pid, ready, weight_version,
+               heartbeat_interval)
+    finally:
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _serve(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
+           ready: Connection, weight_version: str | None, heartbeat_interval: float) -> None:
+    try:
         scheduler = create_scheduler(config, weight_version)
-        proc = SchedulerProcess(scheduler, input_addr, output_addr, parent_pid)
+        proc = SchedulerProcess(scheduler, input_addr, output_addr, parent_pid, heartbeat_interval)
     except Exception as e:  # reported to the parent, which prints it and exits
         msg = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         logger.debug("scheduler start-up failed:\n%s", traceback.format_exc())
@@ -144,8 +253,8 @@ def run_scheduler_process(
 class SchedulerProcess:
     """Runs `scheduler` against the zmq channel to the HTTP process."""
 
-    def __init__(self, scheduler: Scheduler, input_addr: str, output_addr: str,
-                 parent_pid: int) -> None:
+    def __init__(self, scheduler: Scheduler, input_addr: str, output_addr: str, parent_pid: int,
+                 heartbeat_interval: float = 1.0) -> None:
         self.scheduler = scheduler
         self.handover = scheduler.handover
         self.parent_pid = parent_pid
@@ -165,10 +274,15 @@ class SchedulerProcess:
         self.joins: dict[str, threading.Thread] = {}  # group_name -> joining thread
         self.join_results: queue.SimpleQueue[tuple[str, str, HandoverResult]] = queue.SimpleQueue()
         self.running = True
+        self.idle_poll_ms = max(1, min(_IDLE_POLL_MS, int(heartbeat_interval * 1000)))
+        self.progress = LoopProgress()
+        self.heartbeat = Heartbeat(self.ctx, output_addr, self.progress, heartbeat_interval)
+        self.heartbeat.start()
 
     # ---- loop
     def run(self) -> None:
         while self.running:
+            self.progress.tick()
             self._recv_requests(block=not self._has_ready_work())
             if not self.running:
                 break
@@ -177,7 +291,7 @@ class SchedulerProcess:
     def run_once(self) -> None:
         """One turn of the loop after the messages are in: joins, updates, a step, flushes."""
         self._finish_joins()
-        self.handover.apply_ready_updates()  # each reply goes out from its on_done
+        self._apply_ready_updates()
         if self.scheduler.can_step():
             # While an update waits, the scheduler still finishes a half-prefilled (chunked) prompt.
             try:
@@ -192,6 +306,15 @@ class SchedulerProcess:
 
     def _has_ready_work(self) -> bool:
         return self.scheduler.can_step() or self.handover.update_ready()
+
+    def _apply_ready_updates(self) -> None:
+        """Apply the queued weight updates whose turn has come, each declared to the heartbeat as a
+        long operation; each reply goes out from the update's `on_done`."""
+        handover = self.handover
+        while handover.update_ready():
+            source = handover.pending_updates[0].update.source
+            with self.progress.operation_scope(f"update_weights_from_{source}"):
+                handover.apply_next_update()
 
     def _abort_everything(self, message: str) -> None:
         """Finish every live request with an abort, including any a failed step left in limbo."""
@@ -210,13 +333,14 @@ class SchedulerProcess:
             self._send_outputs(done)
 
     def close(self) -> None:
+        self.heartbeat.stop()
         self.recv_sock.close(linger=0)
         self.send_sock.close()
         self.ctx.term()
 
     def _recv_requests(self, block: bool) -> None:
         if block:
-            timeout = _IDLE_POLL_MS
+            timeout = self.idle_poll_ms
             if self.pending_flushes or self.joins:
                 timeout = _BUSY_POLL_MS
             if not self.poller.poll(timeout):
@@ -234,7 +358,12 @@ class SchedulerProcess:
             except Exception as e:  # a bad message must not take the loop down
                 logger.error("dropping undecodable message: %s", e)
                 continue
-            self._dispatch(msg)
+            operation = _LONG_OPERATIONS.get(type(msg))
+            if operation is None:
+                self._dispatch(msg)
+            else:
+                with self.progress.operation_scope(operation):
+                    self._dispatch(msg)
 
     def _dispatch(self, msg: Any) -> None:
         handover = self.handover
@@ -355,12 +484,16 @@ class SchedulerProcess:
         if name in self.joins or self.handover.has_group(name):
             self._reply(msg.req_id, False, f"group_name {name!r} already exists; destroy it first")
             return
+        if len(self.joins) >= MAX_CONCURRENT_JOINS:
+            self._reply(msg.req_id, False, f"{len(self.joins)} joins are in progress (at most "
+                        f"{MAX_CONCURRENT_JOINS}); retry once one has finished")
+            return
 
         def join() -> None:
             try:
                 result = self.handover.init_weights_update_group(
                     msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
-                    group_name=name, backend=msg.backend,
+                    group_name=name, backend=msg.backend, timeout=msg.timeout,
                 )
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 result = HandoverResult(
@@ -483,6 +616,8 @@ class SchedulerProcess:
             "admission_blocked": self.handover.admission_blocked,
             "num_pending_weight_updates": len(self.handover.pending_updates),
             "weight_update_groups": self.handover.group_names(),
+            "num_weight_update_joins": len(self.joins),
+            "num_threads": _num_threads(),
             "memory_ledger": sched.ledger.totals(),
             "memory": self.memory_info(),
         }
@@ -500,16 +635,41 @@ def _weight_update(msg: WeightUpdateReq) -> WeightUpdate:
     return DistributedUpdate(msg.names, msg.dtypes, msg.shapes, msg.group_name, msg.load_format)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent exits (no-op elsewhere)."""
+def _num_threads() -> int:
+    """This process's threads, native ones included (Linux), else the Python threads."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _die_with_parent(parent_pid: int, ipc_dir: str | None) -> None:
+    """Exit, removing `ipc_dir`, when the parent exits: Linux sends SIGTERM (PR_SET_PDEATHSIG; the
+    handler exits through the `finally` that removes the directory), and a watcher thread checks
+    the parent pid, for when the main thread cannot take the signal (stuck in native code)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:
             pass
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
+
+    def orphaned() -> None:
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
         os._exit(0)
+
+    if os.getppid() != parent_pid:  # parent died before prctl took effect
+        orphaned()
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_CHECK_S)
+        logger.warning("parent process %d is gone; scheduler exits", parent_pid)
+        time.sleep(2.0)  # give the SIGTERM path its chance to exit cleanly first
+        orphaned()
+
+    threading.Thread(target=watch, name="tide-parent-watch", daemon=True).start()
 
 
 def _setup_logging(level: str) -> None:

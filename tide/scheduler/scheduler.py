@@ -154,8 +154,9 @@ class Scheduler:
         """Run one forward; return the requests that got a token in it (finished ones included).
         Does nothing while paused or while memory is released.
 
-        If the forward or sampling raises, the requests of that batch finish with an abort that
-        carries the error, their KV is released, and the scheduler stays usable.
+        If the forward raises, the requests of that batch finish with an abort that carries the
+        error, their KV is released, and the scheduler stays usable. A request whose own sampling
+        fails is aborted alone (see `TpModelWorker.sample`); the rest go on.
         """
         if not self.handover.may_step():
             return []
@@ -457,7 +458,15 @@ class Scheduler:
                     self.chunked_req = req
         reqs = batch.sampled_reqs()
         newly_prefilled = not batch.is_decode
+        failed = out.failed
         for i, req in enumerate(reqs):
+            if failed and i in failed:  # this request alone ends; the rest of the batch goes on
+                req.finished_reason = {"type": "abort", "message": failed[i]}
+                req.weight_version = self.handover.weight_version
+                if not newly_prefilled:
+                    self.running.remove(req)
+                self._release_kv(req)
+                continue
             token = out.next_ids[i]
             req.output_ids.append(token)
             self.stats.num_generated_tokens += 1

@@ -9,17 +9,22 @@ same interface.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
+
+import torch
 
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
-from tide.layers.sampler import SampleOutput, Sampler
+from tide.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from tide.memory.ledger import MemoryLedger
 from tide.memory.occupation import MemoryOccupation
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.weights.update import WeightUpdater
+
+logger = logging.getLogger(__name__)
 
 
 class ModelWorker(ABC):
@@ -40,7 +45,9 @@ class ModelWorker(ABC):
     @abstractmethod
     def forward(self, batch: ScheduleBatch) -> SampleOutput:
         """Run `batch` (its KV slots assigned, its inputs filled) and sample the next token of each of
-        its sampled rows, in order."""
+        its sampled rows, in order; a row whose sampling fails is listed in `failed`, the others are
+        still sampled. For a decode batch the worker records each request's new KV slot in
+        `req_to_token` at its position (inside the captured graph on CUDA)."""
 
     @abstractmethod
     def device_info(self) -> dict[str, str]:
@@ -69,7 +76,7 @@ class TpModelWorker(ModelWorker):
         if batch.is_decode:
             logits = runner.forward_decode(batch.input_ids, batch.positions, batch.req_pool_indices,
                                            batch.out_cache_loc)
-            return self.sampler(logits, batch.sampling, runner.last_greedy_ids)
+            return self.sample(logits, batch.sampling, runner.last_greedy_ids)
         logits = runner.forward_extend(batch.input_ids, batch.positions, batch.req_pool_indices,
                                        batch.prefix_lens, batch.extend_lens, batch.out_cache_loc)
         rows = batch.sample_rows
@@ -77,7 +84,38 @@ class TpModelWorker(ModelWorker):
             if not rows:  # every request is mid-prompt: nothing to sample
                 return SampleOutput([], None, None)
             logits = logits[rows]
-        return self.sampler(logits, batch.sampling)
+        return self.sample(logits, batch.sampling)
+
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
+               greedy_ids: torch.Tensor | None = None) -> SampleOutput:
+        """Sample the batch; if that raises, sample row by row, so a request whose sampling setup
+        fails (parameters that got past validation) is the only one to fail: its row is listed in
+        `failed` with the error (a batch of one, or of argmax-only rows, raises as is)."""
+        try:
+            return self.sampler(logits, info, greedy_ids)
+        except Exception:  # noqa: BLE001 - find the row(s) at fault below
+            if info.size <= 1:
+                raise
+        logger.warning("sampling a batch of %d failed; sampling its rows one by one", info.size)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        top: list[list[tuple[float, int]]] = []
+        failed: dict[int, str] = {}
+        for i in range(info.size):
+            try:
+                row = self.sampler(logits[i : i + 1], info.row(i),
+                                   None if greedy_ids is None else greedy_ids[i : i + 1])
+            except Exception as e:  # noqa: BLE001 - this row's own failure
+                logger.exception("sampling failed for row %d", i)
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+                ids.append(-1)
+                logprobs.append(0.0)
+                top.append([])
+                continue
+            ids.append(row.next_ids[0])
+            logprobs.append(row.logprobs[0] if row.logprobs is not None else 0.0)
+            top.append(row.top_logprobs[0] if row.top_logprobs is not None else [])
+        return SampleOutput(ids, logprobs, top, failed)
 
     def device_info(self) -> dict[str, str]:
         runner = self.model_runner

@@ -5,7 +5,7 @@
     POST /update_weights_from_tensor        {serialized_named_tensors, load_format, ...same flags}
     POST /update_weights_from_ipc           {serialized_buckets, ...same flags}
     POST /init_weights_update_group         {master_address, master_port, rank_offset, world_size,
-                                             group_name, backend}
+                                             group_name, backend, timeout}
     POST /destroy_weights_update_group      {group_name}
     POST /update_weights_from_distributed   {names, dtypes, shapes, group_name, load_format, ...flags}
     GET|POST /get_weights_by_name           {name, truncate_size}
@@ -78,6 +78,8 @@ from tide.server.utils import parse_body
 
 M = TypeVar("M", bound=BaseModel)
 
+_MAX_DIM = 2**63 - 1  # a tensor dimension torch (and the wire) can hold
+
 ADMIN_HANDOVER_PATHS = frozenset({
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
@@ -110,7 +112,9 @@ class AdminAPIError(APIError):
 
     @classmethod
     def wrap(cls, err: APIError) -> AdminAPIError:
-        return cls(err.message, err.status_code, param=err.param, code=err.code)
+        wrapped = cls(err.message, err.status_code, param=err.param, code=err.code)
+        wrapped.close_connection = err.close_connection
+        return wrapped
 
 
 def is_under(path: str, roots: list[str]) -> bool:
@@ -127,6 +131,9 @@ def resolve_weight_path(model_path: str, roots: list[str]) -> str:
     a shard may be a symlink)."""
     from tide.weights.loader import checkpoint_files
 
+    if "\x00" in model_path:
+        raise AdminAPIError("model_path must not contain a NUL character", param="model_path",
+                            code="invalid_value")
     real = os.path.realpath(model_path)
     outside = (f"model_path {model_path!r} is outside the allowed weight roots {roots} "
                "(start the server with --allowed-weight-roots to allow another directory)")
@@ -237,9 +244,9 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
             except ValueError as e:
                 raise AdminAPIError(str(e), param=f"dtypes.{i}", code="invalid_value") from None
         for i, shape in enumerate(body.shapes):
-            if any(d < 0 for d in shape):
-                raise AdminAPIError(f"'shapes.{i}' has a negative dimension", param=f"shapes.{i}",
-                                    code="invalid_value")
+            if any(not 0 <= d <= _MAX_DIM for d in shape):
+                raise AdminAPIError(f"'shapes.{i}' has a dimension outside [0, 2**63 - 1]",
+                                    param=f"shapes.{i}", code="invalid_value")
         return await update("distributed", "names", lambda r: UpdateWeightsFromDistributedReqInput(
             req_id=r, names=body.names, dtypes=body.dtypes, shapes=body.shapes,
             group_name=body.group_name, load_format=body.load_format, **weight_update_options(body)))
@@ -251,11 +258,12 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
         if body.rank_offset >= body.world_size:
             raise AdminAPIError(f"'rank_offset' ({body.rank_offset}) must be below 'world_size' "
                                 f"({body.world_size})", param="rank_offset", code="invalid_value")
-        # Blocks (in a scheduler helper thread, not the loop) until the trainer joins as rank 0.
+        # Blocks (in a scheduler helper thread, not the loop) until the trainer joins as rank 0,
+        # or fails once `timeout` seconds have passed.
         out = await tm.admin(lambda r: InitWeightsUpdateGroupReqInput(
             req_id=r, master_address=body.master_address, master_port=body.master_port,
             rank_offset=body.rank_offset, world_size=body.world_size,
-            group_name=body.group_name, backend=body.backend))
+            group_name=body.group_name, backend=body.backend, timeout=body.timeout))
         return _result(out, param="group_name", code="group_failed")
 
     @app.post("/destroy_weights_update_group",

@@ -24,6 +24,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         err_type: str | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -31,6 +32,8 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.err_type = err_type or _default_type(status_code)
+        # Answer with `Connection: close` (the connection's state is unknown or not worth keeping).
+        self.close_connection = close_connection
 
     def body(self) -> dict[str, Any]:
         return {
@@ -43,7 +46,9 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else {}
+        if self.close_connection:
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 

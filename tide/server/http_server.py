@@ -1,10 +1,19 @@
 """The FastAPI app: OpenAI routes, sglang-native routes, admin routes, auth and error handling.
 
-Auth: with `--api-key`, every route needs `Authorization: Bearer <key>`; with `--admin-api-key`, admin
-routes (`ADMIN_PATHS`: `/flush_cache` and the handover routes of `admin_api`, and `/abort_request` with
-`abort_all`) need that key (without one they need the
-API key, if any). The admin key is accepted wherever the API key is. A missing or wrong key is a 401
-and nothing happens.
+Auth: with `--api-key` (one or several user keys), every route needs `Authorization: Bearer <key>`;
+with `--admin-api-key`, admin routes (`ADMIN_PATHS`: `/flush_cache` and the handover routes of
+`admin_api`, and `/abort_request` with `abort_all`) need that key (without one they need a user key,
+if any). The admin key is accepted wherever a user key is. A missing or wrong key is a 401 and nothing
+happens. The middleware also records the caller's identity (`tide.server.auth`): client rids are
+scoped to it, so one user can neither abort nor block another's request; the admin key reaches every
+scope.
+
+Bounds: request bodies are limited in size and arrival time while they stream in
+(`tide.server.limits`); every other bound of `RequestLimits` is checked by the routes before the work
+it bounds. Errors are OpenAI-style bodies; an unexpected exception is a 500 with `Connection: close`.
+Before auth, `BrowserGuard` refuses (403) requests a web page on another origin made a browser send,
+and every JSON route takes only `Content-Type: application/json` (415 otherwise; see
+`tide.server.security`).
 """
 
 from __future__ import annotations
@@ -22,11 +31,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tide.sampling_params import SamplingParams
 from tide.server.admin_api import ADMIN_HANDOVER_PATHS, add_admin_routes
+from tide.server.auth import ADMIN, INTERNAL, PUBLIC, Caller, caller_of, key_identity, set_caller
 from tide.server.errors import APIError
+from tide.server.limits import BodyLimitMiddleware
 from tide.server.metrics import CONTENT_TYPE, ServerMetrics
 from tide.server.native_api import NativeServing
 from tide.server.openapi import install_openapi, json_body
@@ -38,6 +49,7 @@ from tide.server.protocol import (
     FlushCacheInput,
     GenerateReqInput,
 )
+from tide.server.security import BrowserGuard
 from tide.server.server_args import ServerArgs
 from tide.server.tokenizer_manager import TokenizerManager
 from tide.server.utils import parse_body
@@ -49,10 +61,13 @@ ADMIN_PATHS = frozenset({"/flush_cache"}) | ADMIN_HANDOVER_PATHS
 
 
 class Auth:
-    """Bearer-token checks for normal and admin routes."""
+    """Bearer-token checks for normal and admin routes, and the caller's identity (`Caller`).
 
-    def __init__(self, api_key: str | None, admin_api_key: str | None) -> None:
-        self.api_key = api_key
+    `api_keys`: the user keys (any number; each is its own identity). `admin_api_key`: accepted
+    wherever a user key is, required on admin routes when set."""
+
+    def __init__(self, api_keys: tuple[str, ...] | list[str], admin_api_key: str | None) -> None:
+        self.user_keys = {key: Caller(key_identity(key)) for key in api_keys}
         self.admin_api_key = admin_api_key
 
     @staticmethod
@@ -66,23 +81,66 @@ class Auth:
         return token is not None and key is not None and hmac.compare_digest(
             token.encode(), key.encode())
 
+    def identify(self, request: Request, admin: bool) -> Caller:
+        """The caller, or a 401 APIError unless the request carries a key good enough for the
+        route. Every key is compared (in constant time), so timing tells nothing about which."""
+        token = self._token(request)
+        is_admin = self._matches(token, self.admin_api_key)
+        user = None
+        for key, caller in self.user_keys.items():
+            if self._matches(token, key):
+                user = caller
+        if admin and self.admin_api_key is not None:
+            ok = is_admin
+        elif self.user_keys:
+            ok = is_admin or user is not None
+        else:
+            ok = True
+        if not ok:
+            what = "an admin API key" if admin and self.admin_api_key else "an API key"
+            if token is None:
+                raise APIError(f"This route needs {what}: send 'Authorization: Bearer <key>'", 401,
+                               code="missing_api_key")
+            raise APIError(f"Incorrect API key provided; this route needs {what}", 401,
+                           code="invalid_api_key")
+        if is_admin:
+            return ADMIN
+        return user if user is not None else PUBLIC
+
     def check(self, request: Request, admin: bool) -> None:
         """Raise a 401 APIError unless the request carries a key good enough for the route."""
-        token = self._token(request)
-        if admin and self.admin_api_key is not None:
-            required = [self.admin_api_key]
-        elif self.api_key is not None:
-            required = [k for k in (self.api_key, self.admin_api_key) if k is not None]
-        else:
+        self.identify(request, admin)
+
+
+class InternalErrorMiddleware:
+    """Pure ASGI middleware, the last resort for a bug: an exception no route handled becomes a 500
+    with the OpenAI-style error body and `Connection: close`, so the client opens a fresh connection
+    for its next request instead of finding this one reset. Once a response has started nothing more
+    can be said; the exception goes on to the HTTP layer, which closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        if any(self._matches(token, key) for key in required):
-            return
-        what = "an admin API key" if admin and self.admin_api_key else "an API key"
-        if token is None:
-            raise APIError(f"This route needs {what}: send 'Authorization: Bearer <key>'", 401,
-                           code="missing_api_key")
-        raise APIError(f"Incorrect API key provided; this route needs {what}", 401,
-                       code="invalid_api_key")
+        started = False
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            error = APIError(f"Internal server error: {type(exc).__name__}", 500,
+                             code="internal_error", close_connection=True)
+            await error.response()(scope, receive, send)
 
 
 class AuthMiddleware:
@@ -96,10 +154,11 @@ class AuthMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
-                self.auth.check(Request(scope), admin=scope["path"] in ADMIN_PATHS)
+                caller = self.auth.identify(Request(scope), admin=scope["path"] in ADMIN_PATHS)
             except APIError as e:
                 await e.response()(scope, receive, send)
                 return
+            set_caller(scope, caller)
         await self.app(scope, receive, send)
 
 
@@ -118,13 +177,19 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     app = FastAPI(title="tide", version=__version__, lifespan=lifespan, docs_url="/docs",
                   redoc_url=None, openapi_url="/openapi.json",
                   description="OpenAI-compatible and sglang-compatible LLM serving (tide).")
-    auth = Auth(args.api_key, args.admin_api_key)
+    auth = Auth(args.api_keys, args.admin_api_key)
     completions = OpenAIServingCompletion(tm, args.model_names)
     chat = OpenAIServingChat(tm, args.model_names)
     native = NativeServing(tm)
     started = int(time.time())
 
+    app.state.limits = args.limits
+    # Outermost first: InternalErrorMiddleware (a bug anywhere becomes a clean 500), then the body
+    # bounds (`RequestLimits`), then auth.
     app.add_middleware(AuthMiddleware, auth=auth)
+    app.add_middleware(BodyLimitMiddleware, limits=args.limits)
+    app.add_middleware(BrowserGuard)  # refuses cross-origin browser requests before any body is read
+    app.add_middleware(InternalErrorMiddleware)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -142,12 +207,6 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(str(exc.detail), exc.status_code,
                         code="not_found" if exc.status_code == 404 else None).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return APIError(f"Internal server error: {type(exc).__name__}", 500,
-                        code="internal_error").response()
 
     # ---- OpenAI
     @app.get("/v1/models")
@@ -188,7 +247,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
             auth.check(request, admin=True)
             count = await tm.abort_request(None)
         elif body.rid:
-            count = await tm.abort_request(body.rid)
+            # A rid lives in its owner's scope: others' requests are simply not found (0 aborted).
+            caller = caller_of(request)
+            count = await tm.abort_request(body.rid, owner=None if caller.admin else caller.identity)
         else:
             raise APIError("Give 'rid' or 'abort_all': true", 400, param="rid",
                            code="invalid_value")
@@ -215,13 +276,13 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
 
     @app.get("/health")
     async def health() -> Response:
-        if tm.dead or tm.shutting_down:
+        if tm.dead or tm.shutting_down or not tm.responsive:
             return Response(status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        if tm.dead or tm.shutting_down:
+        if tm.dead or tm.shutting_down or not tm.responsive:
             return Response(status_code=503)
         if tm.paused is not None:
             # Paused for a weight handover: a generation would wait for continue_generation, and a
@@ -235,12 +296,14 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         bos = tm.tokenizer.bos_token_id if tm.tokenizer is not None else None
         prompt = [bos if isinstance(bos, int) else 0]
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        state = tm.submit(prompt, params, event, rid=f"health-{tm.new_rid()}")
+        state = tm.submit(prompt, params, event, rid=f"health-{tm.new_rid()}",
+                          owner=INTERNAL.identity)
         try:
             await asyncio.wait_for(_until_finished(tm, state, event), timeout=20.0)
         except TimeoutError:
-            tm.abort_states([state], "health check timed out")
             return Response(status_code=503)
+        finally:
+            tm.abort_states([state], "health check timed out")
         ok = state.finished_reason is not None and state.finished_reason.get("type") != "abort"
         return Response(status_code=200 if ok else 503)
 

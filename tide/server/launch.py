@@ -8,7 +8,8 @@ Process layout:
 Shutdown (SIGINT/SIGTERM): every in-flight request is finished with an abort right away (streams end
 with finish_reason abort), uvicorn closes connections, the lifespan asks the scheduler to abort and
 exit, and the launcher joins it (terminate, then kill, if it does not go). If this process dies hard,
-the scheduler gets SIGKILL from the kernel (PR_SET_PDEATHSIG) or notices the parent is gone.
+the scheduler gets SIGTERM from the kernel (PR_SET_PDEATHSIG) or notices the parent is gone, and
+removes the `ipc://` socket directory on its way out (this process removes it too on a normal exit).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def launch_server(args: ServerArgs) -> int:
     from tide.tokenizer import load_tokenizer
 
     setup_logging(args.log_level)
+    warning = args.open_admin_warning()
+    if warning is not None:
+        logger.warning("%s", warning)
     ipc_dir = tempfile.mkdtemp(prefix="tide-ipc-")
     input_addr = f"ipc://{os.path.join(ipc_dir, 'scheduler_input')}"
     output_addr = f"ipc://{os.path.join(ipc_dir, 'scheduler_output')}"
@@ -88,6 +92,8 @@ def launch_server(args: ServerArgs) -> int:
     proc = ctx.Process(
         target=run_scheduler_process,
         args=(engine_config, input_addr, output_addr, os.getpid(), ready_send, args.weight_version),
+        kwargs={"heartbeat_interval": min(1.0, args.scheduler_health_timeout / 4),
+                "ipc_dir": ipc_dir},
         name="tide-scheduler",
         daemon=True,
     )
@@ -101,7 +107,9 @@ def launch_server(args: ServerArgs) -> int:
         model_info = ModelInfo.from_ready(info)
         metrics = ServerMetrics(args.model_names[0])
         tm = TokenizerManager(tokenizer, model_info, input_addr, output_addr, metrics,
-                              scheduler_alive=proc.is_alive)
+                              scheduler_alive=proc.is_alive, limits=args.limits,
+                              health_timeout=args.scheduler_health_timeout,
+                              abort_timeout=args.scheduler_abort_timeout)
         app = create_app(args, tm, metrics)
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -1,6 +1,7 @@
 """sglang-compatible `POST /generate`: one item or a batch, by text or token ids, streamed or not.
 
-Output per sequence (as sglang): `{"text", "output_ids", "meta_info": {"id", "finish_reason",
+Output per sequence (as sglang; no `text` when the server has no tokenizer, `--skip-tokenizer-init`):
+`{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "weight_version",
 "output_token_logprobs", "output_top_logprobs"}}` (`weight_version`: the weights the tokens so far were
 generated with; once finished, the version it finished with); logprob entries are
@@ -21,7 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from tide.sampling_params import SamplingParams
+from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
+from tide.server.limits import check_at_most
 from tide.server.protocol import GenerateReqInput
 from tide.server.tokenizer_manager import (
     ClientDisconnected,
@@ -48,15 +51,16 @@ class NativeServing:
         self.tm = tm
 
     async def generate(self, req: GenerateReqInput, raw_request: Request) -> Response:
-        single, items = self._normalize(req)
+        owner = caller_of(raw_request).identity
+        single, items = await self._normalize(req, owner)
         event = asyncio.Event()
         if req.stream:
             # Submitted inside the stream, so a client gone before it starts leaves nothing behind.
             return StreamingResponse(
-                self._stream(items, event, req.return_text_in_logprobs),
+                self._stream(items, event, req.return_text_in_logprobs, owner),
                 media_type="text/event-stream", headers=SSE_HEADERS,
             )
-        states = self._submit(items, event)
+        states = self._submit(items, event, owner)
         try:
             async with DisconnectWatch(raw_request, event) as watch:
                 while not all(s.finished for s in states):
@@ -68,7 +72,7 @@ class NativeServing:
         outs = [self._output(s, req.return_text_in_logprobs) for s in states]
         return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
 
-    def _submit(self, items: list[_Item], event: asyncio.Event) -> list[ReqState]:
+    def _submit(self, items: list[_Item], event: asyncio.Event, owner: str) -> list[ReqState]:
         states: list[ReqState] = []
         try:
             for item in items:
@@ -83,7 +87,7 @@ class NativeServing:
                         item.prompt_ids, params, event,
                         rid=base if n == 1 else f"{base}-{j}", user_rid=item.rid,
                         return_logprob=item.return_logprob,
-                        top_logprobs_num=item.top_logprobs_num,
+                        top_logprobs_num=item.top_logprobs_num, owner=owner,
                     ))
         except BaseException:
             self.tm.abort_states(states, "request failed")
@@ -91,9 +95,9 @@ class NativeServing:
         return states
 
     async def _stream(self, items: list[_Item], event: asyncio.Event,
-                      text_in_logprobs: bool) -> AsyncIterator[bytes]:
+                      text_in_logprobs: bool, owner: str) -> AsyncIterator[bytes]:
         try:
-            states = self._submit(items, event)
+            states = self._submit(items, event, owner)
         except APIError as e:
             yield sse(e.body())
             return
@@ -116,23 +120,21 @@ class NativeServing:
             self.tm.abort_states(states, "client disconnected")
 
     # ---- input
-    def _normalize(self, req: GenerateReqInput) -> tuple[bool, list[_Item]]:
+    async def _normalize(self, req: GenerateReqInput, owner: str) -> tuple[bool, list[_Item]]:
+        """Validate the whole request (counts and sampling parameters before any text is
+        tokenized), then tokenize; one item per prompt."""
         tm = self.tm
+        limits = tm.limits
         if (req.text is None) == (req.input_ids is None):
             raise invalid_request("Exactly one of 'text' or 'input_ids' must be given", "text",
                                   "invalid_value")
-        prompts: list[list[int]]
         if req.text is not None:
+            tm.require_tokenizer("text")
             single = isinstance(req.text, str)
             texts = [req.text] if isinstance(req.text, str) else req.text
             if not texts:
                 raise invalid_request("'text' must not be an empty list", "text", "invalid_value")
-            prompts = []
-            for k, t in enumerate(texts):
-                param = "text" if single else f"text.{k}"
-                if not t:
-                    raise invalid_request(f"'{param}' must not be empty", param, "invalid_value")
-                prompts.append(tm.tokenize(t))
+            count = len(texts)
             prompt_param = "text"
         else:
             ids = req.input_ids
@@ -140,25 +142,45 @@ class NativeServing:
             if not ids:
                 raise invalid_request("'input_ids' must not be empty", "input_ids", "invalid_value")
             single = not isinstance(ids[0], list)
-            prompts = [ids] if single else ids  # type: ignore[list-item]
-            for k, p in enumerate(prompts):
-                tm.check_input_ids(p, "input_ids" if single else f"input_ids.{k}")
+            count = 1 if single else len(ids)
             prompt_param = "input_ids"
-        count = len(prompts)
+        check_at_most(count, limits.max_batch_size, prompt_param, "prompts")
         sp_list = _per_item(req.sampling_params, count, "sampling_params", single)
         rids = _per_item(req.rid, count, "rid", single, repeat=False)
         lp_flags = _per_item(req.return_logprob, count, "return_logprob", single)
         tops = _per_item(req.top_logprobs_num, count, "top_logprobs_num", single)
         starts = _per_item(req.logprob_start_len, count, "logprob_start_len", single)
+        params_list: list[SamplingParams] = []
+        for k in range(count):
+            sfx = "" if single else f".{k}"
+            params_list.append(make_sampling_params(
+                sp_list[k], "sampling_params" + sfx, limits=limits,
+                vocab_size=tm.model_info.vocab_size))
+            if tops[k] < 0 or tops[k] > limits.max_top_logprobs_num:
+                raise invalid_request(
+                    f"'top_logprobs_num' must be in [0, {limits.max_top_logprobs_num}]",
+                    "top_logprobs_num" + sfx, "invalid_value")
+        check_at_most(sum(p.n for p in params_list), limits.max_batch_size, "sampling_params",
+                      f"sequences in all ({count} prompts x n)")
+        prompts: list[list[int]]
+        if req.text is not None:
+            names = ["text" if single else f"text.{k}" for k in range(count)]
+            for t, name in zip(texts, names):
+                if not t:
+                    raise invalid_request(f"'{name}' must not be empty", name, "invalid_value")
+            prompts = await tm.tokenize(texts, names)
+        else:
+            prompts = [ids] if single else ids  # type: ignore[list-item]
+            for k, p in enumerate(prompts):
+                tm.check_input_ids(p, "input_ids" if single else f"input_ids.{k}")
         items: list[_Item] = []
         for k, ids in enumerate(prompts):
             sfx = "" if single else f".{k}"
-            params = make_sampling_params(sp_list[k], "sampling_params" + sfx)
+            params = params_list[k]
+            if params.stop_strs:
+                tm.require_tokenizer(f"sampling_params{sfx}.stop")
             tm.resolve_max_new_tokens(len(ids), params.max_new_tokens, prompt_param + sfx,
                                       f"sampling_params{sfx}.max_new_tokens")
-            if tops[k] < 0 or tops[k] > 100:
-                raise invalid_request("'top_logprobs_num' must be in [0, 100]",
-                                      "top_logprobs_num" + sfx, "invalid_value")
             if lp_flags[k] and starts[k] not in (-1, None) and starts[k] < len(ids):
                 raise invalid_request(
                     "input token logprobs are not supported; use logprob_start_len=-1",
@@ -169,7 +191,7 @@ class NativeServing:
             raise invalid_request("'rid' values must be unique", "rid", "duplicate_rid")
         expanded = [r if it.params.n == 1 else f"{r}-{j}"
                     for it in items if (r := it.rid) is not None for j in range(it.params.n)]
-        tm.check_rids_free(expanded)
+        tm.check_rids_free(expanded, owner)
         return single, items
 
     # ---- output
@@ -193,6 +215,8 @@ class NativeServing:
                 meta["output_top_logprobs"] = [
                     [[lp, t, decode(t)] for lp, t in row] for row in s.output_top_logprobs
                 ]
+        if self.tm.tokenizer is None:  # as sglang with skip_tokenizer_init: ids, no text
+            return {"output_ids": list(s.output_ids), "meta_info": meta}
         return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
 
     def _token_text(self, token_id: int) -> str | None:

@@ -9,6 +9,9 @@ client that does not ask for it still gets the totals. Finish reasons: `stop`, `
 
 Non-streaming responses carry sglang's `"metadata": {"weight_version": ...}` (streams do not).
 
+Without a tokenizer (`--skip-tokenizer-init`) completions take token-id prompts only and return empty
+`text`; chat, text prompts and stop strings are a 400 naming the field.
+
 Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`, prompt logprobs with `echo`
 beyond `null` entries for prompt tokens.
 """
@@ -28,7 +31,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from tide.sampling_params import SamplingParams
+from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
+from tide.server.limits import check_at_most
 from tide.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from tide.server.tokenizer_manager import (
     ClientDisconnected,
@@ -71,12 +76,19 @@ class OpenAIServingBase:
                 f"The model '{model}' does not exist; this server serves "
                 f"'{self.model_name}'", 404, param="model", code="model_not_found")
 
-    def sampling_params(self, req: _OpenAISampling, max_new_tokens: int) -> SamplingParams:
+    def sampling_params(self, req: _OpenAISampling, num_prompts: int) -> SamplingParams:
+        """The request's sampling parameters, checked against the server's limits before any prompt
+        is tokenized (`max_new_tokens` is 0 here; the caller sets it once the prompts' lengths are
+        known)."""
+        limits = self.tm.limits
+        check_at_most(req.n, limits.max_n, "n", "sequences")
+        check_at_most(num_prompts * req.n, limits.max_batch_size, "n",
+                      f"sequences in all ({num_prompts} prompts x n)")
         if req.stream_options is not None and not req.stream:
             raise invalid_request("'stream_options' is only allowed when 'stream' is true",
                                   "stream_options", "invalid_value")
         params = {
-            "max_new_tokens": max_new_tokens,
+            "max_new_tokens": 0,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "top_k": req.top_k,
@@ -90,12 +102,13 @@ class OpenAIServingBase:
             "skip_special_tokens": req.skip_special_tokens,
             "seed": req.seed,
         }
-        if isinstance(req.stop, list) and len(req.stop) > 16:
-            raise invalid_request("'stop' may hold at most 16 strings", "stop", "invalid_value")
-        return make_sampling_params(params, "", _OPENAI_NAMES)
+        if req.stop:
+            self.tm.require_tokenizer("stop")
+        return make_sampling_params(params, "", _OPENAI_NAMES, limits=limits,
+                                    vocab_size=self.tm.model_info.vocab_size)
 
     def submit(self, prompts: list[_Prompt], params: SamplingParams, n: int, event: asyncio.Event,
-               rid: str | None, logprobs: int | None) -> list[ReqState]:
+               rid: str | None, logprobs: int | None, owner: str) -> list[ReqState]:
         """n sequences per prompt (prompt-major); seeded requests get seed + j for copy j."""
         states: list[ReqState] = []
         try:
@@ -107,7 +120,7 @@ class OpenAIServingBase:
                     states.append(self.tm.submit(
                         prompt.ids, dataclasses.replace(params, seed=seed), event, rid=sub,
                         user_rid=rid, return_logprob=logprobs is not None,
-                        top_logprobs_num=logprobs or 0,
+                        top_logprobs_num=logprobs or 0, owner=owner,
                     ))
         except BaseException:
             self.tm.abort_states(states, "request failed")
@@ -186,23 +199,30 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
-        prompts = self._prompts(req)
+        if req.logprobs is not None:
+            check_at_most(req.logprobs, self.tm.limits.max_top_logprobs, "logprobs")
+        prompt = req.prompt
+        single = isinstance(prompt, str) or bool(prompt and isinstance(prompt[0], int))
+        num_prompts = 1 if single else len(prompt)
+        params = self.sampling_params(req, num_prompts)
+        prompts = await self._prompts(req)
         # With max_tokens null, every prompt gets the room the longest one leaves.
         max_tokens = min(self.tm.resolve_max_new_tokens(len(p.ids), req.max_tokens, "prompt",
                                                         "max_tokens") for p in prompts)
-        params = self.sampling_params(req, max_tokens)
+        params = dataclasses.replace(params, max_new_tokens=max_tokens)
         if req.echo:
             for p in prompts:
                 if p.text is None:
                     p.text = self.tm.tokenizer.decode(p.ids) if self.tm.tokenizer else ""
-        self._check_rid(req.rid, len(prompts) * req.n)
+        owner = caller_of(raw_request).identity
+        self._check_rid(req.rid, len(prompts) * req.n, owner)
         event = asyncio.Event()
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(self._stream(req, prompts, params, event, cid, created),
+            return StreamingResponse(self._stream(req, prompts, params, event, cid, created, owner),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs)
+        states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner)
         if not await self.wait_all(states, event, raw_request):
             return Response(status_code=499)
         choices = []
@@ -223,26 +243,31 @@ class OpenAIServingCompletion(OpenAIServingBase):
         }
         return JSONResponse(body)
 
-    def _check_rid(self, rid: str | None, count: int) -> None:
+    def _check_rid(self, rid: str | None, count: int, owner: str) -> None:
         if rid:
-            self.tm.check_rids_free([rid] if count == 1 else [f"{rid}-{i}" for i in range(count)])
+            self.tm.check_rids_free([rid] if count == 1 else [f"{rid}-{i}" for i in range(count)],
+                                    owner)
 
-    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                       and isinstance(prompt[0], str)):
+            self.tm.require_tokenizer("prompt")
         if isinstance(prompt, str):
             if not prompt:
                 raise invalid_request("'prompt' must not be empty", "prompt", "invalid_value")
-            return [_Prompt(self.tm.tokenize(prompt), prompt)]
+            ids = await self.tm.tokenize([prompt], ["prompt"])
+            return [_Prompt(ids[0], prompt)]
         if not prompt:
             raise invalid_request("'prompt' must not be an empty list", "prompt", "invalid_value")
         if isinstance(prompt[0], str):
-            out = []
-            for k, p in enumerate(prompt):
-                if not p:
-                    raise invalid_request(f"'prompt.{k}' must not be empty", f"prompt.{k}",
-                                          "invalid_value")
-                out.append(_Prompt(self.tm.tokenize(p), p))  # type: ignore[arg-type]
-            return out
+            texts: list[str] = list(prompt)  # type: ignore[arg-type]
+            names = [f"prompt.{k}" for k in range(len(texts))]
+            for text, name in zip(texts, names):
+                if not text:
+                    raise invalid_request(f"'{name}' must not be empty", name, "invalid_value")
+            ids_list = await self.tm.tokenize(texts, names)
+            return [_Prompt(ids, text) for ids, text in zip(ids_list, texts)]
         if isinstance(prompt[0], int):
             self.tm.check_input_ids(prompt, "prompt")  # type: ignore[arg-type]
             return [_Prompt(list(prompt), None)]  # type: ignore[arg-type]
@@ -285,9 +310,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     async def _stream(self, req: CompletionRequest, prompts: list[_Prompt],
                       params: SamplingParams, event: asyncio.Event, cid: str,
-                      created: int) -> AsyncIterator[bytes]:
+                      created: int, owner: str) -> AsyncIterator[bytes]:
         try:
-            states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs)
+            states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner)
         except APIError as e:
             yield sse(e.body())
             return
@@ -336,24 +361,28 @@ class OpenAIServingChat(OpenAIServingBase):
         if req.top_logprobs is not None and not req.logprobs:
             raise invalid_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs",
                                   "invalid_value")
-        prompt_ids = self._apply_template(req)
+        if req.top_logprobs is not None:
+            check_at_most(req.top_logprobs, self.tm.limits.max_top_logprobs, "top_logprobs")
+        params = self.sampling_params(req, 1)
+        prompt_ids = await self._apply_template(req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = self.tm.resolve_max_new_tokens(len(prompt_ids), max_new, "messages", max_param)
-        params = self.sampling_params(req, max_new)
+        params = dataclasses.replace(params, max_new_tokens=max_new)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        owner = caller_of(raw_request).identity
         if req.rid:
             self.tm.check_rids_free([req.rid] if req.n == 1 else
-                                    [f"{req.rid}-{i}" for i in range(req.n)])
+                                    [f"{req.rid}-{i}" for i in range(req.n)], owner)
         prompts = [_Prompt(prompt_ids, None)]
         event = asyncio.Event()
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
             return StreamingResponse(self._stream(req, prompts, params, logprobs, event, cid,
-                                                  created),
+                                                  created, owner),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        states = self.submit(prompts, params, req.n, event, req.rid, logprobs)
+        states = self.submit(prompts, params, req.n, event, req.rid, logprobs, owner)
         if not await self.wait_all(states, event, raw_request):
             return Response(status_code=499)
         choices = []
@@ -371,11 +400,15 @@ class OpenAIServingChat(OpenAIServingBase):
             "system_fingerprint": None, "metadata": self.metadata(states),
         })
 
-    def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
+    async def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
+        """Render the chat template and tokenize, on a tokenizer thread, after bounding the
+        messages' number and characters."""
+        self.tm.require_tokenizer("messages")
         tok = self.tm.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if not getattr(tok, "chat_template", None):
             raise invalid_request("This model has no chat template; use /v1/completions",
                                   "messages", "chat_template_missing")
+        check_at_most(len(req.messages), self.tm.limits.max_messages, "messages", "messages")
         messages: list[dict[str, Any]] = []
         for k, m in enumerate(req.messages):
             content = m.content
@@ -390,17 +423,22 @@ class OpenAIServingChat(OpenAIServingBase):
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
+        self.tm.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         kwargs = dict(req.chat_template_kwargs or {})
-        try:
-            text = tok.apply_chat_template(
+
+        def render() -> str:
+            return tok.apply_chat_template(
                 messages, tokenize=False,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message, **kwargs,
             )
+
+        try:
+            text = await self.tm.run_in_tokenizer_pool(render)
         except Exception as e:  # jinja errors (unsupported role, bad order) are the client's input
             raise invalid_request(f"The chat template rejected 'messages': {e}", "messages",
                                   "invalid_value") from None
-        ids = self.tm.tokenize(text, add_special_tokens=False)
+        ids = (await self.tm.tokenize([text], ["messages"], add_special_tokens=False))[0]
         if not ids:
             raise invalid_request("'messages' render to an empty prompt", "messages",
                                   "invalid_value")
@@ -420,9 +458,9 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def _stream(self, req: ChatCompletionRequest, prompts: list[_Prompt],
                       params: SamplingParams, logprobs: int | None, event: asyncio.Event,
-                      cid: str, created: int) -> AsyncIterator[bytes]:
+                      cid: str, created: int, owner: str) -> AsyncIterator[bytes]:
         try:
-            states = self.submit(prompts, params, req.n, event, req.rid, logprobs)
+            states = self.submit(prompts, params, req.n, event, req.rid, logprobs, owner)
         except APIError as e:
             yield sse(e.body())
             return

@@ -2,22 +2,34 @@
 
 Models forbid unknown fields and do not coerce types (`"0.5"` is not a number), so a typo or a wrong
 type is a 400 naming the field instead of being silently ignored. Ranges are checked here too where
-they belong to the protocol (OpenAI's `temperature` in [0, 2], ...); `SamplingParams` re-validates what
-reaches the engine.
+they belong to the protocol (OpenAI's `temperature` in [0, 2], ...); the server's own bounds (`n`,
+`logprobs`, stop lists, batch sizes, ...) are `RequestLimits`, checked by the routes; `SamplingParams`
+re-validates what reaches the engine.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
 from tide.io_struct import WeightUpdateOptions
+from tide.weights.distributed import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    MAX_GROUP_NAME_LEN,
+    MAX_JOIN_TIMEOUT_S,
+    MAX_WORLD_SIZE,
+    check_group_name,
+    check_master_address,
+)
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 TokenIds = list[int]
+# A weight-update group's name: 1 to 128 of [A-Za-z0-9_.-].
+GroupName = Annotated[str, Field(min_length=1, max_length=MAX_GROUP_NAME_LEN),
+                      AfterValidator(check_group_name)]
 StopType = Union[str, list[str], None]
 
 
@@ -35,7 +47,7 @@ class _OpenAISampling(BaseModel):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1)
     stop: StopType = None
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
@@ -58,7 +70,7 @@ class CompletionRequest(_OpenAISampling):
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
 
 
@@ -83,7 +95,7 @@ class ChatCompletionRequest(_OpenAISampling):
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -156,20 +168,25 @@ class UpdateWeightsFromIPCInput(_WeightUpdateFlags):  # type: ignore[misc,valid-
 
 
 class InitWeightsUpdateGroupInput(BaseModel):
-    """`POST /init_weights_update_group`: join the trainer's group as rank `rank_offset`."""
+    """`POST /init_weights_update_group`: join the trainer's group as rank `rank_offset`.
+
+    `master_address`: a host name or an IP literal (IPv6 included), no port; `timeout` (seconds,
+    default 120, at most 600) bounds the join: past it the request fails and nothing is kept."""
 
     model_config = _STRICT
-    master_address: str = Field(min_length=1)
+    master_address: Annotated[str, Field(min_length=1, max_length=253),
+                              AfterValidator(check_master_address)]
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    group_name: str = Field(default="weight_update_group", min_length=1)
+    rank_offset: int = Field(ge=1, le=MAX_WORLD_SIZE - 1)
+    world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
+    group_name: GroupName = "weight_update_group"
     backend: Literal["nccl", "gloo"] = "nccl"
+    timeout: float = Field(default=DEFAULT_JOIN_TIMEOUT_S, gt=0, le=MAX_JOIN_TIMEOUT_S)
 
 
 class DestroyWeightsUpdateGroupInput(BaseModel):
     model_config = _STRICT
-    group_name: str = Field(default="weight_update_group", min_length=1)
+    group_name: GroupName = "weight_update_group"
 
 
 class UpdateWeightsFromDistributedInput(_WeightUpdateFlags):  # type: ignore[misc,valid-type]
@@ -178,7 +195,7 @@ class UpdateWeightsFromDistributedInput(_WeightUpdateFlags):  # type: ignore[mis
     names: list[str] = Field(min_length=1)
     dtypes: list[str] = Field(min_length=1)
     shapes: list[list[int]] = Field(min_length=1)
-    group_name: str = Field(default="weight_update_group", min_length=1)
+    group_name: GroupName = "weight_update_group"
     load_format: Literal["flattened_bucket"] | None = None
 
 

@@ -10,6 +10,16 @@ than a growing queue.
 
 Control calls (flush, load, info, and the admin calls: weight updates, pause/continue, versions) get a
 `req_id` and await the scheduler's `ControlReqOutput` with the same id.
+
+Rid scoping: every state has an `owner` (the caller's identity, `tide.server.auth`); a client rid lives
+in its owner's scope, so the same rid from two identities names two independent requests, duplicate
+checks look only at the caller's own requests, and an abort by rid reaches only them (an admin abort
+reaches every scope). Rids the server makes are random (128 bits), so nobody can guess them.
+
+Liveness: a watchdog fails everything when the scheduler process dies, and, when it lives but stops
+responding (`SchedulerLiveness`), refuses new work after `health_timeout` seconds and aborts in-flight
+requests (and pending control calls) after `abort_timeout` seconds; it recovers if the scheduler
+comes back.
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +39,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tide.sampling_params import SamplingParams
 from tide.detokenizer import IncrementalDetokenizer
-from tide.server.errors import APIError, invalid_request
 from tide.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -37,11 +47,17 @@ from tide.io_struct import (
     FlushCacheReqInput,
     GetLoadReqInput,
     GetServerInfoReqInput,
+    SchedulerHeartbeat,
     ShutdownReq,
     TokenizedGenerateReqInput,
     decode_output,
     encode_message,
 )
+from tide.sampling_params import SamplingParams
+from tide.server.auth import INTERNAL
+from tide.server.errors import APIError, invalid_request
+from tide.server.limits import RequestLimits
+from tide.server.liveness import SchedulerLiveness
 from tide.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tide.server")
@@ -77,6 +93,7 @@ class ReqState:
 
     def __init__(
         self,
+        owner: str,
         rid: str,
         user_rid: str | None,
         wire_rid: str,
@@ -87,6 +104,7 @@ class ReqState:
         detok: IncrementalDetokenizer | None,
         event: asyncio.Event,
     ) -> None:
+        self.owner = owner  # the identity whose scope `rid` lives in
         self.rid = rid
         self.user_rid = user_rid
         self.wire_rid = wire_rid
@@ -163,19 +181,33 @@ class TokenizerManager:
         output_addr: str,
         metrics: ServerMetrics,
         scheduler_alive: Callable[[], bool] = lambda: True,
+        limits: RequestLimits | None = None,
+        health_timeout: float = 30.0,
+        abort_timeout: float = 120.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.limits = limits or RequestLimits()
+        # Tokenizing (and rendering chat templates) runs here, off the event loop: a long prompt
+        # never stalls other clients. The tokenizer releases the GIL while it works.
+        self._tokenize_pool = ThreadPoolExecutor(self.limits.tokenizer_threads,
+                                                 thread_name_prefix="tide-tokenize")
         self.input_addr = input_addr
         self.output_addr = output_addr
         self.metrics = metrics
         self.scheduler_alive = scheduler_alive
-        self.rid_to_state: dict[str, ReqState] = {}  # by the rid the client sees
+        self.health_timeout = health_timeout
+        self.abort_timeout = abort_timeout
+        self.liveness = SchedulerLiveness()
+        self._stall_reported = False
+        # by (owner, the rid the client sees): rids are scoped to the caller's identity
+        self.rid_to_state: dict[tuple[str, str], ReqState] = {}
         self.wire_to_state: dict[str, ReqState] = {}  # by the scheduler's (never reused) rid
         self._wire_seq = 0
         self._pending_control: dict[str, asyncio.Future[ControlReqOutput]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._last_load: dict[str, Any] | None = None
+        self._last_info: dict[str, Any] | None = None
         # Last known scheduler state, from replies and outputs (for routes that must not wait).
         self.weight_version: str | None = model_info.raw.get("weight_version")
         self.paused: str | None = None
@@ -195,6 +227,7 @@ class TokenizerManager:
         self._send_sock.setsockopt(zmq.SNDHWM, 0)
         self._send_sock.setsockopt(zmq.LINGER, 2000)
         self._send_sock.connect(self.input_addr)
+        self.liveness = SchedulerLiveness()
         self._tasks = [
             asyncio.create_task(self._handle_loop()),
             asyncio.create_task(self._watchdog()),
@@ -215,23 +248,57 @@ class TokenizerManager:
         self._send_sock.close(linger=500)
         self._actx.term()
         self._sctx.term()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- tokenization and validation
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def require_tokenizer(self, param: str) -> None:
+        """A 400 naming `param` (a text input, stop strings) when this server has no tokenizer."""
         if self.tokenizer is None:
-            raise invalid_request("this model has no tokenizer; send token ids instead", "text")
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            raise invalid_request(
+                f"'{param}' needs a tokenizer, and this server runs without one "
+                "(--skip-tokenizer-init): send token ids ('input_ids', or a prompt of ids) and "
+                "stop_token_ids instead", param, "tokenizer_missing")
+
+    def check_prompt_chars(self, length: int, param: str) -> None:
+        """A 400 (`context_length_exceeded`) for a text too long to fit the context whatever its
+        tokens; checked before anything tokenizes it."""
+        limit = self.limits.max_prompt_chars(self.model_info.context_len)
+        if length > limit:
+            raise APIError(
+                f"'{param}' has {length} characters; this model's context of "
+                f"{self.model_info.context_len} tokens holds at most {limit} "
+                f"({self.limits.prompt_chars_per_token} per token). Shorten '{param}'.",
+                400, param=param, code="context_length_exceeded")
+
+    async def tokenize(self, texts: Sequence[str], params: Sequence[str],
+                       add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, tokenized in the tokenizer pool after each text's length has
+        been checked (`params` names each text for errors)."""
+        if self.tokenizer is None:
+            raise invalid_request("this model has no tokenizer; send token ids instead", params[0])
+        for text, param in zip(texts, params, strict=True):
+            self.check_prompt_chars(len(text), param)
+        return await self.run_in_tokenizer_pool(self._encode_all, list(texts), add_special_tokens)
+
+    async def run_in_tokenizer_pool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on a tokenizer thread (CPU-heavy work that must not block the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _encode_all(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [list(self.tokenizer.encode(t, add_special_tokens=add_special_tokens))
+                for t in texts]
 
     def check_input_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise invalid_request(f"'{param}' must not be empty", param, "invalid_value")
         vocab = self.model_info.vocab_size
-        for t in ids:
-            if t < 0 or t >= vocab:
-                raise invalid_request(
-                    f"'{param}' contains token id {t}, outside the vocabulary [0, {vocab})",
-                    param, "invalid_value",
-                )
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise invalid_request(
+                f"'{param}' contains token id {_short_int(bad)}, outside the vocabulary "
+                f"[0, {vocab})", param, "invalid_value",
+            )
 
     @property
     def max_seq_len(self) -> int:
@@ -262,7 +329,8 @@ class TokenizerManager:
 
     # ---- requests
     def new_rid(self) -> str:
-        return uuid.uuid4().hex
+        """A server-made rid: 128 random bits, so nobody can guess another's request id."""
+        return secrets.token_hex(16)
 
     def submit(
         self,
@@ -273,11 +341,13 @@ class TokenizerManager:
         user_rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        owner: str = INTERNAL.identity,
     ) -> ReqState:
-        """Send one sequence (params.n must be 1) to the scheduler and start tracking it."""
+        """Send one sequence (params.n must be 1) to the scheduler and start tracking it under
+        `owner`'s scope (the caller's identity)."""
         self._check_serving()
         rid = rid or self.new_rid()
-        if rid in self.rid_to_state:
+        if (owner, rid) in self.rid_to_state:
             raise invalid_request(f"rid {rid!r} is already in use by a running request", "rid",
                                   "duplicate_rid")
         detok = None
@@ -289,13 +359,13 @@ class TokenizerManager:
         # client rid can never land on this one.
         self._wire_seq += 1
         wire_rid = f"{rid}@{self._wire_seq}"
-        state = ReqState(rid, user_rid, wire_rid, prompt_ids, params, return_logprob,
+        state = ReqState(owner, rid, user_rid, wire_rid, prompt_ids, params, return_logprob,
                          top_logprobs_num, detok, event)
-        self.rid_to_state[rid] = state
-        self.wire_to_state[wire_rid] = state
         wire_params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
         wire_params["n"] = 1
-        self._send(
+        # Encoded before the state is registered: a message that cannot be encoded (or sent)
+        # leaves nothing behind.
+        data = encode_message(
             TokenizedGenerateReqInput(
                 rid=wire_rid,
                 input_ids=prompt_ids,
@@ -304,11 +374,15 @@ class TokenizerManager:
                 top_logprobs_num=top_logprobs_num,
             )
         )
+        self._send_sock.send(data)
+        self.rid_to_state[(owner, rid)] = state
+        self.wire_to_state[wire_rid] = state
         return state
 
-    def check_rids_free(self, rids: list[str], param: str = "rid") -> None:
+    def check_rids_free(self, rids: list[str], owner: str, param: str = "rid") -> None:
+        """400 `duplicate_rid` if one of `rids` names a running request of `owner`'s."""
         for rid in rids:
-            if rid in self.rid_to_state:
+            if (owner, rid) in self.rid_to_state:
                 raise invalid_request(f"rid {rid!r} is already in use by a running request",
                                       param, "duplicate_rid")
 
@@ -329,13 +403,16 @@ class TokenizerManager:
         for state in live:
             self._finish(state, {"type": "abort", "message": message})
 
-    async def abort_request(self, rid: str | None, message: str = "aborted by request") -> int:
-        """Abort live requests whose rid (or the rid the client gave to their group) is `rid`, or
-        all requests if `rid` is None. Returns once the scheduler has finished them (their streams
-        end with reason abort), with how many it aborted."""
+    async def abort_request(self, rid: str | None, owner: str | None = None,
+                            message: str = "aborted by request") -> int:
+        """Abort live requests of `owner` (None: of anyone) whose rid (or the rid the client gave
+        to their group) is `rid`, or all requests if `rid` is None. Returns once the scheduler has
+        finished them (their streams end with reason abort), with how many it aborted. Another
+        owner's request is not found, exactly as a rid that names nothing."""
         rids: list[str] = []
         if rid is not None:
-            rids = [s.wire_rid for s in self.wire_to_state.values() if rid in (s.rid, s.user_rid)]
+            rids = [s.wire_rid for s in self.wire_to_state.values()
+                    if rid in (s.rid, s.user_rid) and owner in (None, s.owner)]
             if not rids:
                 return 0
         out = await self._control(
@@ -373,8 +450,18 @@ class TokenizerManager:
         return self._last_load
 
     async def get_server_info(self, timeout: float = 5.0) -> dict[str, Any]:
-        out = await self._control(lambda r: GetServerInfoReqInput(req_id=r), timeout)
-        return dict(out.data)
+        """The scheduler's facts and live counters, plus `scheduler_responsive` and
+        `scheduler_liveness`. While the scheduler does not respond: the last known ones."""
+        if self.responsive:
+            out = await self._control(lambda r: GetServerInfoReqInput(req_id=r), timeout)
+            info = dict(out.data)
+            self._last_info = dict(info)
+        else:
+            self._check_alive()
+            info = dict(self._last_info or self.model_info.raw)
+        info["scheduler_responsive"] = self.responsive
+        info["scheduler_liveness"] = self.liveness.describe()
+        return info
 
     async def admin(self, make: Callable[[str], msgspec.Struct],
                     timeout: float | None = None) -> ControlReqOutput:
@@ -393,14 +480,56 @@ class TokenizerManager:
     async def _control(self, make: Callable[[str], msgspec.Struct],
                        timeout: float | None) -> ControlReqOutput:
         self._check_alive()
+        self._check_responsive()
         req_id = uuid.uuid4().hex
         fut: asyncio.Future[ControlReqOutput] = asyncio.get_running_loop().create_future()
         self._pending_control[req_id] = fut
         try:
             self._send(make(req_id))
             return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise APIError(f"the scheduler did not answer within {timeout:g} s", 503,
+                           code="scheduler_timeout", err_type="server_error") from None
         finally:
             self._pending_control.pop(req_id, None)
+
+    # ---- liveness
+    @property
+    def responsive(self) -> bool:
+        """The scheduler has stepped or answered within `health_timeout` (a declared long
+        operation counts as answering)."""
+        return self.liveness.stalled_for() < self.health_timeout
+
+    def _check_responsive(self) -> None:
+        if not self.responsive:
+            raise APIError(
+                f"the scheduler has not responded for {self.liveness.stalled_for():.0f} s; "
+                "try again later", 503, code="engine_unresponsive", err_type="server_error")
+
+    def _check_stall(self) -> None:
+        """Report a stalled scheduler once; past `abort_timeout`, fail everything waiting on it."""
+        stalled = self.liveness.stalled_for()
+        if stalled < self.health_timeout:
+            if self._stall_reported:
+                self._stall_reported = False
+                logger.warning("the scheduler responds again")
+            return
+        if not self._stall_reported:
+            self._stall_reported = True
+            logger.error("the scheduler has not responded for %.1f s (operation: %s); /health is "
+                         "503 and new requests are refused", stalled, self.liveness.operation)
+        if stalled < self.abort_timeout:
+            return
+        message = f"the scheduler stopped responding ({stalled:.0f} s without progress)"
+        states = list(self.wire_to_state.values())
+        if states:
+            logger.error("%s: aborting %d in-flight requests", message, len(states))
+            # The abort waits in the socket: if the scheduler comes back, it frees their KV.
+            self.abort_states(states, message)
+        for fut in self._pending_control.values():
+            if not fut.done():
+                fut.set_exception(APIError(message, 503, code="engine_unresponsive",
+                                           err_type="server_error"))
 
     # ---- internals
     def _check_alive(self) -> None:
@@ -410,6 +539,7 @@ class TokenizerManager:
 
     def _check_serving(self) -> None:
         self._check_alive()
+        self._check_responsive()
         if self.shutting_down:
             raise APIError("the server is shutting down", 503, code="shutting_down",
                            err_type="server_error")
@@ -422,6 +552,10 @@ class TokenizerManager:
             data = await self._recv_sock.recv()
             try:
                 msg = decode_output(data)
+                if isinstance(msg, SchedulerHeartbeat):
+                    self.liveness.on_heartbeat(msg)
+                    continue
+                self.liveness.on_output()
                 if isinstance(msg, BatchTokenIDOut):
                     self._handle_batch(msg)
                 else:
@@ -470,8 +604,8 @@ class TokenizerManager:
         state.finished_reason = reason
         state.finished_time = time.perf_counter()
         self.wire_to_state.pop(state.wire_rid, None)
-        if self.rid_to_state.get(state.rid) is state:
-            del self.rid_to_state[state.rid]
+        if self.rid_to_state.get((state.owner, state.rid)) is state:
+            del self.rid_to_state[(state.owner, state.rid)]
         e2e = state.finished_time - state.created
         kind = str(reason.get("type", "unknown"))
         self.metrics.on_finish(len(state.prompt_ids), state.cached_tokens, e2e, kind)
@@ -481,16 +615,23 @@ class TokenizerManager:
         rate = (n_out - 1) / decode_time if n_out > 1 and decode_time > 0 else 0.0
         detail = f" ({reason['message']})" if kind == "abort" and reason.get("message") else ""
         logger.info(
-            "req %s: %s%s | prompt %d tok (%d cached), output %d tok | ttft %s, %.1f tok/s, "
+            "req %s (%s): %s%s | prompt %d tok (%d cached), output %d tok | ttft %s, %.1f tok/s, "
             "e2e %.3f s",
-            state.rid, kind, detail, len(state.prompt_ids), state.cached_tokens, n_out,
+            state.rid, state.owner, kind, detail, len(state.prompt_ids), state.cached_tokens, n_out,
             f"{ttft * 1000:.1f} ms" if ttft is not None else "-", rate, e2e,
         )
         state.event.set()
 
-    async def _watchdog(self, interval: float = 1.0) -> None:
+    async def _watchdog(self) -> None:
+        interval = min(1.0, self.health_timeout / 4)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
+            now = time.monotonic()
+            # If this event loop was itself blocked, outputs may wait unread in the socket: judge
+            # the scheduler on the next turn, once they have been read.
+            lagged = now - last > 2 * interval + 0.5
+            last = now
             if not self.scheduler_alive():
                 self.dead = True
                 logger.error("the scheduler process died; failing in-flight requests, stopping")
@@ -501,7 +642,13 @@ class TokenizerManager:
                                                    code="engine_dead", err_type="server_error"))
                 self.on_fatal()
                 return
+            if not lagged:
+                self._check_stall()
 
 
 def _finite(x: float) -> float:
     return x if x > _NEG_INF_LOGPROB else _NEG_INF_LOGPROB
+
+
+def _short_int(value: int) -> str:
+    return str(value) if abs(value) < 10**18 else f"a {value.bit_length()}-bit integer"

@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from tide.sampling_params import SamplingParams
 from tide.server.errors import APIError, from_validation_error, invalid_request
+from tide.server.limits import RequestLimits, check_at_most
+from tide.server.security import require_json_content_type
 
 M = TypeVar("M", bound=BaseModel)
 
 _SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                     "presence_penalty", "repetition_penalty", "stop_token_ids", "stop", "ignore_eos",
                     "skip_special_tokens", "seed", "n")
+_DEFAULT_LIMITS = RequestLimits()
+_json_decoder = msgspec.json.Decoder()
+_DIGIT_MAP = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))  # digit -> "1"
+_LONG_DIGIT_RUN = b"1" * 19
+_INT64_PROBLEM = "integers must be in [-2**63, 2**63 - 1]"
 
 
 async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
-    """Read a JSON object body into `model`; every problem is a 400 naming the field."""
+    """Read a JSON object body into `model`; every problem is a 400 naming the field (a 415 for a
+    body not declared `application/json`)."""
+    require_json_content_type(request, allow_empty)
     raw = await request.body()
     if not raw.strip():
         if allow_empty:
@@ -28,11 +39,8 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
             raise APIError("The request body is empty; expected a JSON object", 400,
                            code="invalid_json")
     else:
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"The request body is not valid JSON: {e}", 400,
-                           code="invalid_json") from None
+        limits = getattr(request.app.state, "limits", _DEFAULT_LIMITS)
+        data = load_json(raw, limits.max_json_depth)
     if not isinstance(data, dict):
         raise APIError(f"The request body must be a JSON object, got {_json_name(data)}", 400,
                        code="invalid_json")
@@ -42,14 +50,140 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
         raise from_validation_error(e) from None
 
 
+def load_json(raw: bytes, max_depth: int) -> Any:
+    """Strict JSON (RFC 8259: UTF-8, no NaN/Infinity, no lone UTF-16 surrogates) nested at most
+    `max_depth` deep, whose integers fit in 64 bits (no field takes more; larger ones would overflow
+    torch and the wire), or a 400 (`invalid_json`, or `invalid_value` naming the field). The checks
+    after parsing run only when the text could fail them (more brackets than `max_depth`, a run of
+    19 digits), at C speed over long flat lists."""
+    try:
+        data = _json_decoder.decode(raw)  # recursion-safe: a RecursionError, never a crash
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except (msgspec.DecodeError, ValueError) as e:
+        raise _json_error(raw, e) from None
+    deep = raw.count(b"[") + raw.count(b"{") > max_depth  # brackets in strings count too
+    long_digits = _LONG_DIGIT_RUN in raw.translate(_DIGIT_MAP)  # 2**63 has 19 digits
+    if deep or long_digits:
+        error = _check_parsed(data, max_depth)
+        if error is not None:
+            raise error
+    return data
+
+
+def _check_parsed(data: Any, max_depth: int) -> APIError | None:
+    """The first nesting beyond `max_depth` or integer outside int64 in parsed JSON, as a 400."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if not isinstance(value, (dict, list)):
+            if _int64_problem(value) is not None:
+                return _bad_value(path, _INT64_PROBLEM)
+            continue
+        if depth > max_depth:
+            return _too_deep(max_depth)
+        if isinstance(value, dict):
+            entries: Any = value.items()
+        else:
+            types = set(map(type, value))
+            if not types & {dict, list, int}:
+                continue
+            if types <= {int, bool} and -(2**63) <= min(value) and max(value) < 2**63:
+                continue
+            entries = enumerate(value)
+        for key, item in entries:
+            if isinstance(item, (dict, list)):
+                stack.append((item, _join(path, key), depth + 1))
+            elif _int64_problem(item) is not None:
+                return _bad_value(_join(path, key), _INT64_PROBLEM)
+    return None
+
+
+def _too_deep(max_depth: int) -> APIError:
+    return APIError(f"The request body nests JSON deeper than {max_depth} levels", 400,
+                    code="invalid_json")
+
+
+def _json_error(raw: bytes, err: Exception) -> APIError:
+    """Explain why strict parsing failed; a value only lenient JSON allows is named by its path."""
+    try:
+        lenient = json.loads(raw)
+    except (RecursionError, ValueError):
+        return APIError(f"The request body is not valid JSON: {err}", 400, code="invalid_json")
+    found = _first_lenient_value(lenient)
+    if found is None:
+        return APIError(f"The request body is not valid JSON: {err}", 400, code="invalid_json")
+    return _bad_value(*found)
+
+
+def _bad_value(path: str, problem: str) -> APIError:
+    return APIError(f"Invalid value for '{path}': {problem}", 400, param=path or None,
+                    code="invalid_value")
+
+
+def _int64_problem(value: Any) -> str | None:
+    if type(value) is int and not -(2**63) <= value < 2**63:
+        return _INT64_PROBLEM
+    return None
+
+
+def _lenient_problem(value: Any) -> str | None:
+    if isinstance(value, str) and not _is_unicode(value):
+        return "the text holds a lone UTF-16 surrogate (\\ud800-\\udfff)"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN and infinite numbers are not JSON"
+    return None
+
+
+def _first_lenient_value(data: Any) -> tuple[str, str] | None:
+    """(dotted path, problem) of a string with a lone surrogate or a non-finite number (or such an
+    object key) in leniently parsed JSON."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key in value:
+                what = _lenient_problem(key)
+                if what is not None:
+                    return path, f"an object key: {what}"
+            stack.extend((item, _join(path, key)) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend((item, _join(path, i)) for i, item in enumerate(value))
+        elif (what := _lenient_problem(value)) is not None:
+            return path, what
+    return None
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def make_sampling_params(params: dict[str, Any] | None, param_prefix: str,
-                         names: dict[str, str] | None = None) -> SamplingParams:
-    """`SamplingParams.from_dict`, with its ValueError turned into a 400 naming the field.
+                         names: dict[str, str] | None = None, *,
+                         limits: RequestLimits, vocab_size: int) -> SamplingParams:
+    """`SamplingParams.from_dict` plus the server's bounds (`limits`) and the vocabulary checks, with
+    every problem a 400 naming the field.
 
     `names` maps engine field names to the names the client used (e.g. max_new_tokens -> max_tokens).
     """
+    def param_of(field: str | None) -> str | None:
+        if names and field in names:
+            return names[field]
+        if field is not None:
+            return f"{param_prefix}.{field}" if param_prefix else field
+        return param_prefix or None
+
     try:
-        return SamplingParams.from_dict(params)
+        sp = SamplingParams.from_dict(params)
+        sp.check_vocab(vocab_size)
     except (ValueError, TypeError) as e:
         message = str(e)
         field = next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)
@@ -57,14 +191,17 @@ def make_sampling_params(params: dict[str, Any] | None, param_prefix: str,
             unknown = [k for k in (params or {}) if k not in _SAMPLING_FIELDS]
             field = unknown[0] if unknown else None
         if names and field in names:
-            client_name = names[field]
-            message = message.replace(field, client_name, 1)
-            param = client_name
-        elif field is not None:
-            param = f"{param_prefix}.{field}" if param_prefix else field
-        else:
-            param = param_prefix or None
-        raise invalid_request(message, param, "invalid_value") from None
+            message = message.replace(field, names[field], 1)
+        raise invalid_request(message, param_of(field), "invalid_value") from None
+    check_at_most(sp.n, limits.max_n, param_of("n") or "n", "sequences")
+    check_at_most(len(sp.stop_strs), limits.max_stop_strings, param_of("stop") or "stop",
+                  "strings")
+    longest = max((len(s) for s in sp.stop_strs), default=0)
+    check_at_most(longest, limits.max_stop_string_chars, param_of("stop") or "stop",
+                  "characters per string")
+    check_at_most(len(sp.stop_token_ids or ()), limits.max_stop_token_ids,
+                  param_of("stop_token_ids") or "stop_token_ids", "token ids")
+    return sp
 
 
 def sse(data: Any) -> bytes:

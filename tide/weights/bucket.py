@@ -1,20 +1,14 @@
-"""Weight payloads: flattened buckets and serialization for transport.
+"""Flattened buckets: many tensors of one dtype packed into one contiguous 1-D buffer, plus
+(name, shape, dtype, offset, numel) metadata — one copy per dtype instead of one per tensor.
 
-- `FlattenedBucket`: many tensors of one dtype packed into one contiguous 1-D buffer, plus
-  (name, shape, dtype, offset, numel) metadata — one copy per dtype instead of one per tensor.
-- `serialize_named_tensors` / `deserialize_named_tensors`: a base64 string that carries CUDA tensors as
-  CUDA IPC handles (the receiver maps the sender's memory; same host only) and CPU tensors by value.
-  Deserializing runs pickle: only accept payloads from a trusted trainer (the HTTP routes sit behind
-  the admin key).
+How buckets and named tensors travel between processes (`serialize_named_tensors`) is
+`tide.weights.wire`.
 """
 
 from __future__ import annotations
 
-import base64
-import io
-import pickle
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -74,28 +68,3 @@ def flatten_by_dtype(named: Sequence[tuple[str, torch.Tensor]]) -> list[Flattene
     for name, t in named:
         groups.setdefault(t.dtype, []).append((name, t))
     return [FlattenedBucket.from_named_tensors(g) for g in groups.values()]
-
-
-class _Pickler(pickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            return reduce_tensor(obj)
-        return NotImplemented
-
-
-def serialize_named_tensors(obj: Any) -> str:
-    """Pickle `obj` (tensors, buckets, lists of them) to base64 text: CUDA tensors as IPC handles
-    (keep them alive until the receiver has copied), CPU tensors by value."""
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(payload: str | bytes) -> Any:
-    try:
-        raw = base64.b64decode(payload, validate=True)
-        return pickle.loads(raw)
-    except Exception as e:  # noqa: BLE001 - any decoding failure is bad input
-        raise ValueError(f"serialized_named_tensors could not be decoded: {type(e).__name__}: {e}") from e

@@ -14,10 +14,16 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from tide.weights.bucket import FlattenedBucket, deserialize_named_tensors, flatten_by_dtype
-from tide.weights.distributed import WeightUpdateGroup, init_custom_process_group
+from tide.weights.bucket import FlattenedBucket, flatten_by_dtype
+from tide.weights.distributed import (
+    DEFAULT_JOIN_TIMEOUT_S,
+    MAX_JOIN_TIMEOUT_S,
+    WeightUpdateGroup,
+    init_custom_process_group,
+)
 from tide.weights.loader import PinnedStaging, read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
+from tide.weights.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +161,17 @@ class WeightUpdater:
     # ---- distributed
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str, backend: str,
+        group_name: str, backend: str, timeout: float = DEFAULT_JOIN_TIMEOUT_S,
     ) -> None:
+        """Join the trainer's group; ValueError for bad arguments, RuntimeError when the join
+        fails or takes longer than `timeout` seconds (nothing of it is kept then)."""
         if group_name in self.groups:
             raise ValueError(f"group_name {group_name!r} already exists; destroy it first")
+        if not 0 < timeout <= MAX_JOIN_TIMEOUT_S:
+            raise ValueError(f"timeout must be in (0, {MAX_JOIN_TIMEOUT_S:g}] seconds, got {timeout}")
         self.groups[group_name] = init_custom_process_group(
-            backend, master_address, master_port, rank_offset, world_size, group_name
+            backend, master_address, master_port, rank_offset, world_size, group_name,
+            join_timeout_s=timeout,
         )
 
     def destroy_group(self, group_name: str) -> None:

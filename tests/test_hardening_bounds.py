@@ -1,0 +1,524 @@
+"""Bounded cost and isolation: no request can take the server down or hurt other requests.
+
+One real `tide serve` for the module (small limits so the bounds are cheap to reach): every input
+that used to be a 500, leak a request, freeze the event loop or hold a connection is now a 4xx naming
+the field, and the server keeps serving with nothing left in flight. Plus the in-process pieces:
+`SamplingParams` ranges, the scheduler isolating a request whose sampling fails, the last-resort 500.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess, assert_error, running_server, serve_model_path
+
+from tide.sampling_params import SamplingParams
+from tide.server.limits import RequestLimits
+
+MODEL = "tide-demo"
+BODY_READ_TIMEOUT = 2.0
+CHARS_PER_TOKEN = 1024
+MAX_BATCH = 64
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = serve_model_path(tmp_path_factory.mktemp("serve-model"))
+    with running_server(model, "--served-model-name", MODEL,
+                        "--body-read-timeout", str(BODY_READ_TIMEOUT),
+                        "--prompt-chars-per-token", str(CHARS_PER_TOKEN),
+                        "--max-batch-size", str(MAX_BATCH),
+                        log_dir=tmp_path_factory.mktemp("server-log")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def info(server):
+    return server.get("/get_model_info").json()
+
+
+def _server_info(server: ServerProcess) -> dict:
+    return server.get("/get_server_info").json()
+
+
+def _assert_clean(server: ServerProcess, timeout: float = 20.0) -> None:
+    """Nothing in flight on either side, no KV held, and a generation still works."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = _server_info(server)
+        idle = (info["num_http_requests_in_flight"] == 0 and info["num_running_reqs"] == 0
+                and info["num_queued_reqs"] == 0 and info["kv_held_slots"] == 0)
+        if idle:
+            break
+        assert time.monotonic() < deadline, f"requests left behind: {info}"
+        time.sleep(0.05)
+    assert info["invariants_ok"]
+    out = server.post("/generate", {"input_ids": [5, 6, 7],
+                                    "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    assert out.status_code == 200, out.text
+    assert len(out.json()["output_ids"]) == 3
+
+
+def _raw_post(server: ServerProcess, path: str, raw: bytes | str) -> httpx.Response:
+    content = raw.encode() if isinstance(raw, str) else raw
+    return httpx.post(server.url + path, content=content, timeout=60,
+                      headers={"Content-Type": "application/json"})
+
+
+def _sp(**params) -> str:
+    return json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2, **params}})
+
+
+def _cmpl(**fields) -> str:
+    return json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields})
+
+
+def _chat(**fields) -> str:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 2, **fields})
+
+
+# (route, raw JSON body, status, param) -- raw text so lone surrogates and huge numbers go as sent.
+BAD = [
+    # integers past what the sampler and the wire take (2**63 .. 2**64: overflowed the sampler)
+    ("/generate", _sp(top_k=2**63 + 5), "sampling_params.top_k"),
+    ("/generate", _sp(top_k=2**64 + 5), "sampling_params.top_k"),
+    ("/generate", _sp(top_k=2**31), "sampling_params.top_k"),
+    ("/generate", _sp(top_k=4097), "sampling_params.top_k"),  # demo vocabulary: 4096
+    ("/v1/completions", _cmpl(top_k=2**64), "top_k"),
+    ("/generate", _sp(stop_token_ids=[2**64 + 5]), "sampling_params.stop_token_ids.0"),
+    ("/generate", _sp(stop_token_ids=[4096]), "sampling_params.stop_token_ids"),
+    ("/generate", _sp(temperature=2**64 + 5), "sampling_params.temperature"),
+    ("/generate", _sp(seed=2**63), "sampling_params.seed"),
+    ("/v1/completions", _cmpl(seed=2**63), "seed"),
+    ("/v1/completions", _cmpl(max_tokens=2**70), "max_tokens"),
+    ("/generate", json.dumps({"input_ids": [1, 2**64]}), "input_ids.1"),
+    ("/generate", json.dumps({"input_ids": [1, 4096]}), "input_ids"),
+    ("/generate", '{"text": "hi", "top_logprobs_num": 1' + "0" * 5000 + "}", None),
+    # lone surrogates (a 500 and a leaked request each)
+    ("/generate", '{"text": "hi", "sampling_params": {"stop": "\\ud800"}}', "sampling_params.stop"),
+    ("/v1/completions", '{"model": "tide-demo", "prompt": "hi", "stop": ["ok", "\\udc00"]}',
+     "stop.1"),
+    ("/generate", '{"text": "\\ud800"}', "text"),
+    ("/v1/completions", '{"model": "tide-demo", "prompt": "\\ud800"}', "prompt"),
+    ("/v1/chat/completions",
+     '{"model": "tide-demo", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+     "messages.0.content"),
+    ("/generate", '{"text": "hi", "sampling_params": {"temperature": NaN}}',
+     "sampling_params.temperature"),
+    # counts
+    ("/v1/completions", _cmpl(n=50000), "n"),
+    ("/v1/completions", _cmpl(n=129), "n"),
+    ("/v1/completions", _cmpl(prompt=["a", "b", "c"], n=30), "n"),  # 90 sequences > 64
+    ("/v1/completions", _cmpl(logprobs=21), "logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=10**30), "top_logprobs"),
+    ("/generate", json.dumps({"text": "hi", "top_logprobs_num": 101}), "top_logprobs_num"),
+    ("/v1/completions", _cmpl(stop=[f"s{i}" for i in range(17)]), "stop"),
+    ("/v1/completions", _cmpl(stop="x" * 1025), "stop"),
+    ("/generate", _sp(stop_token_ids=list(range(1025))), "sampling_params.stop_token_ids"),
+    ("/generate", json.dumps({"input_ids": [[1, 2]] * (MAX_BATCH + 1)}), "input_ids"),
+    ("/generate", json.dumps({"input_ids": [[1, 2]] * 9, "sampling_params": {"n": 8}}),
+     "sampling_params"),
+    ("/v1/chat/completions",
+     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 4097}),
+     "messages"),
+    # JSON nested 1,000 deep (2 KB) and just past the bound
+    ("/generate", '{"text": ' + "[" * 1000 + "]" * 1000 + "}", None),
+    ("/generate", "[" * 1000 + "]" * 1000, None),
+    ("/v1/chat/completions", json.dumps({
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"x": json.loads("[" * 40 + "]" * 40)}}), None),
+    # admin routes (no keys on this server: open to local users)
+    ("/update_weights_from_disk", json.dumps({"model_path": "/tmp/a\u0000b"}), "model_path"),
+    ("/update_weights_from_distributed",
+     '{"names": ["x"], "dtypes": ["float32"], "shapes": [[1' + "0" * 400 + "]]}", "shapes.0.0"),
+    ("/update_weights_from_distributed",
+     json.dumps({"names": ["x"], "dtypes": ["float32"], "shapes": [[-1]]}), "shapes.0"),
+    ("/init_weights_update_group", json.dumps({
+        "master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 10**30,
+        "world_size": 2}), "rank_offset"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", BAD, ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(BAD)])
+def test_bad_input_is_400_naming_the_field(server, path, raw, param):
+    resp = _raw_post(server, path, raw)
+    assert resp.status_code == 400, (resp.status_code, resp.text)
+    err = resp.json()["error"]
+    assert err["param"] == param, err
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert resp.headers.get("connection") != "close"  # a 4xx keeps the connection
+    assert _server_info(server)["num_http_requests_in_flight"] == 0  # nothing registered
+
+
+def test_nothing_leaks_after_failed_requests(server):
+    """Each of these used to be a 500 that left its request registered forever (and its rid
+    blocked): now they are 400s, and the rid is free again at once."""
+    bodies = [
+        {"text": "hi", "rid": "reuse-me", "sampling_params": {"top_k": 2**64 + 5}},
+        {"text": "hi", "rid": "reuse-me", "sampling_params": {"stop_token_ids": [2**64]}},
+        {"text": "hi", "rid": "reuse-me", "sampling_params": {"temperature": 2**64 + 5}},
+    ]
+    raws = [json.dumps(b) for b in bodies]
+    raws.append('{"text": "hi", "rid": "reuse-me", "sampling_params": {"stop": "\\ud800"}}')
+    with httpx.Client(base_url=server.url, timeout=60,
+                      headers={"Content-Type": "application/json"}) as http:
+        for _ in range(50):
+            for raw in raws:
+                resp = http.post("/generate", content=raw)
+                assert resp.status_code == 400, resp.text
+        ok = http.post("/generate", content=json.dumps(
+            {"text": "hi", "rid": "reuse-me", "sampling_params": {"max_new_tokens": 2}}))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["meta_info"]["id"] == "reuse-me"
+    _assert_clean(server)
+
+
+def test_temperature_below_epsilon_is_greedy(server):
+    body = {"input_ids": [11, 12, 13, 14], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+    greedy = server.post("/generate", {**body, "sampling_params": {
+        **body["sampling_params"], "temperature": 0.0}}).json()
+    for temp in (1e-300, 5e-324, 1e-6):
+        out = server.post("/generate", {**body, "sampling_params": {
+            **body["sampling_params"], "temperature": temp}})
+        assert out.status_code == 200, out.text
+        out = out.json()
+        assert out["output_ids"] == greedy["output_ids"], temp
+        logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        expected = [lp for lp, _, _ in greedy["meta_info"]["output_token_logprobs"]]
+        assert logprobs == pytest.approx(expected, abs=1e-4)
+        assert all(-50.0 < lp <= 0.0 for lp in logprobs)
+
+
+def test_bad_top_k_never_hurts_its_batch(server):
+    """Six innocent streams and bad-top_k requests sent together: the bad ones are refused alone and
+    every innocent stream ends with all its tokens."""
+    max_new = 24
+    results: list[tuple[int, int, str | None]] = []
+    bad_status: list[int] = []
+
+    def innocent(i: int) -> None:
+        body = {"input_ids": [20 + i, 21, 22], "stream": True,
+                "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True,
+                                    "temperature": 0.8, "top_k": 40, "seed": i}}
+        last = None
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = json.loads(line[6:])
+        results.append((resp.status_code, len(last["output_ids"]),
+                        last["meta_info"]["finish_reason"]["type"]))
+
+    def bad(top_k: int) -> None:
+        body = {"input_ids": [30, 31, 32], "sampling_params": {
+            "max_new_tokens": max_new, "temperature": 0.8, "top_k": top_k}}
+        bad_status.append(server.post("/generate", body).status_code)
+
+    threads = [threading.Thread(target=innocent, args=(i,)) for i in range(6)]
+    threads += [threading.Thread(target=bad, args=(k,)) for k in (2**63 + 5, 2**64 - 1, 10**6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert sorted(results) == [(200, max_new, "length")] * 6
+    assert bad_status == [400, 400, 400]
+    _assert_clean(server)
+
+
+# ---------------------------------------------------------------- bodies: size and arrival time
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
+def _http_exchange(server: ServerProcess, head: bytes, body: bytes = b"",
+                   timeout: float = 10.0) -> tuple[bytes, float, bool]:
+    """Send raw bytes; return (response bytes up to the first body, seconds to the answer, whether
+    the server then closed the connection)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        start = time.monotonic()
+        sock.sendall(head + body)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        elapsed = time.monotonic() - start
+        sock.settimeout(1.0)
+        try:
+            closed = sock.recv(1) == b""
+        except (TimeoutError, ConnectionResetError):
+            closed = False
+    return data, elapsed, closed
+
+
+def test_declared_oversized_body_refused_before_reading(server):
+    head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000\r\n\r\n")
+    data, elapsed, _ = _http_exchange(server, head)  # not a byte of the body sent
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    assert elapsed < BODY_READ_TIMEOUT, elapsed  # answered at once, not after the read timeout
+    err = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "request_too_large" and "8388608" in err["message"]
+    _assert_clean(server)
+
+
+def test_half_sent_upload_gets_408(server):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    data, elapsed, closed = _http_exchange(server, head, b'{"model": "tide-demo", ')
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert BODY_READ_TIMEOUT - 0.5 < elapsed < BODY_READ_TIMEOUT + 3, elapsed
+    assert b"connection: close" in data.lower() and closed
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    _assert_clean(server)
+
+
+def test_200mb_body_refused_while_others_stream(server):
+    """A 200 MB body (declared), then a 32 MB one (chunked), are answered 413 while two streams go
+    on; the server never holds them: its resident memory grows by at most a few tens of MB."""
+    pid = server.proc.pid
+    base = _rss_mb(pid)
+    peak = [base]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mb(pid))
+            time.sleep(0.02)
+
+    streamed: list[int] = []
+
+    def stream(i: int) -> None:
+        body = {"input_ids": [40 + i, 41], "stream": True,
+                "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
+        last = None
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = json.loads(line[6:])
+        streamed.append(len(last["output_ids"]))
+
+    payload = b'{"text": "' + b"a" * 200_000_000 + b'"}'
+
+    def chunks():  # no Content-Length: refused once 8 MiB have arrived
+        for start in range(0, 32 << 20, 1 << 20):
+            yield payload[start:start + (1 << 20)]
+
+    threads = [threading.Thread(target=watch)] + [
+        threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=120,
+                          headers={"Content-Type": "application/json"}) as http:
+            declared = http.post("/generate", content=payload)
+            assert_error(declared, 413)
+            chunked = http.post("/generate", content=chunks())
+            assert_error(chunked, 413)
+            # The client goes on: the rest of each body was dropped as it came, never kept.
+            assert http.get("/health").status_code == 200
+    finally:
+        for t in threads[1:]:
+            t.join(120)
+        stop.set()
+        threads[0].join()
+    assert streamed == [48, 48]
+    assert peak[0] - base < 48, (base, peak[0])
+    _assert_clean(server)
+
+
+def test_weight_payload_routes_take_larger_bodies(server):
+    """A 9 MiB body is over the generation limit but under the weight-payload one: it is read and
+    refused for what it holds, not for its size."""
+    payload = json.dumps({"serialized_named_tensors": "A" * (9 << 20)})
+    resp = _raw_post(server, "/update_weights_from_tensor", payload)
+    assert 400 <= resp.status_code < 500 and resp.status_code != 413, resp.text[:300]
+    assert_error(_raw_post(server, "/generate", json.dumps({"text": "A" * (9 << 20)})), 413)
+    _assert_clean(server)
+
+
+# ---------------------------------------------------------------- prompts: bound and tokenization
+def test_prompt_over_the_character_bound_is_refused_untokenized(server, info):
+    """A 6 MB prompt (tokenizing it would take seconds and about a GB) is refused at once."""
+    limit = info["context_length"] * CHARS_PER_TOKEN
+    start = time.monotonic()
+    resp = server.post("/generate", {"text": "b" * 6_000_000})
+    err = assert_error(resp, 400, "text")
+    assert err["code"] == "context_length_exceeded" and str(limit) in err["message"]
+    assert time.monotonic() - start < 3.0
+    err = assert_error(server.post("/v1/completions", {"model": MODEL, "prompt": ["ok", "b" * (
+        limit + 1)]}), 400, "prompt.1")
+    assert err["code"] == "context_length_exceeded"
+    err = assert_error(server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "b" * (limit + 1)}]}),
+        400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    _assert_clean(server)
+
+
+def test_long_prompt_does_not_stall_health(server, info):
+    """A prompt of several hundred thousand characters (under the bound, over the context) is
+    tokenized off the event loop: /health keeps answering in well under a second meanwhile."""
+    text = ("The quick brown fox jumps over the lazy dog. " * 20000)[:450_000]
+    assert len(text) <= info["context_length"] * CHARS_PER_TOKEN
+    latencies: list[float] = []
+    result: list[httpx.Response] = []
+    done = threading.Event()
+
+    def big() -> None:
+        result.append(server.post("/generate", {"text": text}, timeout=120))
+        done.set()
+
+    thread = threading.Thread(target=big)
+    started = time.monotonic()
+    thread.start()
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        while not done.is_set():
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    thread.join()
+    took = time.monotonic() - started
+    err = assert_error(result[0], 400, "text")
+    assert err["code"] == "context_length_exceeded"
+    assert took > 0.3 and len(latencies) >= 5, (took, len(latencies))  # the probes overlapped it
+    assert max(latencies) < 1.0, max(latencies)
+
+
+# ---------------------------------------------------------------- a stalled scheduler
+def _scheduler_pid(server: ServerProcess) -> int:
+    """The server's multiprocessing-spawned child (its other child is the resource tracker)."""
+    pid = server.proc.pid
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    spawned = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                spawned.append(child)
+    assert len(spawned) == 1, children
+    return spawned[0]
+
+
+def test_server_info_with_stalled_scheduler_is_503(server):
+    pid = _scheduler_pid(server)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        resp = server.get("/get_server_info", timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    err = assert_error(resp, 503)
+    assert err["code"] == "scheduler_timeout" and elapsed < 15
+    _assert_clean(server)
+
+
+# ---------------------------------------------------------------- in-process pieces
+def test_last_resort_500_closes_the_connection():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from tide.server.http_server import InternalErrorMiddleware
+
+    async def boom(request):
+        raise RuntimeError("bug")
+
+    async def fine(request):
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/boom", boom), Route("/fine", fine)])
+    app.add_middleware(InternalErrorMiddleware)
+    with TestClient(app, raise_server_exceptions=True) as client:
+        resp = client.get("/boom")
+        assert resp.status_code == 500
+        assert resp.headers["connection"] == "close"
+        assert resp.json()["error"]["code"] == "internal_error"
+        assert "RuntimeError" in resp.json()["error"]["message"]
+        assert client.get("/fine").text == "ok"
+
+
+def test_request_limits_are_validated():
+    limits = RequestLimits()
+    assert limits.body_limit("/generate") == 8 << 20
+    assert limits.body_limit("/update_weights_from_tensor") == 1 << 30
+    assert limits.max_prompt_chars(512) == 512 * 32
+    for bad in ({"max_request_body_bytes": 0}, {"body_read_timeout": 0},
+                {"max_n": -1}, {"tokenizer_threads": 1.5}, {"max_json_depth": True}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name):
+            RequestLimits(**bad)
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"top_k": 2**63 + 5}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"max_new_tokens": 2**63}, "max_new_tokens"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 10**400}, "temperature"),
+    ({"top_p": 10**400}, "top_p"),
+    ({"seed": 2**63}, "seed"),
+    ({"stop": "a\ud800"}, "stop"),
+])
+def test_sampling_params_ranges(params, field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        SamplingParams(**params)
+
+
+def test_sampling_params_tiny_temperature_is_greedy():
+    sp = SamplingParams(temperature=1e-300)
+    assert sp.temperature == 0.0 and sp.is_greedy
+    assert SamplingParams(temperature=2).temperature == 2.0
+    assert isinstance(SamplingParams(temperature=2**64 + 5).temperature, float)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=513).check_vocab(512)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[1, 512]).check_vocab(512)
+    SamplingParams(top_k=512, stop_token_ids=[511]).check_vocab(512)
+
+
+def test_sampling_failure_is_isolated_to_its_request(llama_engine):
+    """A request whose sampling setup fails inside the sampler (parameters that got past
+    validation) is aborted alone; the six requests prefilled in the same batch finish normally."""
+    from tide.scheduler.request import Req
+
+    sched = llama_engine.scheduler
+    assert not sched.has_work()
+    max_new = 5
+    innocent = [Req(rid=f"ok-{i}", origin_input_ids=[3 + i, 4, 5, 6],
+                    sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.7,
+                                                   top_k=20, seed=i, ignore_eos=True))
+                for i in range(6)]
+    bad_params = SamplingParams(max_new_tokens=max_new, temperature=0.7, ignore_eos=True)
+    bad_params.top_k = 2**63 + 5  # past validation: overflows when the sampler builds its tensor
+    bad = Req(rid="bad", origin_input_ids=[9, 9, 9], sampling_params=bad_params)
+    reqs = [*innocent[:3], bad, *innocent[3:]]
+    for req in reqs:
+        sched.add_request(req)
+    first = sched.step()
+    assert set(first) == set(reqs), "all seven were not prefilled in one batch"
+    while sched.has_work():
+        sched.step()
+    assert bad.finished_reason["type"] == "abort"
+    assert "sampling failed" in bad.finished_reason["message"] and bad.output_ids == []
+    for req in innocent:
+        assert req.finished_reason == {"type": "length", "length": max_new}, req.finished_reason
+        assert len(req.output_ids) == max_new
+    sched.check_invariants()
+    assert sched.num_running() == 0

@@ -1,0 +1,112 @@
+"""What keeps web pages and network peers from driving the server.
+
+- `require_json_content_type`: JSON routes take `Content-Type: application/json` only (415
+  otherwise). A page on any site can make a browser POST text/plain, form or multipart bodies
+  without asking (no CORS preflight); a JSON body only after a preflight, which this server never
+  grants.
+- `BrowserGuard`: refuses (403) before any route runs what a page on another origin makes a browser
+  send: an `Origin` that is not this server's, or `Sec-Fetch-Site: cross-site | same-site` (sent
+  by browsers also on plain GETs such as `<img src>`). Clients that are not browsers send neither.
+- `is_loopback_host`: the bind policy of `ServerArgs` (admin routes without an admin key are served
+  only on loopback unless `--allow-unauthenticated-admin`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tide.server.errors import APIError
+
+JSON_MEDIA_TYPE = "application/json"
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for `localhost` and loopback IP literals (127.0.0.0/8, ::1); False for wildcard
+    addresses (`0.0.0.0`, `::`), other IPs and other names (names are not resolved)."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def require_json_content_type(request: Request, allow_empty: bool = False) -> None:
+    """Raise a 415 unless the request declares a JSON body (`application/json`, parameters such as
+    `charset` allowed). Where `allow_empty`, a request that declares no body needs no type."""
+    value = request.headers.get("content-type")
+    if value is not None:
+        if value.split(";", 1)[0].strip().lower() == JSON_MEDIA_TYPE:
+            return
+    elif allow_empty and _declares_no_body(request):
+        return
+    got = f"got {value[:100]!r}" if value is not None else "the header is missing"
+    raise APIError(f"This route takes a JSON body: send the header 'Content-Type: "
+                   f"{JSON_MEDIA_TYPE}' ({got})", 415, param="Content-Type",
+                   code="unsupported_media_type")
+
+
+def _declares_no_body(request: Request) -> bool:
+    headers = request.headers
+    return "transfer-encoding" not in headers and headers.get("content-length", "0").strip() == "0"
+
+
+def cross_origin_problem(headers: Headers) -> str | None:
+    """Why a browser request from another origin is refused, or None if it is not one."""
+    site = headers.get("sec-fetch-site", "").strip().lower()
+    if site in ("cross-site", "same-site"):
+        return f"Sec-Fetch-Site is {site!r}"
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    host = headers.get("host", "")
+    parsed = _parse_origin(origin)
+    if parsed is None or parsed[1] != _netloc(host, parsed[0]):
+        return f"Origin {origin[:100]!r} is not this server ({host[:100]!r})"
+    return None
+
+
+def _parse_origin(origin: str) -> tuple[str, str] | None:
+    """(scheme, host[:port]) of an `Origin` header; None for "null" (sandboxed frames, file://)
+    and anything else that is not an origin."""
+    try:
+        parts = urlsplit(origin.strip())
+    except ValueError:
+        return None
+    if not parts.scheme or not parts.netloc:
+        return None
+    scheme = parts.scheme.lower()
+    return scheme, _netloc(parts.netloc, scheme)
+
+
+def _netloc(netloc: str, scheme: str) -> str:
+    """`host[:port]` lower-cased, without the scheme's default port."""
+    netloc = netloc.strip().lower()
+    default = _DEFAULT_PORTS.get(scheme)
+    if default and netloc.endswith(f":{default}"):
+        netloc = netloc[: -len(default) - 1]
+    return netloc
+
+
+class BrowserGuard:
+    """Pure ASGI middleware: a 403 for requests a page on another origin made a browser send."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            problem = cross_origin_problem(Headers(scope=scope))
+            if problem is not None:
+                err = APIError(f"Requests from web pages of other origins are refused: {problem}",
+                               403, code="cross_origin_refused")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
