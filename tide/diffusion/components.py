@@ -12,6 +12,7 @@ load from the directory).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 from collections.abc import Iterator
@@ -122,7 +123,12 @@ def _load_model(cls: type, library: str, path: str, name: str, device: torch.dev
         module = _build_dummy(cls, library, path, device, dtype, seed)
     else:
         kwargs: dict[str, Any] = {"local_files_only": True, "use_safetensors": True}
-        kwargs["torch_dtype" if library == "diffusers" else "dtype"] = dtype
+        if library == "diffusers":
+            kwargs["torch_dtype"] = dtype
+            # Meta-device construction needs accelerate; without it load the plain way, quietly.
+            kwargs["low_cpu_mem_usage"] = importlib.util.find_spec("accelerate") is not None
+        else:
+            kwargs["dtype"] = dtype
         try:
             module = cls.from_pretrained(path, **kwargs)
         except (OSError, EnvironmentError) as e:

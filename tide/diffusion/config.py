@@ -16,6 +16,7 @@ from typing import Any
 
 DEMO_DIFFUSION_NAME = "demo-diffusion"
 DEMO_DIFFUSION_PATH = str(Path(__file__).parent / "demo_model")
+DEMO_DEFAULT_SIZE = 64  # the demo's default image side (its model default, 256, is slow on a CPU)
 
 # model_index.json `_class_name` -> pipeline kind.
 PIPELINE_KINDS = {"FluxPipeline": "flux", "StableDiffusionXLPipeline": "sdxl"}
@@ -75,6 +76,9 @@ class DiffusionConfig:
     - `max_sequence_length`: T5 tokens per prompt (FLUX), at most 512.
     - `max_batch_images`: images one batch may hold (server batching and one request's n x prompts).
     - `max_image_side`, `max_inference_steps`, `max_prompt_chars`: bounds on one request's cost.
+    - `default_size`: image side of a request that gives none; None takes the model's (FLUX: 128
+      latent tokens a side, 1024 px for FLUX.1; SDXL: the UNet's sample size, 1024 px), and 64 for
+      the demo model.
     """
 
     model_path: str = DEMO_DIFFUSION_PATH
@@ -87,6 +91,7 @@ class DiffusionConfig:
     max_image_side: int = 2048
     max_inference_steps: int = 200
     max_prompt_chars: int = 16384
+    default_size: int | None = None
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -102,6 +107,8 @@ class DiffusionConfig:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("max_batch_images", "max_image_side", "max_inference_steps", "max_prompt_chars"):
             _positive(name, getattr(self, name))
+        if self.default_size is not None:
+            _positive("default_size", self.default_size)
         _positive("max_sequence_length", self.max_sequence_length)
         if self.max_sequence_length > 512:
             raise ValueError(f"max_sequence_length must be at most 512, got {self.max_sequence_length}")
@@ -116,6 +123,8 @@ class DiffusionConfig:
             raise ValueError(f"unknown diffusion engine option(s) {unknown}; allowed options are "
                              f"{sorted(known)}")
         kwargs["model_path"] = resolve_model_path(kwargs.get("model_path"))
+        if kwargs["model_path"] == DEMO_DIFFUSION_PATH and kwargs.get("default_size") is None:
+            kwargs["default_size"] = DEMO_DEFAULT_SIZE
         return cls(**kwargs)
 
     def replace(self, **changes: Any) -> DiffusionConfig:

@@ -81,6 +81,11 @@ class ImagePipeline:
             self.default_size = sdxl.default_size(self.components)
         self.stages: list[Stage] = stages
         self.validation: InputValidationStage = stages[0]
+        if config.default_size is not None:
+            if config.default_size % self.size_multiple:
+                raise ValueError(f"default_size must be a multiple of {self.size_multiple}, got "
+                                 f"{config.default_size}")
+            self.default_size = config.default_size
         self.executor = StageExecutor(stages, self.device)
         logger.info("loaded %s pipeline from %s on %s (%s): %s", self.kind.name, config.model_path,
                     self.device, self.dtype,

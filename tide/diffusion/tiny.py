@@ -168,3 +168,16 @@ def build_tiny_sdxl(path: str, seed: int = 0, force_zeros_for_empty_prompt: bool
     return _save(path, "StableDiffusionXLPipeline",
                  {**modules, "tokenizer": tok, "tokenizer_2": tok2, "scheduler": scheduler},
                  {"force_zeros_for_empty_prompt": force_zeros_for_empty_prompt})
+
+
+def build_demo(path: str) -> str:
+    """The built-in `demo-diffusion` model: `build_tiny_flux` with seed 0, weights stored in float16."""
+    return build_tiny_flux(path, seed=0, dtype=torch.float16)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write the demo-diffusion model")
+    parser.add_argument("--out", required=True)
+    build_demo(parser.parse_args().out)
