@@ -75,9 +75,12 @@ def _build_dummy(cls: type, library: str, path: str, device: torch.device, dtype
     torch.manual_seed(seed)  # seeds every device's generator the modules' initialisers draw from
     with _default_dtype(dtype), device:
         if library == "diffusers":
-            return cls.from_config(cls.load_config(path))
-        config = cls.config_class.from_pretrained(path)
-        return cls._from_config(config, dtype=dtype)
+            module = cls.from_config(cls.load_config(path))
+        else:
+            module = cls._from_config(cls.config_class.from_pretrained(path), dtype=dtype)
+    # Float buffers made in float32 follow, as when loading weights (nn.Module.to: diffusers' own
+    # override only adds a warning about modules to keep in float32, which tide does not do).
+    return torch.nn.Module.to(module, dtype)
 
 
 def load_components(model_path: str, index: dict[str, Any], allowed: dict[str, tuple[str, ...]],

@@ -205,7 +205,8 @@ def repeat_per_image(x: torch.Tensor, repeats: list[int]) -> torch.Tensor:
     """Row i of `x` (one per prompt) repeated `repeats[i]` times, consecutively."""
     if all(r == 1 for r in repeats):
         return x
-    return torch.repeat_interleave(x, torch.tensor(repeats, device=x.device), dim=0)
+    counts = torch.tensor(repeats, device=x.device)
+    return torch.repeat_interleave(x, counts, dim=0, output_size=sum(repeats))  # no device sync
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> torch.Tensor:
