@@ -122,6 +122,8 @@ def test_bad_input_via_openai_client_and_server_stays_up(client, server):
         client.images.generate(prompt="x", response_format="url")
     assert "b64_json" in e.value.body["message"]
     assert_error(server.post("/v1/images/generations", None, content=b"{not json"), 400)
+    assert_error(server.post("/v1/images/generations", {"prompt": "x" * (2 << 20)}), 413)
+    assert_error(server.post("/v1/images/generations", {"prompt": "x" * 20000}), 400, "prompt")
     assert server.get("/health").status_code == 200
     assert len(client.images.generate(prompt="ok", size="32x32",
                                       extra_body={"num_inference_steps": 1}).data) == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
@@ -41,10 +42,9 @@ import tide
 from tide.diffusion.config import DEMO_DIFFUSION_NAME, DEMO_DIFFUSION_PATH, DiffusionConfig
 from tide.diffusion.io_struct import ImageRequest, ImageResult
 from tide.memory.device import MEMORY_LEDGER, device_memory_stats
-from tide.server.errors import APIError
+from tide.server.errors import APIError, from_validation_error
 from tide.server.http_server import Auth, AuthMiddleware
 from tide.server.metrics import CONTENT_TYPE
-from tide.server.utils import parse_body
 
 logger = logging.getLogger("tide.server")
 
@@ -53,6 +53,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0,
                     300.0)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                   10.0, 30.0, 60.0, 120.0)
+MAX_BODY_BYTES = 1 << 20  # prompts are bounded by max_prompt_chars; nothing else is large
 # Engine field -> the request field a client sent.
 _PARAMS = {"height": "size", "width": "size", "num_images_per_prompt": "n"}
 
@@ -287,6 +288,35 @@ class ImageBatcher:
                         p.future.set_result(res)
 
 
+async def read_request(request: Request) -> ImageGenerationRequest:
+    """The JSON body as an `ImageGenerationRequest`, read at most `MAX_BODY_BYTES` (413 beyond);
+    every problem is a 400 naming the field."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(f"The request body is larger than {MAX_BODY_BYTES} bytes", 413,
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(f"The request body is larger than {MAX_BODY_BYTES} bytes", 413,
+                           code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError("The request body is empty; expected a JSON object", 400, code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"The request body is not valid JSON: {e}", 400, code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError("The request body must be a JSON object", 400, code="invalid_json")
+    try:
+        return ImageGenerationRequest.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
 def _png_b64(images: list[Any]) -> list[str]:
     out = []
     for image in images:
@@ -430,7 +460,7 @@ def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
 
     @app.post("/v1/images/generations")
     async def generations(request: Request) -> dict[str, Any]:
-        return await serving.create(await parse_body(request, ImageGenerationRequest))
+        return await serving.create(await read_request(request))
 
     @app.get("/health")
     async def health() -> Response:
