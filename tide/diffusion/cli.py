@@ -60,6 +60,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _require_diffusers() -> None:
+    from tide.diffusion import require_diffusers
+
+    try:
+        require_diffusers()
+    except ImportError as e:
+        raise ValueError(str(e)) from None  # the CLI reports ValueErrors as one clean line
+
+
 def _parse_size(size: str | None) -> tuple[int | None, int | None]:
     if size is None:
         return None, None
@@ -73,7 +82,8 @@ def generate(args: argparse.Namespace) -> int:
     """`tide generate --model DIR --out img.png "prompt"`."""
     if not args.out:
         raise ValueError("--out is required for a diffusion model (the PNG to write)")
-    from tide.diffusion import DiffusionEngine
+    _require_diffusers()
+    from tide.diffusion.engine import DiffusionEngine
 
     width, height = _parse_size(args.size)
     kwargs = engine_kwargs(args)
@@ -98,9 +108,9 @@ def generate(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """`tide serve --model DIR`: the OpenAI images API."""
-    from tide.diffusion import DiffusionConfig, require_diffusers
+    from tide.diffusion import DiffusionConfig
 
-    require_diffusers()
+    _require_diffusers()
     from tide.diffusion.server import DiffusionServerArgs, launch_diffusion_server
 
     log_level = args.log_level or "info"
