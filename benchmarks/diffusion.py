@@ -29,7 +29,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -242,7 +243,7 @@ def bench_model(name: str, model_dir: str, args: argparse.Namespace) -> dict[str
     for bs in args.batch_sizes:
         prompts = (PROMPTS * bs)[:bs]
 
-        def run_tide() -> tuple[np.ndarray, dict[str, float], float]:
+        def run_tide(prompts: list[str] = prompts) -> tuple[np.ndarray, dict[str, float], float]:
             start = clock.mark()
             res = engine.generate(prompts, height=args.size, width=args.size,
                                   num_inference_steps=args.steps, guidance_scale=guidance, seed=0,
@@ -251,7 +252,7 @@ def bench_model(name: str, model_dir: str, args: argparse.Namespace) -> dict[str
             clock.sync()
             return np.stack(res["images"]), res["meta_info"]["stage_timings_ms"], clock.ms(start, end)
 
-        def run_diffusers() -> tuple[np.ndarray, dict[str, float], float]:
+        def run_diffusers(prompts: list[str] = prompts) -> tuple[np.ndarray, dict[str, float], float]:
             gen = torch.Generator(device=device).manual_seed(0)
             images, stages, total = spans.run(lambda: pipe(
                 prompt=prompts, height=args.size, width=args.size, num_inference_steps=args.steps,
@@ -286,12 +287,6 @@ def bench_model(name: str, model_dir: str, args: argparse.Namespace) -> dict[str
               flush=True)
         print("    tide stages:      " + _fmt(t["stage_ms"]), flush=True)
         print("    diffusers stages: " + _fmt(d["stage_ms"]), flush=True)
-    del pipe, spans, engine
-    gc.collect()
-    if device.type == "cuda":
-        from tide.memory import empty_device_cache
-
-        empty_device_cache(reason="benchmark_teardown")
     return out
 
 
@@ -300,11 +295,11 @@ def _fmt(stages: dict[str, float]) -> str:
 
 
 def markdown(res: dict[str, Any]) -> str:
+    header = ("| model | batch | system | latency ms | ms/image | images/s | text enc | denoise | "
+              "decode | peak GB |")
     lines = [f"Device: {res['device']}; torch {res['torch']}, diffusers {res['diffusers']}; "
-             f"{res['date']}", "",
-             "| model | batch | system | latency ms | ms/image | images/s | text enc | denoise | "
-             "decode | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, m in res["results"].items():
+             f"{res['date']}", "", header, "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in res["results"].values():
         for bs, row in m["batch"].items():
             for system in ("tide", "diffusers"):
                 r = row[system]
@@ -353,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--models: unknown model {name!r}; choose from {sorted(SHAPES)}")
         model_dir = write_quick_dir(name, root) if q else write_shape_dir(name, root)
         res["results"][name] = bench_model(name, model_dir, args)
+        gc.collect()  # the model's engine and pipeline are gone with bench_model's frame
+        if torch.cuda.is_available():
+            from tide.memory import empty_device_cache
+
+            empty_device_cache(reason="benchmark_teardown")
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)
     print(markdown(res))

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from server_utils import REPO  # noqa: E402
+from server_utils import REPO
 
 
 def test_quick_benchmark_writes_json(tmp_path):

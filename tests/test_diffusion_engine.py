@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -10,8 +11,8 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-import tide  # noqa: E402
-from tide.diffusion import DiffusionConfig  # noqa: E402
+import tide
+from tide.diffusion import DiffusionConfig
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +96,8 @@ def test_config_is_frozen_and_validated(tmp_path):
         tide.DiffusionEngine("demo-diffusion", default_size=40)
     cfg = DiffusionConfig.from_kwargs()
     assert cfg.default_size == 64
-    with pytest.raises(Exception):
-        cfg.seed = 3  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 3
 
 
 def test_tide_imports_without_diffusers():

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from tide.diffusion.tiny import build_tiny_flux, build_tiny_sdxl  # noqa: E402
+from tide.diffusion.tiny import build_tiny_flux, build_tiny_sdxl
 
 TOL = 1e-4
 SIZE = dict(height=32, width=32)

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("diffusers")
 openai = pytest.importorskip("openai")
 
-from server_utils import REPO, assert_error, running_server  # noqa: E402
+from server_utils import REPO, assert_error, running_server
 
-import tide  # noqa: E402
+import tide
 
 KEY = "sk-images"
 

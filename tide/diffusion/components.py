@@ -119,9 +119,8 @@ def load_components(model_path: str, index: dict[str, Any], allowed: dict[str, t
 def _load_model(cls: type, library: str, path: str, name: str, device: torch.device,
                 dtype: torch.dtype, load_format: str, seed: int) -> Any:
     # A float16 VAE that asks for it decodes in float32 (float16 overflows in its upsampling blocks).
-    if name == "vae" and dtype == torch.float16:
-        if cls.load_config(path).get("force_upcast", False):
-            dtype = torch.float32
+    if name == "vae" and dtype == torch.float16 and cls.load_config(path).get("force_upcast", False):
+        dtype = torch.float32
     if load_format == "dummy":
         module = _build_dummy(cls, library, path, device, dtype, seed)
     else:
@@ -134,7 +133,7 @@ def _load_model(cls: type, library: str, path: str, name: str, device: torch.dev
             kwargs["dtype"] = dtype
         try:
             module = cls.from_pretrained(path, **kwargs)
-        except (OSError, EnvironmentError) as e:
+        except OSError as e:
             raise ValueError(f"component {name!r}: cannot load safetensors weights from {path}: {e}") from None
         module = module.to(device)
     module.eval().requires_grad_(False)

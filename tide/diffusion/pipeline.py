@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tide.diffusion import flux, sdxl
-from tide.diffusion.components import ComponentInfo, load_components
+from tide.diffusion.components import load_components
 from tide.diffusion.config import DiffusionConfig, pipeline_kind, read_model_index
 from tide.diffusion.io_struct import DiffusionBatch, ImageRequest
 from tide.diffusion.stages import InputValidationStage, Stage, StageExecutor

@@ -31,7 +31,13 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,7 +45,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 import tide
-from tide.diffusion.config import DEMO_DIFFUSION_NAME, DEMO_DIFFUSION_PATH, DiffusionConfig
+from tide.diffusion.config import (
+    DEMO_DIFFUSION_NAME,
+    DEMO_DIFFUSION_PATH,
+    DiffusionConfig,
+)
 from tide.diffusion.io_struct import ImageRequest, ImageResult
 from tide.memory.device import MEMORY_LEDGER, device_memory_stats
 from tide.server.errors import APIError, from_validation_error

@@ -101,7 +101,11 @@ def _save(path: str, kind: str, components: dict[str, Any], extra: dict[str, Any
 def build_tiny_flux(path: str, seed: int = 0, dim: int = 32, weight_std: float | None = 0.2,
                     dtype: torch.dtype = torch.float32) -> str:
     """A FLUX.1-style pipeline (guidance embedding, CLIP + T5, 2-block VAE) saved at `path`."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxTransformer2DModel,
+    )
     from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
