@@ -3,5 +3,14 @@
 from tide.engine import Engine
 from tide.sampling_params import SamplingParams
 
-__all__ = ["Engine", "SamplingParams"]
+__all__ = ["DiffusionEngine", "Engine", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: tide imports without diffusers; `tide.DiffusionEngine` needs it.
+    if name == "DiffusionEngine":
+        from tide.diffusion import DiffusionEngine
+
+        return DiffusionEngine
+    raise AttributeError(f"module 'tide' has no attribute {name!r}")
