@@ -394,3 +394,48 @@ def test_sliding_layers_read_only_their_window(swa_engine, monkeypatch):
     assert all(nq <= WINDOW for nq, _ in sliding)
     assert [nk for nq, nk in sliding if nq == 1] and all(nk == WINDOW for nq, nk in sliding if nq == 1)
     assert max(nk for _, nk in full) >= len(prompt)  # full layers see everything
+
+
+# ---- weight updates go through the same name mapping as the initial load
+
+
+def test_multimodal_weight_updates_from_tensor_and_disk(swa_checkpoints, tmp_path):
+    """The text tower takes updates under transformers' in-memory names (`model.language_model.`,
+    vision weights included and ignored) and from a saved checkpoint (`language_model.model.`)."""
+    import transformers
+
+    from conftest import named_weights
+
+    path = swa_checkpoints["gemma3_mm"]
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(700, [9, 30])
+    engine = tide.Engine(str(path))
+    try:
+        before = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        gen = torch.Generator().manual_seed(1)
+        for step, source in enumerate(("tensor", "disk")):
+            with torch.no_grad():
+                for _, p in hf.named_parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            if source == "tensor":
+                named = named_weights(hf)
+                assert any(n.startswith("model.vision_tower.") for n, _ in named)
+                assert any(n.startswith("model.language_model.") for n, _ in named)
+                res = engine.update_weights_from_tensor(named_tensors=named)
+            else:
+                hf.save_pretrained(tmp_path / "updated")
+                res = engine.update_weights_from_disk(str(tmp_path / "updated"))
+            assert res["success"], res["message"]
+            outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+            if step == 0:
+                assert [o["output_ids"] for o in outs] != [o["output_ids"] for o in before]
+            for prompt, out in zip(prompts, outs):
+                tokens, logp = hf_greedy_scores(hf, prompt, MAX_NEW)
+                assert out["output_ids"] == tokens, source
+                ours = torch.tensor([lp for lp, _ in out["meta_info"]["output_token_logprobs"]])
+                ref = logp[torch.arange(MAX_NEW), torch.tensor(tokens)]
+                assert (ours - ref).abs().max().item() <= LOGPROB_TOL, source
+    finally:
+        engine.shutdown()
