@@ -227,7 +227,9 @@ class ModelConfig:
             mlp_bias=bool(text.get("mlp_bias", False)),
             checkpoint_dtype=_DTYPE_NAMES.get(str(dtype_name), torch.float32),
             eos_token_ids=tuple(eos),
-            bos_token_id=(gen or {}).get("bos_token_id", hf.get("bos_token_id", text.get("bos_token_id"))),
+            bos_token_id=(gen or {}).get(
+                "bos_token_id", hf.get("bos_token_id", text.get("bos_token_id"))
+            ),
             layer_kinds=layer_kinds_from_hf(arch, text, num_layers),
             sliding_rope=sliding_rope,
             hidden_act=_hidden_act(arch, text),
