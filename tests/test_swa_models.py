@@ -439,3 +439,28 @@ def test_multimodal_weight_updates_from_tensor_and_disk(swa_checkpoints, tmp_pat
                 assert (ours - ref).abs().max().item() <= LOGPROB_TOL, source
     finally:
         engine.shutdown()
+
+
+# ---- CUDA: windowed models run on torch_native until the triton kernels take windows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_cuda_auto_backend_runs_windowed_models_exactly(arch, swa_checkpoints, hf_reference):
+    engine = tide.Engine(str(swa_checkpoints[arch]), device="cuda", dtype="float32")
+    try:
+        assert type(engine.model_runner.attn_backend).__name__ == "TorchNativeAttnBackend"
+        assert engine.model_runner.cuda_graph_runner is None
+        prompts = random_prompts(800, [9, 33])
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        for prompt, out in zip(prompts, outs):
+            tokens, logp = hf_reference(arch, prompt)
+            assert out["output_ids"] == tokens
+            ours = torch.tensor([lp for lp, _ in out["meta_info"]["output_token_logprobs"]])
+            ref = logp[torch.arange(MAX_NEW), torch.tensor(tokens)]
+            assert (ours - ref).abs().max().item() <= 1e-3  # GPU kernels vs the CPU reference
+        with pytest.raises(ValueError, match="sliding-window"):
+            tide.Engine(str(swa_checkpoints[arch]), device="cuda", attention_backend="triton")
+    finally:
+        engine.shutdown()
