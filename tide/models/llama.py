@@ -37,7 +37,8 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id
+            self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scaling, layer_id,
+            sliding_window=config.layer_kind(layer_id).sliding_window,
         )
 
     def forward(
@@ -51,8 +52,9 @@ class DecoderAttention(nn.Module):
             q = q.reshape(-1, self.q_size)
             k = k.reshape(-1, self.kv_size)
         rotary = self.rotary[0]
-        if q.is_cuda:
-            # One fused launch: rotate q in place, write rotated k and v into the KV pool.
+        if q.is_cuda and self.attn.sliding_window is None:
+            # One fused launch: rotate q in place, write rotated k and v into the KV pool. Sliding
+            # layers store through the backend instead (where a separate SWA pool will plug in).
             from tide.layers import triton_ops
 
             pool = forward_batch.token_to_kv_pool
