@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tide.executor",),
     ("tide.scheduler",),
     ("tide.engine", "tide.engine_io", "tide.server"),
-    ("tide.cli", "tide.__main__", "tide"),
+    ("tide.cli", "tide.__main__", "tide.diffusion", "tide"),
 ]
 # Same layer, but neither side may import the other.
 SEPARATE = [("tide.server", "tide.engine")]

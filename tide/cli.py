@@ -6,10 +6,14 @@ import argparse
 import sys
 from typing import Sequence
 
+from tide.diffusion import cli as diffusion_cli
+from tide.diffusion.config import is_diffusion_model
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model_path", default=None,
-                   help="HF model directory (default: the built-in demo model)")
+                   help="HF model directory, or a diffusers pipeline directory (model_index.json) or "
+                        "demo-diffusion for images (default: the built-in demo LLM)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-total-tokens", type=int, default=None)
@@ -29,6 +33,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if is_diffusion_model(args.model_path):
+        return diffusion_cli.generate(args)
     from tide import Engine
 
     params = {
@@ -55,6 +61,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if is_diffusion_model(args.model_path):
+        return diffusion_cli.serve(args)
     from tide.config import EngineConfig
     from tide.server import ServerArgs, launch_server
     from tide.server.limits import RequestLimits
@@ -117,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     _add_engine_args(gen)
+    diffusion_cli.add_generate_args(gen)
     gen.set_defaults(func=_cmd_generate)
     srv = sub.add_parser("serve", help="serve the OpenAI and sglang-native HTTP API")
     srv.add_argument("--host", default="127.0.0.1")
@@ -177,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --enable-memory-saver: keep a pinned host copy of the weights while "
                           "they are released, and restore it on resume")
     _add_engine_args(srv)
+    diffusion_cli.add_serve_args(srv)
     srv.set_defaults(func=_cmd_serve)
     plot = sub.add_parser("memory-plot",
                           help="draw a memory timeline (Engine.dump_memory_timeline or GET "

@@ -10,7 +10,7 @@ import torch
 from tide.config import EngineConfig
 from tide.executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
-from tide.layers.attention import get_attention_backend_class
+from tide.layers.attention import select_attention_backend
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -77,10 +77,9 @@ class ModelRunner:
             if self.use_vmm:
                 self.weights_region = self._move_weights_to_vmm()
         self._init_pools()
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch_native"
-        backend_cls = get_attention_backend_class(backend)
+        backend_cls = select_attention_backend(
+            config.attention_backend, self.device.type, model_config
+        )
         self.attn_backend = backend_cls.create(self)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         self.last_greedy_ids: torch.Tensor | None = None

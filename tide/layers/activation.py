@@ -11,3 +11,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return triton_ops.silu_and_mul(x)
     d = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(gate) * up for a fused [gate | up] projection output; `approximate="tanh"` is
+    transformers' `gelu_pytorch_tanh`, `"none"` its exact `gelu`."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]

@@ -30,3 +30,22 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), all in fp32, rounded once at the end.
+
+    The weight is stored as the checkpoint has it (an offset from 1; zero is the identity), so a
+    dummy load fills it with `dummy_value` = 0 rather than 1.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.dummy_value = 0.0  # type: ignore[attr-defined]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -39,7 +39,8 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id, rotary
+            self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scaling, layer_id,
+            rotary=rotary, sliding_window=config.layer_kind(layer_id).sliding_window,
         )
 
     def forward(

@@ -6,7 +6,11 @@ from torch import nn
 
 # architecture name -> "module:Class"; modules import lazily so one broken model never blocks others.
 _MODELS: dict[str, str] = {
+    "Gemma2ForCausalLM": "tide.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "tide.models.gemma:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "tide.models.gemma:Gemma3ForConditionalGeneration",
     "LlamaForCausalLM": "tide.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "tide.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "tide.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "tide.models.qwen3:Qwen3ForCausalLM",
 }

@@ -10,8 +10,8 @@ while the body streams in:
 - a body that has not fully arrived `body_read_timeout` seconds after the request began is answered
   408 (a half-sent upload cannot hold a connection and its buffer forever).
 
-A 413 leaves the connection open: the HTTP layer drops the rest of that body as it arrives (never
-buffering it), so a client that sends the whole body still reads the answer. A 408 closes it.
+A 413 or a 408 closes the connection once answered: the rest of the body is never read, so a
+gigabyte upload costs the server one limit's worth of reading, not a gigabyte of event-loop time.
 """
 
 from __future__ import annotations
@@ -145,8 +145,10 @@ class _BoundedReceive:
 
 
 def _too_large(limit: int) -> APIError:
+    # The connection closes after the answer: the rest of the body is never read (draining a
+    # gigabyte through the event loop would cost every other client its latency).
     return APIError(f"The request body is larger than this route's limit of {limit} bytes", 413,
-                    code="request_too_large")
+                    code="request_too_large", close_connection=True)
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -198,7 +198,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights at the real shapes, made on the parameters' own device (for benchmarks)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        fill = getattr(param, "dummy_value", None)  # a norm whose identity is not 1 (Gemma: 0)
+        if fill is not None:
+            param.fill_(fill)
+        elif name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             param.uniform_(-0.02, 0.02, generator=gen)

@@ -8,7 +8,7 @@ and dtype before anything is written, and `write()` only ever runs on a validate
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -36,28 +36,38 @@ class WeightTarget:
 
 
 class WeightMap:
+    """A model may define `map_checkpoint_name(name) -> str | None` (a static method) to rename
+    checkpoint tensors before the fused-name mapping, or drop them with None (e.g. the vision tower
+    of a multimodal checkpoint whose text tower tide serves)."""
+
     def __init__(self, model: nn.Module) -> None:
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
         config = getattr(model, "config", None)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.rename: Callable[[str], str | None] | None = getattr(model, "map_checkpoint_name", None)
 
     def resolve(self, name: str) -> WeightTarget | None:
         """The target of checkpoint tensor `name`, or None for tensors tide ignores."""
-        if name.endswith(IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight"):
+        key = name
+        if self.rename is not None:
+            key = self.rename(name)
+            if key is None:
+                return None
+        if key.endswith(IGNORED_SUFFIXES) or (self.tied and key == "lm_head.weight"):
             return None
         for fused, part, shard in STACKED_PARAMS:
-            if f".{part}." in name:
-                param_name = name.replace(f".{part}.", f".{fused}.")
+            if f".{part}." in key:
+                param_name = key.replace(f".{part}.", f".{fused}.")
                 param = self.params.get(param_name)
                 offsets = getattr(param, "shard_offsets", None)
                 if param is None or offsets is None:
                     break
                 start, size = offsets[shard]
                 return WeightTarget(name, param_name, shard, start, (size, *param.shape[1:]))
-        param = self.params.get(name)
+        param = self.params.get(key)
         if param is None:
             raise ValueError(f"weight {name!r} is not a parameter of this model")
-        return WeightTarget(name, name, None, 0, tuple(param.shape))
+        return WeightTarget(name, key, None, 0, tuple(param.shape))
 
     def required(self) -> set[tuple[str, str | int | None]]:
         """Every (param, shard) a complete checkpoint must provide."""
@@ -77,10 +87,17 @@ class WeightMap:
     ) -> list[WeightTarget]:
         """Validate (name, shape, dtype) triples; raise ValueError naming the first bad weight."""
         targets: list[WeightTarget] = []
+        written_by: dict[tuple[str, str | int | None], str] = {}
         for name, shape, dtype in shapes:
             target = self.resolve(name)
             if target is None:
                 continue
+            other = written_by.setdefault((target.param_name, target.shard), name)
+            if other != name:
+                raise ValueError(
+                    f"weights {other!r} and {name!r} both map to {target.param_name!r}"
+                    + (f" shard {target.shard!r}" if target.shard is not None else "")
+                )
             if tuple(shape) != target.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(shape)}, expected {target.shape}"

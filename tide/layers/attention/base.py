@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -10,6 +11,9 @@ if TYPE_CHECKING:
     from tide.executor.forward_batch import ForwardBatch
     from tide.executor.model_runner import ModelRunner
     from tide.layers.attention.layer import Attention
+    from tide.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class AttentionBackend:
@@ -20,6 +24,10 @@ class AttentionBackend:
     """
 
     supports_cuda_graph = False
+    # Model features a backend must implement exactly before a model that uses them may run on it
+    # (`select_attention_backend` checks): per-layer sliding windows and attention soft-capping.
+    supports_sliding_window = False
+    supports_logit_cap = False
 
     @classmethod
     def create(cls, runner: "ModelRunner") -> "AttentionBackend":
@@ -93,6 +101,55 @@ def register(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBack
         return cls
 
     return wrap
+
+
+def select_attention_backend(
+    name: str, device_type: str, model_config: "ModelConfig"
+) -> type[AttentionBackend]:
+    """The backend class for option `attention_backend=name` and this model.
+
+    "auto" picks triton on CUDA unless the model uses a feature the triton backend does not
+    implement yet (sliding windows, attention soft-capping): then torch_native, which does the exact
+    math everywhere. A backend named explicitly that lacks a feature the model needs is refused with
+    a ValueError rather than run with the wrong math.
+    """
+    needs = _needed_features(model_config)
+    if name == "auto":
+        if device_type == "cuda":
+            cls = get_attention_backend_class("triton")
+            missing = _missing(cls, needs)
+            if not missing:
+                return cls
+            logger.info(
+                "attention_backend auto: torch_native, since triton does not support %s yet",
+                " or ".join(missing),
+            )
+        return get_attention_backend_class("torch_native")
+    cls = get_attention_backend_class(name)
+    missing = _missing(cls, needs)
+    if missing:
+        raise ValueError(
+            f"attention_backend {name!r} does not support {' or '.join(missing)} yet, which "
+            f"{model_config.architecture} uses; use attention_backend='torch_native' or 'auto'"
+        )
+    return cls
+
+
+def _needed_features(model_config: "ModelConfig") -> list[str]:
+    needs = []
+    if model_config.has_sliding_layers:
+        needs.append("sliding-window attention")
+    if model_config.attn_logit_softcapping is not None:
+        needs.append("attention logit soft-capping")
+    return needs
+
+
+def _missing(cls: type[AttentionBackend], needs: list[str]) -> list[str]:
+    supported = {
+        "sliding-window attention": cls.supports_sliding_window,
+        "attention logit soft-capping": cls.supports_logit_cap,
+    }
+    return [n for n in needs if not supported[n]]
 
 
 def get_attention_backend_class(name: str) -> type[AttentionBackend]:

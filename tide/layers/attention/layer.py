@@ -14,7 +14,13 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """One layer's attention over the paged KV cache; storing the new K/V and the math live in the
     batch's backend. With a `rotary` table the layer takes q and k before RoPE, and the backend
-    rotates them as it stores (the Triton backend fuses both into one launch)."""
+    rotates them as it stores (the Triton backend fuses both into one launch).
+
+    `sliding_window`: the query at position p sees only keys at positions p - sliding_window + 1 .. p
+    (its own token counts, as in transformers); None attends to the whole sequence.
+    `logit_cap`: scores (after scaling) go through cap * tanh(score / cap) before the causal/window
+    mask and the softmax (Gemma-2's attention soft-capping); None leaves them as they are.
+    """
 
     def __init__(
         self,
@@ -24,13 +30,21 @@ class Attention(nn.Module):
         scaling: float,
         layer_id: int,
         rotary: RotaryEmbedding | None = None,
+        sliding_window: int | None = None,
+        logit_cap: float | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")
+        if logit_cap is not None and not logit_cap > 0:
+            raise ValueError(f"logit_cap must be positive, got {logit_cap!r}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
         # Shared by every layer; a list keeps it out of this module's children and state dict.
         self._rotary = [rotary] if rotary is not None else []
 

@@ -22,6 +22,11 @@ class TritonAttnBackend(AttentionBackend):
     pointing at the same memory; extend metadata is built per batch."""
 
     supports_cuda_graph = True
+    # The kernels do not take a sliding window or a soft-cap yet: while these are False,
+    # `select_attention_backend` keeps models that use them off this backend (auto -> torch_native).
+    # Set them when the kernels skip out-of-window blocks and cap scores.
+    supports_sliding_window = False
+    supports_logit_cap = False
 
     @classmethod
     def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":

@@ -1,0 +1,205 @@
+"""Gemma-2 and Gemma-3 decoders (and the text tower of a Gemma-3 multimodal checkpoint).
+
+What sets them apart from Llama, each as transformers computes it:
+- the token embedding is multiplied by sqrt(hidden_size), rounded to the model dtype first;
+- RMSNorm scales by (1 + w), in fp32 (`GemmaRMSNorm`); every layer norms the attention output
+  and the MLP input and output as well as the attention input ("sandwich" norms);
+- attention scores scale by query_pre_attn_scalar**-0.5; the MLP is gated GELU (tanh approximation);
+- per-layer kinds from the config: sliding-window layers see only the last `sliding_window` tokens;
+- Gemma-2: attention scores and final logits are soft-capped (cap * tanh(x / cap));
+- Gemma-3: per-head RMSNorm on q and k before rope, and sliding layers use their own rope base.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tide.executor.forward_batch import ForwardBatch
+from tide.layers.activation import gelu_and_mul
+from tide.layers.attention.layer import Attention
+from tide.layers.linear import Embedding, Linear, MergedLinear
+from tide.layers.norm import GemmaRMSNorm
+from tide.layers.rotary import RotaryEmbedding
+from tide.model_config import ModelConfig
+
+
+class GemmaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scaling, layer_id,
+            sliding_window=config.layer_kind(layer_id).sliding_window,
+            logit_cap=config.attn_logit_softcapping,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, forward_batch)
+        return self.o_proj(out)
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {0: size, 1: size})
+        self.down_proj = Linear(size, config.hidden_size)
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_and_mul(self.gate_up_proj(x), self.approximate))
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = GemmaAttention(config, layer_id, rotary, qk_norm)
+        self.mlp = GemmaMLP(config)
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden), forward_batch)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        # sqrt(hidden) kept in fp32 and rounded to the activations' dtype when used (as transformers).
+        self.register_buffer(
+            "embed_scale", torch.tensor(config.hidden_size**0.5, dtype=torch.float32),
+            persistent=False,
+        )
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        local = config.sliding_rope
+        self.rotary_emb_local = (
+            RotaryEmbedding(config.head_dim, config.max_position_embeddings, local.theta, local.scaling)
+            if local is not None
+            else self.rotary_emb
+        )
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(
+                config,
+                i,
+                self.rotary_emb_local if config.layer_kind(i).is_sliding else self.rotary_emb,
+                qk_norm,
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * self.embed_scale.to(hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, forward_batch)
+        return self.norm(hidden)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """Parameter names mirror the HF checkpoint after fusion (see `tide.weights.mapping`)."""
+
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = GemmaModel(config, qk_norm=self.qk_norm)
+        if config.tie_word_embeddings:
+            self.lm_head = Linear.tied(self.model.embed_tokens.weight)
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.final_logit_cap = config.final_logit_softcapping
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Returns fp32 logits of each request's last new token: [B, vocab]."""
+        hidden = self.model(input_ids, positions, forward_batch)
+        hidden = hidden[forward_batch.last_token_indices()]
+        cap = self.final_logit_cap
+        out = forward_batch.logits_out
+        if out is None:
+            logits = self.lm_head(hidden)
+            if cap is not None:  # in the model dtype, as transformers does
+                logits = torch.tanh(logits / cap) * cap
+            return logits.float()
+        logits = self.lm_head(hidden, out=out)
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma-2 plus q/k RMSNorm; sliding layers use the local rope base (`sliding_rope`)."""
+
+    qk_norm = True
+
+
+# Checkpoint names of a Gemma3ForConditionalGeneration: transformers 5 keeps the text tower under
+# `model.language_model.` in memory and writes it as `language_model.model.` on disk.
+_TEXT_TOWER_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = (
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.multi_modal_projector.",
+    "multi_modal_projector.",
+)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text tower of a Gemma-3 multimodal checkpoint (config from its `text_config`); vision
+    weights are ignored. As in transformers, this head applies no final logit soft-capping."""
+
+    @staticmethod
+    def map_checkpoint_name(name: str) -> str | None:
+        """Checkpoint name -> parameter name; None for weights tide does not serve (vision)."""
+        for prefix, replacement in _TEXT_TOWER_PREFIXES:
+            if name.startswith(prefix):
+                return replacement + name[len(prefix) :]
+        if name.startswith(_VISION_PREFIXES):
+            return None
+        return name
