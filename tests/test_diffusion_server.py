@@ -216,3 +216,25 @@ def test_tide_generate_writes_png(tmp_path, engine):
                           "--max-total-tokens", "100"], capture_output=True, text=True, env=env,
                          timeout=300, cwd=REPO)
     assert bad.returncode == 2 and "--max-total-tokens: not used by diffusion models" in bad.stderr
+
+
+def test_an_api_key_given_as_a_string_is_one_key_not_its_characters(engine):
+    """`DiffusionServerArgs(api_key="k1,k2")` (the Python API, not the CLI's list) admits exactly
+    those keys: never a single character of one."""
+    import httpx
+
+    from tide.diffusion.server import DiffusionServerArgs, create_app
+
+    args = DiffusionServerArgs(api_key="sk-one,sk-two")
+    assert args.api_keys == ("sk-one", "sk-two")
+    app = create_app(args, engine)
+
+    async def status(token: str) -> int:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            resp = await http.get("/v1/models", headers={"Authorization": f"Bearer {token}"})
+            return resp.status_code
+
+    assert asyncio.run(status("sk-two")) == 200
+    for token in ("s", "k", "-", "sk-one,sk-two"):
+        assert asyncio.run(status(token)) == 401, token

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from tide.diffusion import cli as diffusion_cli
 from tide.diffusion.config import is_diffusion_model
@@ -47,10 +47,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     with Engine(**engine_kwargs(args)) as engine:
         prompt = args.prompt
         if args.chat:
-            prompt = engine.tokenizer.apply_chat_template(
+            if engine.tokenizer is None:
+                raise SystemExit("tide: error: --chat needs a tokenizer and this model has none")
+            text = engine.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
+            assert isinstance(text, str)  # tokenize=False renders text
+            prompt = text
         out = engine.generate(prompt=prompt, sampling_params=params)
+    assert isinstance(out, dict)  # one prompt: one output
     sys.stdout.write(args.prompt + out["text"] + "\n")
     meta = out["meta_info"]
     sys.stderr.write(

@@ -17,7 +17,10 @@ can send `visible_text[sent:]` at any time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tide.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
@@ -28,7 +31,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),

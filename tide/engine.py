@@ -16,13 +16,20 @@ from collections.abc import Iterator
 from typing import Any
 
 from tide.config import EngineConfig
-from tide.engine_io import InputLimits, build_requests, make_output
+from tide.engine_io import (
+    GenerateOutput,
+    InputLimits,
+    SamplingParamsDict,
+    build_requests,
+    make_output,
+)
 from tide.executor.model_runner import ModelRunner
 from tide.io_struct import WeightUpdateOptions
 from tide.memory.ledger import MemoryLedger
 from tide.scheduler.handover import (
     DiskUpdate,
     DistributedUpdate,
+    HandoverReply,
     HandoverResult,
     IPCUpdate,
     TensorUpdate,
@@ -31,6 +38,7 @@ from tide.scheduler.handover import (
 from tide.scheduler.request import Req
 from tide.scheduler.scheduler import create_scheduler
 from tide.scheduler.worker import TpModelWorker
+from tide.weights.update import TensorPayload
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +96,12 @@ class Engine:
     def generate(
         self,
         prompt: str | list[str] | None = None,
-        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        sampling_params: SamplingParamsDict | list[SamplingParamsDict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool | list[bool] = False,
         top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
+    ) -> GenerateOutput | list[GenerateOutput]:
         """Generate for one item (returns a dict) or a list of items (returns a list of dicts).
 
         Every item is validated before any is submitted, so bad input raises `ValueError` and leaves
@@ -157,30 +165,30 @@ class Engine:
         return ok
 
     # ---- training <-> rollout handover (sglang's names, bodies and defaults; see Handover)
-    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+    def pause_generation(self, mode: str = "abort") -> HandoverReply:
         """`abort`, `retract` or `in_place`. Requests submitted while paused queue until
         `continue_generation`."""
         with self._control():
             return self.handover.pause_generation(mode).to_dict()
 
-    def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, Any]:
+    def continue_generation(self, torch_empty_cache: bool = True) -> HandoverReply:
         """Resume; with `torch_empty_cache`, empty the allocator cache first, while still paused."""
         with self._control():
             return self.handover.continue_generation(torch_empty_cache).to_dict()
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 **options: UpdateOption) -> dict[str, Any]:
+                                 **options: UpdateOption) -> HandoverReply:
         """Load an HF safetensors directory (same names as the initial load) into the live model.
         `options`: `WeightUpdateOptions` fields, here and in every `update_weights_*`."""
         return self._update_weights(DiskUpdate(model_path, load_format), options)
 
     def update_weights_from_tensor(
         self,
-        named_tensors: Any = None,
+        named_tensors: TensorPayload | None = None,
         serialized_named_tensors: str | bytes | list[str] | None = None,
         load_format: str | None = None,
         **options: UpdateOption,
-    ) -> dict[str, Any]:
+    ) -> HandoverReply:
         """In-process tensors: `named_tensors` as [(name, tensor), ...], or with
         `load_format="flattened_bucket"` a `FlattenedBucket` (or a list, one per dtype). From another
         process: `serialized_named_tensors` made by `tide.weights.serialize_named_tensors`."""
@@ -195,18 +203,18 @@ class Engine:
         group_name: str = "weight_update_group",
         load_format: str | None = None,
         **options: UpdateOption,
-    ) -> dict[str, Any]:
+    ) -> HandoverReply:
         """Receive the tensors the trainer (rank 0) broadcasts, in `names` order."""
         return self._update_weights(
             DistributedUpdate(names, dtypes, shapes, group_name, load_format), options)
 
     def update_weights_from_ipc(self, serialized_buckets: str | bytes,
-                                **options: UpdateOption) -> dict[str, Any]:
+                                **options: UpdateOption) -> HandoverReply:
         """A colocated trainer's bucket buffers, shared as CUDA IPC handles."""
         return self._update_weights(IPCUpdate(serialized_buckets), options)
 
     def _update_weights(self, update: WeightUpdate, options: dict[str, UpdateOption]
-                        ) -> dict[str, Any]:
+                        ) -> HandoverReply:
         """Validate (a bad request changes nothing), wait for in-flight work (stepping it here) or
         abort it, then write, set the version, flush."""
         opts = WeightUpdateOptions.from_kwargs(options)
@@ -221,7 +229,7 @@ class Engine:
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl", timeout: float = 120.0) -> dict[str, Any]:
+                                  backend: str = "nccl", timeout: float = 120.0) -> HandoverReply:
         """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0); fails
         (keeping nothing of the attempt) if the trainer has not joined within `timeout` seconds
         (at most 600)."""
@@ -230,7 +238,7 @@ class Engine:
             timeout).to_dict()
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group"
-                                     ) -> dict[str, Any]:
+                                     ) -> HandoverReply:
         return self.handover.destroy_weights_update_group(group_name).to_dict()
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
@@ -239,18 +247,18 @@ class Engine:
             return self.handover.get_weights_by_name(name, truncate_size)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True
-                              ) -> dict[str, Any]:
+                              ) -> HandoverReply:
         with self._control():
             return self.handover.update_weight_version(new_version, abort_all_requests).to_dict()
 
     # ---- memory occupation (colocated trainer)
-    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+    def release_memory_occupation(self, tags: list[str] | None = None) -> HandoverReply:
         """Give back the memory of `tags` (None: kv_cache, weights, cuda_graph); needs
         `enable_memory_saver` and the engine idle or paused."""
         with self._control():
             return self.handover.release_memory_occupation(tags).to_dict()
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> HandoverReply:
         """Take the memory of `tags` again (`weights` first lets the trainer push into them)."""
         with self._control():
             return self.handover.resume_memory_occupation(tags).to_dict()
@@ -259,7 +267,7 @@ class Engine:
         """Write this engine's memory ledger as JSON for `tide memory-plot`."""
         self.memory_ledger.dump_json(path)
 
-    def get_server_info(self) -> dict[str, Any]:
+    def get_server_info(self) -> dict[str, str | int]:
         info = self.scheduler.server_info()
         return {key: info[key] for key in ("model_path", "max_total_tokens", "context_length",
                                            "device", "dtype")}

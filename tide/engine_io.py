@@ -9,10 +9,24 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
+from tide.tokenizer import Tokenizer
+
+Prompt = str | list[str] | None
+InputIds = list[int] | list[list[int]] | None
+# A sampling-params dict is JSON-like: `SamplingParams` field names to values, checked by it.
+SamplingParamsDict = dict[str, Any]
+
+
+class GenerateOutput(TypedDict, total=False):
+    """One item of `Engine.generate`'s output (sglang's shape); no `text` without a tokenizer."""
+
+    text: str
+    output_ids: Required[list[int]]
+    meta_info: Required[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -27,13 +41,13 @@ class InputLimits:
 
 
 def build_requests(
-    prompt: Any,
-    input_ids: Any,
-    sampling_params: Any,
-    return_logprob: Any,
-    top_logprobs_num: Any,
-    rid: Any,
-    tokenizer: Any,
+    prompt: Prompt,
+    input_ids: InputIds,
+    sampling_params: SamplingParamsDict | list[SamplingParamsDict] | None,
+    return_logprob: bool | list[bool],
+    top_logprobs_num: int | list[int],
+    rid: str | list[str] | None,
+    tokenizer: Tokenizer | None,
     limits: InputLimits,
 ) -> tuple[bool, list[Req]]:
     """(whether one item was given, the requests: `n` per item, in order)."""
@@ -71,10 +85,10 @@ def build_requests(
     return single, reqs
 
 
-def make_output(req: Req, tokenizer: Any, latency: float) -> dict[str, Any]:
+def make_output(req: Req, tokenizer: Tokenizer | None, latency: float) -> GenerateOutput:
     """sglang's `generate` output of a finished request: text (cut before a matched stop string; no
     `text` key without a tokenizer: ids only), output ids and meta info."""
-    out: dict[str, Any] = {}
+    out: GenerateOutput = {"output_ids": list(req.output_ids), "meta_info": {}}
     if tokenizer is not None:
         text = tokenizer.decode(req.output_ids,
                                 skip_special_tokens=req.sampling_params.skip_special_tokens)
@@ -95,11 +109,11 @@ def make_output(req: Req, tokenizer: Any, latency: float) -> dict[str, Any]:
         meta["output_token_logprobs"] = list(req.output_token_logprobs)
         if req.top_logprobs_num > 0:
             meta["output_top_logprobs"] = list(req.output_top_logprobs)
-    out.update(output_ids=list(req.output_ids), meta_info=meta)
+    out["meta_info"] = meta
     return out
 
 
-def _token_lists(prompt: Any, input_ids: Any, tokenizer: Any,
+def _token_lists(prompt: Prompt, input_ids: InputIds, tokenizer: Tokenizer | None,
                  limits: InputLimits) -> tuple[bool, list[list[int]]]:
     if (prompt is None) == (input_ids is None):
         raise ValueError("exactly one of prompt or input_ids must be given")
@@ -108,7 +122,7 @@ def _token_lists(prompt: Any, input_ids: Any, tokenizer: Any,
         prompts = [prompt] if single else prompt
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompt must be a non-empty string or a non-empty list of strings")
-        lists = []
+        lists: list[list[int]] = []
         for p in prompts:
             if not isinstance(p, str) or not p:
                 raise ValueError("prompt must be a non-empty string (got an empty prompt)")
@@ -124,13 +138,15 @@ def _token_lists(prompt: Any, input_ids: Any, tokenizer: Any,
     if not isinstance(input_ids, list) or not input_ids:
         raise ValueError("input_ids must be a non-empty list of token ids or of lists of them")
     single = not isinstance(input_ids[0], list)
-    lists = [input_ids] if single else input_ids
+    candidates: list[Any] = [input_ids] if single else input_ids  # checked item by item below
     vocab = limits.vocab_size
-    for ids in lists:
+    lists = []
+    for ids in candidates:
         if not isinstance(ids, list) or not ids:
             raise ValueError("input_ids must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ValueError(f"input_ids must be integers in [0, {vocab})")
+        lists.append(ids)
     return single, lists
 
 
@@ -144,7 +160,7 @@ def _check_length(ids: list[int], sp: SamplingParams, limits: InputLimits) -> No
                          "tokens (max_total_tokens)")
 
 
-def _per_item(value: Any, count: int, name: str) -> list[Any]:
+def _per_item(value: object, count: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")

@@ -13,7 +13,7 @@ The scheduler's heartbeat thread also sends a `SchedulerHeartbeat` every interva
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -95,7 +95,7 @@ def weight_update_options(obj: Any) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in WEIGHT_UPDATE_OPTIONS}
 
 
-class UpdateWeightFromDiskReqInput(WeightUpdateOptions, tag=True):
+class UpdateWeightFromDiskReqInput(WeightUpdateOptions, tag=True, frozen=True):
     """Load an HF safetensors directory (already checked against `--allowed-weight-roots`)."""
 
     req_id: str
@@ -103,7 +103,7 @@ class UpdateWeightFromDiskReqInput(WeightUpdateOptions, tag=True):
     load_format: str | None = None
 
 
-class UpdateWeightsFromTensorReqInput(WeightUpdateOptions, tag=True):
+class UpdateWeightsFromTensorReqInput(WeightUpdateOptions, tag=True, frozen=True):
     """`serialized_named_tensors` made by `tide.weights.serialize_named_tensors` (one payload)."""
 
     req_id: str
@@ -111,7 +111,7 @@ class UpdateWeightsFromTensorReqInput(WeightUpdateOptions, tag=True):
     load_format: str | None = None
 
 
-class UpdateWeightsFromIPCReqInput(WeightUpdateOptions, tag=True):
+class UpdateWeightsFromIPCReqInput(WeightUpdateOptions, tag=True, frozen=True):
     """Serialized flattened buckets whose buffers are CUDA IPC handles of a colocated trainer."""
 
     req_id: str
@@ -136,7 +136,7 @@ class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, tag=True):
     group_name: str = "weight_update_group"
 
 
-class UpdateWeightsFromDistributedReqInput(WeightUpdateOptions, tag=True):
+class UpdateWeightsFromDistributedReqInput(WeightUpdateOptions, tag=True, frozen=True):
     """Receive the tensors rank 0 broadcasts over `group_name`, in `names` order."""
 
     req_id: str
@@ -190,12 +190,12 @@ class DumpMemoryTimelineReqInput(msgspec.Struct, tag=True):
     req_id: str
 
 
-WeightUpdateReq = Union[
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightsFromTensorReqInput,
-    UpdateWeightsFromIPCReqInput,
-    UpdateWeightsFromDistributedReqInput,
-]
+WeightUpdateReq = (
+    UpdateWeightFromDiskReqInput
+    | UpdateWeightsFromTensorReqInput
+    | UpdateWeightsFromIPCReqInput
+    | UpdateWeightsFromDistributedReqInput
+)
 
 
 class BatchTokenIDOut(msgspec.Struct, tag=True):
@@ -241,28 +241,28 @@ class SchedulerReady(msgspec.Struct, tag=True):
     info: dict[str, Any] = {}
 
 
-SchedulerInput = Union[
-    TokenizedGenerateReqInput,
-    AbortReq,
-    FlushCacheReqInput,
-    GetLoadReqInput,
-    GetServerInfoReqInput,
-    ShutdownReq,
-    UpdateWeightFromDiskReqInput,
-    UpdateWeightsFromTensorReqInput,
-    UpdateWeightsFromIPCReqInput,
-    InitWeightsUpdateGroupReqInput,
-    DestroyWeightsUpdateGroupReqInput,
-    UpdateWeightsFromDistributedReqInput,
-    GetWeightsByNameReqInput,
-    UpdateWeightVersionReqInput,
-    PauseGenerationReqInput,
-    ContinueGenerationReqInput,
-    ReleaseMemoryOccupationReqInput,
-    ResumeMemoryOccupationReqInput,
-    DumpMemoryTimelineReqInput,
-]
-SchedulerOutput = Union[BatchTokenIDOut, ControlReqOutput, SchedulerHeartbeat]
+SchedulerInput = (
+    TokenizedGenerateReqInput
+    | AbortReq
+    | FlushCacheReqInput
+    | GetLoadReqInput
+    | GetServerInfoReqInput
+    | ShutdownReq
+    | UpdateWeightFromDiskReqInput
+    | UpdateWeightsFromTensorReqInput
+    | UpdateWeightsFromIPCReqInput
+    | InitWeightsUpdateGroupReqInput
+    | DestroyWeightsUpdateGroupReqInput
+    | UpdateWeightsFromDistributedReqInput
+    | GetWeightsByNameReqInput
+    | UpdateWeightVersionReqInput
+    | PauseGenerationReqInput
+    | ContinueGenerationReqInput
+    | ReleaseMemoryOccupationReqInput
+    | ResumeMemoryOccupationReqInput
+    | DumpMemoryTimelineReqInput
+)
+SchedulerOutput = BatchTokenIDOut | ControlReqOutput | SchedulerHeartbeat
 
 _encoder = msgspec.msgpack.Encoder()
 _input_decoder = msgspec.msgpack.Decoder(SchedulerInput)

@@ -184,9 +184,10 @@ class ModelConfig:
         arch = archs[0]
         text = hf
         if arch in TEXT_TOWER_ARCHITECTURES:
-            text = hf.get("text_config")
-            if not isinstance(text, dict):
+            tower = hf.get("text_config")
+            if not isinstance(tower, dict):
                 raise ValueError(f"config.json of {arch} needs a 'text_config' object")
+            text = tower
         # A missing (or null) field takes transformers' default for the architecture, except the
         # fields where an explicit null means "off".
         merged = {**_ARCH_DEFAULTS.get(arch, {}), **{k: v for k, v in text.items() if v is not None}}

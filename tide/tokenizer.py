@@ -1,17 +1,30 @@
-"""Loading the HF tokenizer of a checkpoint (shared by `Engine`, the scheduler and the HTTP side)."""
+"""Loading the HF tokenizer of a checkpoint (shared by `Engine`, the scheduler and the HTTP side), and
+the part of it the engine uses."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from tide.config import EngineConfig
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer (any HF tokenizer has it)."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], tokenize: bool = True,
+                            add_generation_prompt: bool = False) -> str | list[int]: ...
 
 
-def load_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     """The tokenizer at `tokenizer_path` (default: `model_path`). None with `skip_tokenizer_init`
     or for a dummy-weights model without tokenizer files; ValueError naming the path for a real
     one without them."""

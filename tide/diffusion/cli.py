@@ -119,6 +119,7 @@ def serve(args: argparse.Namespace) -> int:
         extra["max_queued_requests"] = args.max_queued_requests
     server_args = DiffusionServerArgs(
         engine=DiffusionConfig.from_kwargs(**engine_kwargs(args), log_level=log_level),
-        host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        host=args.host, port=args.port, admin_api_key=args.admin_api_key,
+        api_key=",".join(args.api_key) if args.api_key else None,
         served_model_name=args.served_model_name, log_level=log_level, **extra)
     return launch_diffusion_server(server_args)

@@ -47,7 +47,7 @@ def _role(class_name: str) -> str:
     return MODEL
 
 
-def _resolve_class(library: str, class_name: str) -> type:
+def _resolve_class(library: str, class_name: str) -> Any:
     if library == "diffusers":
         import diffusers
 
@@ -69,7 +69,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _build_dummy(cls: type, library: str, path: str, device: torch.device, dtype: torch.dtype,
+def _build_dummy(cls: Any, library: str, path: str, device: torch.device, dtype: torch.dtype,
                  seed: int) -> Any:
     """A model of `cls` built from the config at `path`, on `device` in `dtype`, random weights."""
     torch.manual_seed(seed)  # seeds every device's generator the modules' initialisers draw from
@@ -116,7 +116,7 @@ def load_components(model_path: str, index: dict[str, Any], allowed: dict[str, t
     return modules, infos
 
 
-def _load_model(cls: type, library: str, path: str, name: str, device: torch.device,
+def _load_model(cls: Any, library: str, path: str, name: str, device: torch.device,
                 dtype: torch.dtype, load_format: str, seed: int) -> Any:
     # A float16 VAE that asks for it decodes in float32 (float16 overflows in its upsampling blocks).
     if name == "vae" and dtype == torch.float16 and cls.load_config(path).get("force_upcast", False):
@@ -134,7 +134,8 @@ def _load_model(cls: type, library: str, path: str, name: str, device: torch.dev
         try:
             module = cls.from_pretrained(path, **kwargs)
         except OSError as e:
-            raise ValueError(f"component {name!r}: cannot load safetensors weights from {path}: {e}") from None
+            raise ValueError(
+                f"component {name!r}: cannot load safetensors weights from {path}: {e}") from None
         module = module.to(device)
     module.eval().requires_grad_(False)
     return module

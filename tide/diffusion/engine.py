@@ -155,6 +155,7 @@ class DiffusionEngine:
             start = time.perf_counter()
             batch = self.pipeline.run(requests)
             run_s = time.perf_counter() - start
+        assert batch.images is not None  # the decoding stage fills them
         results, offset = [], 0
         for req in requests:
             arrays = batch.images[offset:offset + req.num_images]

@@ -80,7 +80,9 @@ class ImagePipeline:
                                        bool(index.get("force_zeros_for_empty_prompt", True)))
             self.default_size = sdxl.default_size(self.components)
         self.stages: list[Stage] = stages
-        self.validation: InputValidationStage = stages[0]
+        validation = stages[0]
+        assert isinstance(validation, InputValidationStage)  # every pipeline validates first
+        self.validation = validation
         if config.default_size is not None:
             if config.default_size % self.size_multiple:
                 raise ValueError(f"default_size must be a multiple of {self.size_multiple}, got "

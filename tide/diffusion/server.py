@@ -94,6 +94,13 @@ class DiffusionServerArgs:
                              f"{self.max_queued_requests!r}")
 
     @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The user keys (`api_key` may hold several, comma-separated); none: user routes are open."""
+        if self.api_key is None:
+            return ()
+        return tuple(dict.fromkeys(k.strip() for k in self.api_key.split(",") if k.strip()))
+
+    @property
     def model_names(self) -> list[str]:
         """Names a request's `model` may use: the served name first, then the model path."""
         names: list[str] = []
@@ -430,7 +437,7 @@ def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
 
     app = FastAPI(title="tide", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
-    app.add_middleware(AuthMiddleware, auth=Auth(args.api_key, args.admin_api_key))
+    app.add_middleware(AuthMiddleware, auth=Auth(args.api_keys, args.admin_api_key))
     app.state.batcher = batcher
 
     @app.exception_handler(APIError)

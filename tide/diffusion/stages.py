@@ -145,7 +145,8 @@ class InputValidationStage(Stage):
             if not _is_int(value) or not m <= value <= cfg.max_image_side or value % m:
                 raise ValueError(f"{name} must be a multiple of {m} in [{m}, {cfg.max_image_side}], "
                                  f"got {value!r}")
-        if not _is_int(req.num_inference_steps) or not 1 <= req.num_inference_steps <= cfg.max_inference_steps:
+        steps = req.num_inference_steps
+        if not _is_int(steps) or not 1 <= steps <= cfg.max_inference_steps:
             raise ValueError(f"num_inference_steps must be an integer in [1, {cfg.max_inference_steps}], "
                              f"got {req.num_inference_steps!r}")
         if not _is_int(req.num_images_per_prompt) or req.num_images_per_prompt < 1:

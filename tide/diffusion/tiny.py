@@ -47,7 +47,7 @@ def clip_tokenizer(model_max_length: int = 77) -> Any:
         vocab[merge.replace(" ", "")] = len(vocab)
     vocab["<|startoftext|>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
-    merges = [tuple(m.split()) for m in CLIP_MERGES]
+    merges: Any = [tuple(m.split()) for m in CLIP_MERGES]  # pairs, as the tokenizer takes them
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
@@ -77,7 +77,7 @@ def _clip_config(vocab_size: int, tok: Any, hidden: int, projection: int, layers
 def _scale_weights(module: torch.nn.Module, std: float) -> None:
     """Wider random weights than the default init, so images depend visibly on prompt and seed."""
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for p in module.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, std)
 
@@ -111,10 +111,11 @@ def build_tiny_flux(path: str, seed: int = 0, dim: int = 32, weight_std: float |
     torch.manual_seed(seed)
     tok, tok2 = clip_tokenizer(), t5_tokenizer()
     text_encoder = CLIPTextModel(_clip_config(len(tok), tok, 32, 32, 2))
-    t5 = T5EncoderModel(T5Config(
+    t5_options: dict[str, Any] = dict(
         vocab_size=len(tok2), d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
-        use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+        use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    t5 = T5EncoderModel(T5Config(**t5_options))
     heads = 2
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
@@ -129,8 +130,8 @@ def build_tiny_flux(path: str, seed: int = 0, dim: int = 32, weight_std: float |
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256, max_image_seq_len=4096,
         base_shift=0.5, max_shift=1.15)
-    modules = {"text_encoder": text_encoder, "text_encoder_2": t5, "transformer": transformer,
-               "vae": vae}
+    modules: dict[str, Any] = {"text_encoder": text_encoder, "text_encoder_2": t5,
+                               "transformer": transformer, "vae": vae}
     for m in modules.values():
         if weight_std is not None:
             _scale_weights(m, weight_std)
@@ -164,8 +165,8 @@ def build_tiny_sdxl(path: str, seed: int = 0, force_zeros_for_empty_prompt: bool
     scheduler = EulerDiscreteScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
         timestep_spacing="leading", prediction_type="epsilon")
-    modules = {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2, "unet": unet,
-               "vae": vae}
+    modules: dict[str, Any] = {"text_encoder": text_encoder, "text_encoder_2": text_encoder_2,
+                               "unet": unet, "vae": vae}
     if weight_std is not None:
         for m in modules.values():
             _scale_weights(m, weight_std)

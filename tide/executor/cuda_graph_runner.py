@@ -86,7 +86,7 @@ class CudaGraphRunner:
         self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.suspended = False  # the `cuda_graph` memory is released: replay nothing
-        self.pool = None
+        self.pool: tuple[int, int] | None = None
         self.capture()
 
     def bucket(self, bs: int) -> int | None:

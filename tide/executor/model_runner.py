@@ -121,7 +121,8 @@ class ModelRunner:
             view.copy_(p.data)
             p.data = view
         torch.cuda.synchronize(self.device)
-        empty_device_cache(reason="memory_saver_setup", ledger=self.ledger)  # the weights' first home goes back
+        # The weights' first home goes back.
+        empty_device_cache(reason="memory_saver_setup", ledger=self.ledger)
         return region
 
     def _init_pools(self) -> None:
@@ -151,10 +152,10 @@ class ModelRunner:
             from tide.memory.vmm import VmmRegion, region_nbytes
 
             # The request table goes first; it is released and re-taken with the KV buffers.
-            table = ((n_req + 1, self.context_len), torch.int32)
-            region = VmmRegion(
-                region_nbytes([table] + [kv_shape] * 2 * mc.num_hidden_layers), self.device
-            )
+            shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
+                ((n_req + 1, self.context_len), torch.int32)]
+            shapes += [kv_shape] * 2 * mc.num_hidden_layers
+            region = VmmRegion(region_nbytes(shapes), self.device)
         self.req_to_token_pool = ReqToTokenPool(n_req, self.context_len, self.device, region=region)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
@@ -233,8 +234,9 @@ class ModelRunner:
         bs = len(input_ids)
         seq_lens = [p + 1 for p in positions]
         self.last_greedy_ids = None
-        bucket = self.cuda_graph_runner.bucket(bs) if self.cuda_graph_runner else None
-        if bucket is None:
+        graphs = self.cuda_graph_runner
+        bucket = graphs.bucket(bs) if graphs is not None else None
+        if graphs is None or bucket is None:
             fb = self._batch(ForwardMode.DECODE, input_ids, positions, req_pool_indices, seq_lens,
                              positions, [1] * bs, out_cache_loc)
             fb.record_decode_slots()
@@ -249,5 +251,5 @@ class ModelRunner:
             out_cache_loc = torch.cat([out_cache_loc, out_cache_loc.new_zeros(pad)])
         fb = self._batch(ForwardMode.DECODE, input_ids, positions, req_pool_indices, seq_lens,
                          positions, [1] * bucket, out_cache_loc)
-        logits, self.last_greedy_ids = self.cuda_graph_runner.replay(fb, bs)
+        logits, self.last_greedy_ids = graphs.replay(fb, bs)
         return logits

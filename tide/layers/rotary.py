@@ -39,6 +39,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(nn.Module):
     """Holds a [max_positions, head_dim] cos/sin table (a buffer, not a weight)."""
 
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:

@@ -111,6 +111,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     use_pdl = pdl.enabled(q)
     kb = k_buffer if store else k
     vb = v_buffer if store else v
+    assert kb is not None and vb is not None, "storing needs both KV buffers"
     _rope_store_kernel[(q.shape[0],)](
         q, k, v, positions, cos, sin, out_cache_loc if store else positions, kb, vb,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0),

@@ -20,7 +20,8 @@ parameter.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -203,7 +204,7 @@ class MemoryOccupation:
             for t in tensors:
                 storage = t.untyped_storage()
                 if storage.nbytes() == 0:
-                    storage.resize_(t.numel() * t.element_size() + t.storage_offset() * t.element_size())
+                    storage.resize_(int(t.numel() + t.storage_offset()) * t.element_size())
             if tag == "weights":
                 self._restore_weights()
             else:

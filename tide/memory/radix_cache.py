@@ -137,15 +137,17 @@ class RadixCache:
         return mid
 
     # ---- locking
-    def inc_lock_ref(self, node: TreeNode) -> None:
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        """Lock `node` and its ancestors (None or the root: nothing to lock)."""
         while node is not self.root and node is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
             node.lock_ref += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
-    def dec_lock_ref(self, node: TreeNode) -> None:
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        """Release a lock `inc_lock_ref(node)` took."""
         while node is not self.root and node is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError("radix cache lock released more often than taken")
@@ -153,7 +155,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     # ---- eviction
     def evict(self, num_tokens: int) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from tide.memory.ledger import check_timeline
 from tide.memory.observe import SOURCE_CPU_RSS
@@ -192,7 +192,8 @@ def render_timeline(data: dict[str, Any], *, title: str | None = None, max_label
               and (end is None or rel(e) <= end)]
     xs, reserved, allocated = _series(events, t0)
     order = sorted(range(len(xs)), key=xs.__getitem__)  # a release's start may precede a mark
-    xs, reserved, allocated = ([v[i] for i in order] for v in (xs, reserved, allocated))
+    xs, reserved, allocated = ([xs[i] for i in order], [reserved[i] for i in order],
+                               [allocated[i] for i in order])
     cpu_only = all(e.get("source") == SOURCE_CPU_RSS for e in events) and bool(events)
     peak = max(reserved + allocated, default=0)
     unit, scale = next(((u, s) for u, s in _UNITS if peak >= s), ("B", 1))
@@ -216,7 +217,8 @@ def render_timeline(data: dict[str, Any], *, title: str | None = None, max_label
     handles: list[Any] = []
 
     keep = _decimate(xs, [reserved, allocated], int(width * 100))
-    xs, reserved, allocated = ([v[i] for i in keep] for v in (xs, reserved, allocated))
+    xs, reserved, allocated = ([xs[i] for i in keep], [reserved[i] for i in keep],
+                               [allocated[i] for i in keep])
     if xs:
         y_alloc = [a / scale for a in allocated]
         alloc_name = "allocated (process RSS, no CUDA)" if cpu_only else "allocated"
@@ -235,7 +237,7 @@ def render_timeline(data: dict[str, Any], *, title: str | None = None, max_label
     extra = iter(_OTHER_COLORS * (1 + len(by_kind) // len(_OTHER_COLORS)))
     for kind in sorted(by_kind):
         color = colors.setdefault(kind, next(extra))
-        style = "dashed" if kind == "empty_cache" else "solid"
+        style: Literal["dashed", "solid"] = "dashed" if kind == "empty_cache" else "solid"
         # One line per pixel column is all that can show; thousands of events stay fast.
         px = (hi - lo) / max(1.0, width * 100)
         cols = sorted({round((x - lo) / px) for x in by_kind[kind]})

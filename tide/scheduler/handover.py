@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 from tide.io_struct import WeightUpdateOptions
 from tide.memory.ledger import MemoryLedger
@@ -33,7 +33,7 @@ from tide.memory.observe import reserved_bytes
 from tide.memory.occupation import parse_tags
 from tide.memory.release import empty_device_cache
 from tide.weights.distributed import DEFAULT_JOIN_TIMEOUT_S
-from tide.weights.update import LOAD_FORMATS, WeightUpdater
+from tide.weights.update import LOAD_FORMATS, TensorPayload, WeightUpdater
 
 if TYPE_CHECKING:
     from tide.scheduler.scheduler import Scheduler
@@ -44,6 +44,14 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+class HandoverReply(TypedDict):
+    """sglang's reply dict (what `Engine`'s handover methods return)."""
+
+    success: bool
+    message: str
+    num_paused_requests: int
+
+
 @dataclass(frozen=True)
 class HandoverResult:
     """sglang's reply to a handover call."""
@@ -52,7 +60,7 @@ class HandoverResult:
     message: str
     num_paused_requests: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> HandoverReply:
         return {"success": self.success, "message": self.message,
                 "num_paused_requests": self.num_paused_requests}
 
@@ -91,7 +99,7 @@ class TensorUpdate(WeightUpdate):
     `load_format="flattened_bucket"` a `FlattenedBucket` or a list of them), or the same from another
     process as `serialized_named_tensors` (`tide.weights.serialize_named_tensors`)."""
 
-    named_tensors: Any = None
+    named_tensors: TensorPayload | None = None
     serialized_named_tensors: str | bytes | list[str] | None = None
     load_format: str | None = None
     source: ClassVar[str] = "tensor"
@@ -263,7 +271,7 @@ class Handover:
         pending = self.pending_updates.popleft()
         try:
             result = self._apply(pending)
-        except Exception as e:  # noqa: BLE001 - reported to the caller; serving goes on
+        except Exception as e:  # reported to the caller; serving goes on
             logger.exception("weight update failed")
             result = self._result(False, f"weight update failed: {type(e).__name__}: {e}")
         pending.on_done(result)
@@ -349,7 +357,7 @@ class Handover:
             if "kv_cache" in tags and not occupation.is_released("kv_cache"):
                 sched.reset_kv_state()
             freed = occupation.release(tags)
-        except Exception as e:  # noqa: BLE001 - reported to the caller; serving goes on
+        except Exception as e:  # reported to the caller; serving goes on
             logger.exception("release_memory_occupation failed")
             self._refresh_memory_block()
             return HandoverResult(False, f"release_memory_occupation failed: "
@@ -370,7 +378,7 @@ class Handover:
             return HandoverResult(False, str(e))
         try:
             self.worker.memory_occupation.resume(tags)
-        except Exception as e:  # noqa: BLE001 - reported to the caller; serving goes on
+        except Exception as e:  # reported to the caller; serving goes on
             logger.exception("resume_memory_occupation failed")
             return HandoverResult(False, f"resume_memory_occupation failed: "
                                          f"{type(e).__name__}: {e}")

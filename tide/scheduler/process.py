@@ -78,6 +78,7 @@ from tide.io_struct import (
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     SchedulerHeartbeat,
+    SchedulerInput,
     SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReqInput,
@@ -100,7 +101,7 @@ from tide.scheduler.handover import (
     TensorUpdate,
     WeightUpdate,
 )
-from tide.scheduler.request import Req
+from tide.scheduler.request import FinishReason, Req
 from tide.scheduler.scheduler import Scheduler, create_scheduler
 
 logger = logging.getLogger("tide.scheduler.process")
@@ -234,7 +235,7 @@ def _serve(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: 
     try:
         scheduler = create_scheduler(config, weight_version)
         proc = SchedulerProcess(scheduler, input_addr, output_addr, parent_pid, heartbeat_interval)
-    except Exception as e:  # reported to the parent, which prints it and exits
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which prints it and exits
         msg = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         logger.debug("scheduler start-up failed:\n%s", traceback.format_exc())
         ready.send_bytes(encode_message(SchedulerReady(error=msg)))
@@ -296,7 +297,7 @@ class SchedulerProcess:
             # While an update waits, the scheduler still finishes a half-prefilled (chunked) prompt.
             try:
                 reqs = self.scheduler.step()
-            except Exception as e:  # a bug or device error: fail the requests, keep serving
+            except Exception as e:  # noqa: BLE001 - a bug or device error: fail them, keep serving
                 logger.error("scheduler step failed:\n%s", traceback.format_exc())
                 self._abort_everything(f"internal error in scheduler step: {type(e).__name__}: {e}")
                 return
@@ -355,7 +356,7 @@ class SchedulerProcess:
                 return
             try:
                 msg = decode_input(data)
-            except Exception as e:  # a bad message must not take the loop down
+            except Exception as e:  # noqa: BLE001 - a bad message must not take the loop down
                 logger.error("dropping undecodable message: %s", e)
                 continue
             operation = _LONG_OPERATIONS.get(type(msg))
@@ -365,7 +366,7 @@ class SchedulerProcess:
                 with self.progress.operation_scope(operation):
                     self._dispatch(msg)
 
-    def _dispatch(self, msg: Any) -> None:
+    def _dispatch(self, msg: SchedulerInput) -> None:
         handover = self.handover
         if isinstance(msg, TokenizedGenerateReqInput):
             self._handle_generate(msg)
@@ -535,7 +536,7 @@ class SchedulerProcess:
         out = ControlReqOutput(req_id=req_id, success=success, message=message, data=data or {})
         self.send_sock.send(encode_message(out))
 
-    def _send_finished(self, rid: str, reason: dict[str, Any]) -> None:
+    def _send_finished(self, rid: str, reason: FinishReason) -> None:
         out = BatchTokenIDOut([rid], [[]], [[]], [[]], [reason], [0],
                               [self.handover.weight_version])
         self.send_sock.send(encode_message(out))
@@ -545,7 +546,7 @@ class SchedulerProcess:
         new_ids: list[list[int]] = []
         new_lps: list[list[float]] = []
         new_tops: list[list[list[tuple[float, int]]]] = []
-        reasons: list[dict[str, Any] | None] = []
+        reasons: list[FinishReason | None] = []
         cached: list[int] = []
         versions: list[str | None] = []
         for req in reqs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +12,10 @@ from tide.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tide.detokenizer import IncrementalDetokenizer
     from tide.memory.radix_cache import RadixCache, TreeNode
+
+# Why a request ended (sglang's shape): {"type": "stop", "matched": token id or stop string},
+# {"type": "length", "length": n}, or {"type": "abort", "message": why}.
+FinishReason = dict[str, str | int]
 
 
 @dataclass(eq=False)
@@ -26,7 +30,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
-    finished_reason: dict[str, Any] | None = None
+    finished_reason: FinishReason | None = None
     # KV state
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))

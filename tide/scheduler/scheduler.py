@@ -35,10 +35,10 @@ from tide.memory.release import empty_device_cache
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.scheduler.handover import Handover
-from tide.scheduler.request import Req
+from tide.scheduler.request import FinishReason, Req
 from tide.scheduler.schedule_batch import ScheduleBatch, sampling_info
 from tide.scheduler.worker import ModelWorker, TpModelWorker
-from tide.tokenizer import load_tokenizer
+from tide.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Scheduler:
         config: EngineConfig,
         worker: ModelWorker,
         eos_token_ids: tuple[int, ...],
-        tokenizer: Any,
+        tokenizer: Tokenizer | None,
         ledger: MemoryLedger,
         model_config: ModelConfig | None = None,
         weight_version: str = "default",
@@ -167,7 +167,7 @@ class Scheduler:
             self.prepare(batch)
             out = self.worker.forward(batch)
             return self.process_results(batch, out)
-        except Exception as e:  # noqa: BLE001 - any failure must not leak KV or wedge the loop
+        except Exception as e:  # any failure must not leak KV or wedge the loop
             logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
             return self._fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
 
@@ -498,7 +498,7 @@ class Scheduler:
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.info("retracted request %s (KV exhausted)", req.rid)
 
-    def _check_finished(self, req: Req, token: int) -> dict[str, Any] | None:
+    def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
         if not params.ignore_eos and token in self.eos_token_ids:
             return {"type": "stop", "matched": token}

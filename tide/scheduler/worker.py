@@ -93,7 +93,7 @@ class TpModelWorker(ModelWorker):
         `failed` with the error (a batch of one, or of argmax-only rows, raises as is)."""
         try:
             return self.sampler(logits, info, greedy_ids)
-        except Exception:  # noqa: BLE001 - find the row(s) at fault below
+        except Exception:  # find the row(s) at fault below
             if info.size <= 1:
                 raise
         logger.warning("sampling a batch of %d failed; sampling its rows one by one", info.size)
@@ -105,7 +105,7 @@ class TpModelWorker(ModelWorker):
             try:
                 row = self.sampler(logits[i : i + 1], info.row(i),
                                    None if greedy_ids is None else greedy_ids[i : i + 1])
-            except Exception as e:  # noqa: BLE001 - this row's own failure
+            except Exception as e:  # this row's own failure
                 logger.exception("sampling failed for row %d", i)
                 failed[i] = f"sampling failed: {type(e).__name__}: {e}"
                 ids.append(-1)

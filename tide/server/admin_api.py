@@ -40,7 +40,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from tide.server.errors import APIError, from_validation_error
 from tide.io_struct import (
     ContinueGenerationReqInput,
     ControlReqOutput,
@@ -58,7 +57,9 @@ from tide.io_struct import (
     UpdateWeightVersionReqInput,
     weight_update_options,
 )
+from tide.server.errors import APIError, from_validation_error
 from tide.server.metrics import ServerMetrics
+from tide.server.openapi import json_body
 from tide.server.protocol import (
     ContinueGenerationInput,
     DestroyWeightsUpdateGroupInput,
@@ -72,7 +73,6 @@ from tide.server.protocol import (
     UpdateWeightsFromTensorInput,
     UpdateWeightVersionInput,
 )
-from tide.server.openapi import json_body
 from tide.server.tokenizer_manager import TokenizerManager
 from tide.server.utils import parse_body
 

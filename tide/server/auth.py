@@ -13,7 +13,9 @@ routes read it with `caller_of(request)`.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 
@@ -38,7 +40,7 @@ def key_identity(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def set_caller(scope: dict, caller: Caller) -> None:
+def set_caller(scope: MutableMapping[str, Any], caller: Caller) -> None:
     scope[_SCOPE_KEY] = caller
 
 

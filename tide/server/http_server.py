@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,8 +41,8 @@ from tide.server.errors import APIError
 from tide.server.limits import BodyLimitMiddleware
 from tide.server.metrics import CONTENT_TYPE, ServerMetrics
 from tide.server.native_api import NativeServing
-from tide.server.openapi import install_openapi, json_body
 from tide.server.openai_api import OpenAIServingChat, OpenAIServingCompletion, models_response
+from tide.server.openapi import install_openapi, json_body
 from tide.server.protocol import (
     AbortReqInput,
     ChatCompletionRequest,
@@ -263,7 +264,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         else:
             try:
                 body = FlushCacheInput.model_validate(dict(request.query_params))
-            except Exception:
+            except ValidationError:
                 raise APIError("Invalid value for 'timeout': must be a number of seconds in "
                                "[0, 3600]", 400, param="timeout", code="invalid_value") from None
         ok, message = await tm.flush_cache(body.timeout)

@@ -170,7 +170,7 @@ class NativeServing:
                     raise invalid_request(f"'{name}' must not be empty", name, "invalid_value")
             prompts = await tm.tokenize(texts, names)
         else:
-            prompts = [ids] if single else ids  # type: ignore[list-item]
+            prompts = [ids] if single else ids  # type: ignore[list-item,assignment]
             for k, p in enumerate(prompts):
                 tm.check_input_ids(p, "input_ids" if single else f"input_ids.{k}")
         items: list[_Item] = []

@@ -227,13 +227,13 @@ class OpenAIServingCompletion(OpenAIServingBase):
             return Response(status_code=499)
         choices = []
         for idx, s in enumerate(states):
-            prompt = prompts[idx // req.n]
+            source = prompts[idx // req.n]
             text = s.text
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self._logprobs(s, 0, len(s.output_ids), req.echo, prompt, 0)
+                logprobs = self._logprobs(s, 0, len(s.output_ids), req.echo, source, 0)
             if req.echo:
-                text = (prompt.text or "") + text
+                text = (source.text or "") + text
             choices.append({"index": idx, "text": text, "logprobs": logprobs,
                             "finish_reason": finish_reason_name(s.finished_reason)})
         body = {
@@ -261,7 +261,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if not prompt:
             raise invalid_request("'prompt' must not be an empty list", "prompt", "invalid_value")
         if isinstance(prompt[0], str):
-            texts: list[str] = list(prompt)  # type: ignore[arg-type]
+            texts: list[str] = list(prompt)
             names = [f"prompt.{k}" for k in range(len(texts))]
             for text, name in zip(texts, names):
                 if not text:
@@ -269,12 +269,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
             ids_list = await self.tm.tokenize(texts, names)
             return [_Prompt(ids, text) for ids, text in zip(ids_list, texts)]
         if isinstance(prompt[0], int):
-            self.tm.check_input_ids(prompt, "prompt")  # type: ignore[arg-type]
-            return [_Prompt(list(prompt), None)]  # type: ignore[arg-type]
-        out = []
-        for k, ids in enumerate(prompt):
-            self.tm.check_input_ids(ids, f"prompt.{k}")  # type: ignore[arg-type]
-            out.append(_Prompt(list(ids), None))  # type: ignore[arg-type]
+            self.tm.check_input_ids(prompt, "prompt")
+            return [_Prompt(list(prompt), None)]
+        out: list[_Prompt] = []
+        for k, token_ids in enumerate(prompt):
+            self.tm.check_input_ids(token_ids, f"prompt.{k}")
+            out.append(_Prompt(list(token_ids), None))
         return out
 
     def _logprobs(self, s: ReqState, start: int, end: int, echo: bool, prompt: _Prompt,
@@ -435,7 +435,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
         try:
             text = await self.tm.run_in_tokenizer_pool(render)
-        except Exception as e:  # jinja errors (unsupported role, bad order) are the client's input
+        except Exception as e:  # noqa: BLE001 - jinja errors (bad role or order) are client input
             raise invalid_request(f"The chat template rejected 'messages': {e}", "messages",
                                   "invalid_value") from None
         ids = (await self.tm.tokenize([text], ["messages"], add_special_tokens=False))[0]

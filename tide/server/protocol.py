@@ -9,7 +9,7 @@ re-validates what reaches the engine.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
@@ -30,7 +30,7 @@ TokenIds = list[int]
 # A weight-update group's name: 1 to 128 of [A-Za-z0-9_.-].
 GroupName = Annotated[str, Field(min_length=1, max_length=MAX_GROUP_NAME_LEN),
                       AfterValidator(check_group_name)]
-StopType = Union[str, list[str], None]
+StopType = str | list[str] | None
 
 
 class StreamOptions(BaseModel):

@@ -7,8 +7,8 @@ How buckets and named tensors travel between processes (`serialize_named_tensors
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -16,6 +16,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class WeightUpdateGroup:
     backend: str
     rank: int
     world_size: int
-    pg: dist.ProcessGroup
+    pg: Any  # a ProcessGroupGloo/NCCL backend (torch's stubs lack its `broadcast`)
     store: dist.Store
     timeout: timedelta = timedelta(seconds=300)  # of each broadcast
 
@@ -108,7 +109,8 @@ def init_custom_process_group(
             raise ValueError(f"{name} must be in (0, 86400] seconds, got {value}")
     join_timeout = timedelta(seconds=join_s)
     store: dist.Store | None = None
-    pg: dist.ProcessGroup | None = None
+    pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None
+    prefixed: dist.PrefixStore | None = None
     try:
         store = dist.TCPStore(master_address, master_port, world_size, rank == 0,
                               timeout=join_timeout)
@@ -126,10 +128,11 @@ def init_custom_process_group(
         if pg is not None and hasattr(pg, "shutdown"):
             pg.shutdown()
         # Drop the references now (not when the traceback goes): the store's socket closes.
-        pg = store = prefixed = None  # noqa: F841
+        pg = store = prefixed = None
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(
             f"could not join group {group_name!r} at {master_address}:{master_port} as rank "
             f"{rank} of {world_size} within {join_s:g} s: {detail}") from None
+    assert pg is not None and prefixed is not None  # set by the try block, or it raised
     return WeightUpdateGroup(group_name, backend, rank, world_size, pg, prefixed,
                              timedelta(seconds=timeout_s))

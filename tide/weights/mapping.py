@@ -7,8 +7,8 @@ and dtype before anything is written, and `write()` only ever runs on a validate
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -50,9 +50,10 @@ class WeightMap:
         """The target of checkpoint tensor `name`, or None for tensors tide ignores."""
         key = name
         if self.rename is not None:
-            key = self.rename(name)
-            if key is None:
+            renamed = self.rename(name)
+            if renamed is None:
                 return None
+            key = renamed
         if key.endswith(IGNORED_SUFFIXES) or (self.tied and key == "lm_head.weight"):
             return None
         for fused, part, shard in STACKED_PARAMS:

@@ -9,7 +9,7 @@ casts like the initial load does.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from tide.weights.wire import deserialize_named_tensors
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "flattened_bucket")
+# In-process tensors of an update: [(name, tensor), ...], or flattened buckets (one, or one per dtype).
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+TensorPayload = NamedTensors | FlattenedBucket | Sequence[FlattenedBucket]
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16,
@@ -69,17 +72,17 @@ class WeightUpdater:
         exact_dtype: bool,
         require_complete: bool = False,
     ) -> list[WeightTarget]:
-        metas = [(name, tuple(shape), dtype) for name, shape, dtype in metas]
-        if not metas:
+        checked = [(name, tuple(shape), dtype) for name, shape, dtype in metas]
+        if not checked:
             raise ValueError("the update names no weights")
         seen: set[str] = set()
-        for name, _, _ in metas:
+        for name, _, _ in checked:
             if name in seen:
                 raise ValueError(f"weight {name!r} appears more than once in the update")
             seen.add(name)
-        targets = self.weight_map.plan(metas, require_complete=require_complete)
+        targets = self.weight_map.plan(checked, require_complete=require_complete)
         if exact_dtype:
-            by_name = {name: dtype for name, _, dtype in metas}
+            by_name = {name: dtype for name, _, dtype in checked}
             for t in targets:
                 want = self.weight_map.params[t.param_name].dtype
                 if by_name[t.name] != want:
@@ -102,10 +105,11 @@ class WeightUpdater:
 
         return apply
 
-    def prepare_named_tensors(self, named: Sequence[tuple[str, torch.Tensor]]) -> Callable[[], int]:
+    def prepare_named_tensors(self, named: object) -> Callable[[], int]:
+        """`named`: [(name, tensor), ...]; anything else is a ValueError."""
         if not isinstance(named, (list, tuple)):
             raise ValueError("named_tensors must be a list of (name, tensor) pairs")
-        named = list(named)
+        pairs: list[tuple[str, torch.Tensor]] = []
         for item in named:
             if (
                 not isinstance(item, (tuple, list))
@@ -114,8 +118,9 @@ class WeightUpdater:
                 or not isinstance(item[1], torch.Tensor)
             ):
                 raise ValueError("named_tensors must be a list of (name, tensor) pairs")
-        targets = self.plan([(n, t.shape, t.dtype) for n, t in named], exact_dtype=True)
-        tensors = dict(named)
+            pairs.append((item[0], item[1]))
+        targets = self.plan([(n, t.shape, t.dtype) for n, t in pairs], exact_dtype=True)
+        tensors = dict(pairs)
 
         def apply() -> int:
             for target in targets:
@@ -126,7 +131,8 @@ class WeightUpdater:
 
         return apply
 
-    def prepare_buckets(self, buckets: Sequence[FlattenedBucket] | FlattenedBucket) -> Callable[[], int]:
+    def prepare_buckets(self, buckets: object) -> Callable[[], int]:
+        """`buckets`: a `FlattenedBucket` or a list of them; anything else is a ValueError."""
         if isinstance(buckets, FlattenedBucket):
             buckets = [buckets]
         if not isinstance(buckets, (list, tuple)):
@@ -266,6 +272,8 @@ def _numel(shape: Sequence[int]) -> int:
 __all__ = [
     "FlattenedBucket",
     "LOAD_FORMATS",
+    "NamedTensors",
+    "TensorPayload",
     "WeightUpdater",
     "flatten_by_dtype",
     "parse_dtype",

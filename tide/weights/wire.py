@@ -32,7 +32,8 @@ import binascii
 import json
 import math
 import re
-from typing import Annotated, Any, Literal, Sequence, Union
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
@@ -106,7 +107,7 @@ class CudaIpcTensor(msgspec.Struct, tag="cuda_ipc", frozen=True, forbid_unknown_
     event_sync_required: bool
 
 
-TensorData = Union[HostTensor, CudaIpcTensor]
+TensorData = HostTensor | CudaIpcTensor
 
 
 class NamedTensor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -144,7 +145,7 @@ class BucketListPayload(msgspec.Struct, tag="flattened_buckets", frozen=True,
     buckets: Annotated[list[Bucket], msgspec.Meta(min_length=1, max_length=MAX_TENSORS)]
 
 
-Payload = Union[NamedTensorsPayload, BucketPayload, BucketListPayload]
+Payload = NamedTensorsPayload | BucketPayload | BucketListPayload
 _DECODER = msgspec.msgpack.Decoder(Payload)
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -157,7 +158,7 @@ REBUILD_CUDA_TENSOR_PARAMS = (
     "event_sync_required",
 )
 
-DecodedPayload = Union[list[tuple[str, torch.Tensor]], FlattenedBucket, list[FlattenedBucket]]
+DecodedPayload = list[tuple[str, torch.Tensor]] | FlattenedBucket | list[FlattenedBucket]
 
 
 # ---------------------------------------------------------------- encoding

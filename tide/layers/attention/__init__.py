@@ -12,4 +12,4 @@ from tide.layers.attention.base import (
 __all__ = ["AttentionBackend", "get_attention_backend_class", "register", "select_attention_backend"]
 
 # Register the built-in backends.
-from tide.layers.attention import torch_native as _torch_native  # noqa: E402,F401
+from tide.layers.attention import torch_native as _torch_native  # noqa: F401
