@@ -401,3 +401,17 @@ def test_paused_in_place_an_update_goes_at_once_and_held_kv_is_never_matched_aga
     assert a.finished_reason["type"] == "length" and a.weight_version == "v1"
     assert sched.tree_cache.total_size() == 0  # its stale KV was freed, not cached
     sched.check_invariants()
+
+
+def test_an_update_that_refills_blocked_memory_goes_at_once():
+    """While memory is blocked (weights released or awaiting a refill) nothing steps, so requests
+    that hold KV can never drain: the update that unblocks must not wait for them."""
+    sched = make_scheduler()
+    log: list = []
+    a = make_req("a", 4, max_new=6)
+    _decoding(sched, a)
+    sched.handover.memory_block_reason = "weights await a refill"
+    results = _submit(sched, log, "refill")
+    assert sched.step() == [] and sched.handover.update_ready()
+    assert sched.handover.apply_ready_updates() == 1 and results[0].success
+    assert a.kv_epoch == 0 and sched.kv_epoch == 1  # a keeps its KV, never matched again

@@ -254,8 +254,11 @@ class Handover:
         return bool(self.pending_updates) and self._can_update_now()
 
     def _can_update_now(self) -> bool:
-        """Not paused, an update waits until no request holds KV; paused, it may go at once."""
-        return self.paused is not None or self.scheduler.num_running() == 0
+        """Not paused, an update waits until no request holds KV; paused, it may go at once. So it
+        may while memory is blocked: nothing steps then, so held requests could never drain (and a
+        weight refill is what unblocks)."""
+        return (self.paused is not None or self.memory_block_reason is not None
+                or self.scheduler.num_running() == 0)
 
     def apply_ready_updates(self) -> int:
         """Apply queued updates, in order, while their turn has come; returns how many ran."""
