@@ -48,6 +48,15 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
+def set_batch_invariant(model: torch.nn.Module) -> None:
+    """Route every projection of `model` through the batch-invariant matmul."""
+    from tide.layers.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.batch_invariant = True
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  ledger: MemoryLedger | None) -> None:
@@ -63,9 +72,16 @@ class ModelRunner:
                 f"context_length {self.context_len} exceeds the model's max_position_embeddings "
                 f"{model_config.max_position_embeddings}"
             )
+        if config.enable_deterministic_inference and self.device.type != "cpu":
+            raise ValueError(
+                "enable_deterministic_inference is supported on CPU only for now (no "
+                f"batch-invariant kernels for device {self.device.type!r} yet); use device='cpu'"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = self._load_model()
+        if config.enable_deterministic_inference:
+            set_batch_invariant(self.model)
         # Memory saver on CUDA: weights and KV live in address-stable regions, so release/resume
         # keeps every pointer a captured CUDA graph holds.
         self.use_vmm = False
