@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
-from tide.executor.model_runner import set_batch_invariant
 from tide.layers.attention.torch_native import TorchNativeAttnBackend
+from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
 from tide.model_config import ModelConfig
 from tide.models import get_model_class

@@ -11,6 +11,7 @@ from tide.config import EngineConfig
 from tide.executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
 from tide.layers.attention import select_attention_backend
+from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -46,15 +47,6 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
         return torch.float32
     dtype = model_config.checkpoint_dtype
     return torch.bfloat16 if dtype == torch.float32 else dtype
-
-
-def set_batch_invariant(model: torch.nn.Module) -> None:
-    """Route every projection of `model` through the batch-invariant matmul."""
-    from tide.layers.linear import Linear
-
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.batch_invariant = True
 
 
 class ModelRunner:

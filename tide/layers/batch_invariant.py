@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 ROW_BLOCK = 32
 
@@ -40,3 +41,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
+
+
+def set_batch_invariant(model: nn.Module) -> None:
+    """Route every projection (`tide.layers.linear.Linear`) of `model` through `linear`."""
+    from tide.layers.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.batch_invariant = True
