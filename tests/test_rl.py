@@ -187,3 +187,12 @@ def test_rl_logprobs_bad_input(hf_model_for):
 def test_deterministic_refused_off_cpu(llama_path):
     with pytest.raises(ValueError, match="enable_deterministic_inference"):
         tide.Engine(str(llama_path), device="meta", enable_deterministic_inference=True)
+
+
+def test_cli_flag_reaches_engine_options():
+    from tide.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--enable-deterministic-inference", "hi"])
+    assert engine_kwargs(args)["enable_deterministic_inference"] is True
+    args = build_parser().parse_args(["generate", "hi"])
+    assert "enable_deterministic_inference" not in engine_kwargs(args)
