@@ -196,3 +196,28 @@ def test_cli_flag_reaches_engine_options():
     assert engine_kwargs(args)["enable_deterministic_inference"] is True
     args = build_parser().parse_args(["generate", "hi"])
     assert "enable_deterministic_inference" not in engine_kwargs(args)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_sliding_window_models_batch_invariant_and_rl_logprobs(arch, tmp_path):
+    """Sliding-window layers (and Gemma's soft-caps) in deterministic mode: a long prompt (past the
+    window) gives the same result alone and in a mixed batch, and tide.rl.logprobs matches it."""
+    import transformers
+    from test_swa_models import build_swa_checkpoint
+
+    path = build_swa_checkpoint(tmp_path / arch, arch)
+    prompt = random_prompts(1201, [40])[0]
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "seed": 9, "ignore_eos": True}
+    engine = _engine(path, chunked_prefill_size=16, max_prefill_tokens=16)
+    try:
+        solo = engine.generate(input_ids=prompt, sampling_params=sp, return_logprob=True)
+        engine.flush_cache()
+        others, other_params = _mixed_batch(3, 9)
+        outs = engine.generate(input_ids=others[:4] + [prompt] + others[4:],
+                               sampling_params=other_params[:4] + [sp] + other_params[4:],
+                               return_logprob=True)
+    finally:
+        engine.shutdown()
+    assert _result(outs[4]) == _result(solo)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert tide.rl.logprobs(hf, prompt, solo["output_ids"]) == _logprobs(solo)
