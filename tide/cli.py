@@ -59,7 +59,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _engine_option(p, "disable_radix_cache", action="store_true")
     _engine_option(p, "attention_backend", choices=["auto", "triton", "torch_native"])
     _engine_option(p, "load_format", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+    p.add_argument("--log-level", default=None, type=str.lower,
+                   choices=["debug", "info", "warning", "error"],
                    help="log level (default: info for serve, warning for generate)")
 
 
