@@ -77,7 +77,7 @@ class EngineConfig:
         1.0, "accepted for sglang compatibility (must be > 0); the scheduler does not read it yet")
     # Loading.
     show_progress: bool | None = _option(None, "show a progress bar while loading weights "
-                                               "(default: when stderr is a terminal)")
+                                               "(default: for checkpoints of 1 GiB or more)")
     log_level: str = _option("warning", "log level of the tide loggers (debug, info, warning, error)")
 
     def __post_init__(self) -> None:
