@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tide import cli
 from tide.config import EngineConfig
 from tide.version import __version__

@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from tide.config import DEMO_MODEL_PATH, EngineConfig
 from tide.engine import Engine
 from tide.io_struct import WeightUpdateOptions

@@ -44,8 +44,9 @@ class EngineConfig:
                "strings are refused); the checkpoint needs no tokenizer files")
     load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random "
                                        "weights of the model's shapes (tests, benchmarks)")
-    dtype: str = _option("auto", "weight and activation dtype: auto (on GPU the checkpoint's torch_dtype, bfloat16 "
-                                 "for a float32 checkpoint; float32 on CPU), float32, bfloat16 or float16")
+    dtype: str = _option("auto", "weight and activation dtype: auto (on GPU the checkpoint's "
+                                 "torch_dtype, bfloat16 for a float32 checkpoint; float32 on CPU), "
+                                 "float32, bfloat16 or float16")
     device: str = _option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     seed: int = _option(0, "seed of dummy weights and of sampling for requests that pass no seed")
     context_length: int | None = _option(

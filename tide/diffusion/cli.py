@@ -20,7 +20,8 @@ _LLM_ONLY = ("max_total_tokens", "context_length", "chunked_prefill_size", "disa
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("diffusion models (--model demo-diffusion or a diffusers directory)")
-    g.add_argument("--out", default=None, help="PNG to write (default: none, required for images; several: NAME-0.png, ...)")
+    g.add_argument("--out", default=None,
+                   help="PNG to write (default: none, required for images; several: NAME-0.png, ...)")
     g.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the model's)")
     g.add_argument("--num-inference-steps", type=int, default=28, metavar="N",
                    help="denoising steps")
