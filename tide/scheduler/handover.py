@@ -202,6 +202,7 @@ class Handover:
         if mode not in PAUSE_MODES:
             return HandoverResult(False, f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         sched = self.scheduler
+        sched.settle()  # a decode step still on the device lands before the pause
         if mode == "abort":
             count = len(sched.abort(message="paused with mode=abort"))
         elif mode == "retract":
@@ -281,6 +282,7 @@ class Handover:
         return True
 
     def _apply(self, pending: PendingUpdate) -> HandoverResult:
+        self.scheduler.settle()  # tokens of a step still on the device came from the old weights
         start = time.perf_counter()
         try:
             count = pending.load()
@@ -346,6 +348,7 @@ class Handover:
         except ValueError as e:
             return HandoverResult(False, str(e))
         sched = self.scheduler
+        sched.settle()
         if self.pending_updates:
             return HandoverResult(False, f"{len(self.pending_updates)} weight update(s) wait to "
                                          "apply; release memory once they have finished")
