@@ -56,14 +56,17 @@ def _decided(sched, req: Req) -> int:
     return len(req.output_ids) + int(riding)
 
 
-def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False) -> dict:
+def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
+         chunk: int = 16) -> dict:
     """Step `reqs` to the end; `events`: (rid, k, action) — `action(engine)` runs once, as soon as
-    request `rid` has k tokens decided. Returns what each request produced."""
+    request `rid` has k tokens decided. Small prefill chunks (`chunk`) keep a prompt mid-prefill
+    while others decode (the mixed batches' case). Returns what each request produced."""
     sched = engine.scheduler
     assert engine.flush_cache()
     sched.overlap = overlap
-    sched.config = dataclasses.replace(sched.config, enable_mixed_chunk=mixed)
-    sched.stats.num_overlapped_decode = 0
+    config = sched.config
+    sched.config = dataclasses.replace(config, enable_mixed_chunk=mixed, chunked_prefill_size=chunk)
+    sched.stats.num_overlapped_decode = sched.stats.num_mixed_decode = 0
     sched.worker.sampler = Sampler(0)  # unseeded rows draw from the same generator state each run
     sched.handover.weight_version = "default"  # a previous run's updates leave theirs
     for req in reqs:
@@ -85,12 +88,12 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False)
         else:
             pytest.fail("no progress")
     finally:
-        overlapped = sched.stats.num_overlapped_decode
+        overlapped, mixed_tokens = sched.stats.num_overlapped_decode, sched.stats.num_mixed_decode
         sched.overlap = False
-        sched.config = dataclasses.replace(sched.config, enable_mixed_chunk=False)
+        sched.config = config
     assert not pending, "an event never fired"
     assert sched.tree_cache.protected_size() == 0
-    return {"overlapped": overlapped, "out": {r.rid: (r.output_ids, r.finished_reason, r.weight_version,
+    return {"overlapped": overlapped, "mixed": mixed_tokens, "out": {r.rid: (r.output_ids, r.finished_reason, r.weight_version,
                                                       r.output_token_logprobs, r.output_top_logprobs)
                                               for r in reqs}}
 
@@ -104,6 +107,7 @@ def _same(engine, make, events=(), mixed_too: bool = False) -> dict:
         for overlap in (False, True):
             mixed = _run(engine, make(), overlap=overlap, events=events, mixed=True)
             assert mixed["out"] == base["out"]
+            assert mixed["mixed"] > 0, "no decode rode along with a prefill"
     return base["out"]
 
 
@@ -230,7 +234,7 @@ def test_retraction_under_memory_pressure(llama_path):
         assert over["out"] == base["out"] and over["overlapped"] > 0
         assert engine.scheduler.stats.num_retractions > retractions
         mixed = _run(engine, _reqs(prompts, params), overlap=True, mixed=True)
-        assert mixed["out"] == base["out"]
+        assert mixed["out"] == base["out"] and mixed["mixed"] > 0
     finally:
         engine.shutdown()
 

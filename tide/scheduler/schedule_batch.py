@@ -21,6 +21,8 @@ class ScheduleBatch:
     Model inputs, flat over the new tokens: `input_ids`, `positions`; per request: `req_pool_indices`,
     `prefix_lens` (KV length before this step). `sample_rows`: the requests that get a token (extend:
     those whose prompt completes in this step; None: every request), `sampling` their arguments.
+    `num_decode` (mixed chunk): the last `num_decode` requests of an extend batch are running
+    requests decoding one token each alongside the prefill.
     `input_ids_device` (overlap schedule, decode only): the input ids as a device tensor, the
     previous step's sampled tokens that never went to the host; `input_ids` is then empty.
     """
@@ -36,6 +38,7 @@ class ScheduleBatch:
     sample_rows: list[int] | None = None
     sampling: SamplingBatchInfo = ARGMAX_ONLY
     input_ids_device: torch.Tensor | None = None
+    num_decode: int = 0
 
     @property
     def is_decode(self) -> bool:

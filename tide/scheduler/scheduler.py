@@ -555,11 +555,24 @@ class Scheduler:
         picked = self._get_prefill_batch()
         if picked:
             reqs = [req for req, _ in picked]
-            return ScheduleBatch(ForwardMode.EXTEND, reqs, [n for _, n in picked])
+            lens = [n for _, n in picked]
+            riders = self._mixed_decode_riders(sum(lens))
+            return ScheduleBatch(ForwardMode.EXTEND, reqs + riders, lens + [1] * len(riders),
+                                 num_decode=len(riders))
         self._ensure_decode_room()
         if not self.running:
             return None
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+
+    def _mixed_decode_riders(self, prefill_tokens: int) -> list[Req]:
+        """With `enable_mixed_chunk`, every running request decodes in the prefill batch (one
+        token each, after the prefill rows) when KV has room for all of them; else none does."""
+        if not self.config.enable_mixed_chunk or not self.running:
+            return []
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
+        if free < prefill_tokens + len(self.running):
+            return []
+        return list(self.running)
 
     def prepare(self, batch: ScheduleBatch) -> None:
         """Give the batch's new tokens KV slots (evicting cached prefixes if needed), record them in
@@ -613,7 +626,11 @@ class Scheduler:
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         else:
             self.stats.num_forward_extend += 1
-            self.stats.num_prefill_tokens += len(batch.input_ids)
+            self.stats.num_prefill_tokens += len(batch.input_ids) - batch.num_decode
+            if batch.num_decode:
+                self.stats.num_mixed_decode += batch.num_decode
+                self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                           self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
             for req, n in zip(batch.reqs, batch.extend_lens):
                 req.kv_len += n
                 if req.kv_len < req.seq_len:
@@ -621,14 +638,18 @@ class Scheduler:
                         (req.tree or self.tree_cache).cache_unfinished_req(req)
                     self.chunked_req = req
         reqs = batch.sampled_reqs()
-        return self._apply_tokens(reqs, out, range(len(reqs)), newly_prefilled=not batch.is_decode)
+        riders = set(map(id, batch.reqs[len(batch.reqs) - batch.num_decode:]))
+        return self._apply_tokens(reqs, out, range(len(reqs)), newly_prefilled=not batch.is_decode,
+                                  riders=riders)
 
     def _apply_tokens(self, reqs: list[Req], out: SampleOutput, rows: Any, newly_prefilled: bool,
-                      on_finish: Any = None) -> list[Req]:
+                      on_finish: Any = None, riders: set[int] | None = None) -> list[Req]:
         """Request `reqs[k]` takes the token of output row `rows[k]`; finished ones give their KV
-        back (after `on_finish(req)`), newly prefilled ones that go on join `running`."""
+        back (after `on_finish(req)`), newly prefilled ones that go on join `running`. `riders`:
+        ids of running requests that decoded in a prefill batch (they are running already)."""
         failed = out.failed
         finished: list[Req] = []
+        riders = riders or set()
         for req, i in zip(reqs, rows):
             if failed and i in failed:  # this request alone ends; the rest of the batch goes on
                 req.finished_reason = {"type": "abort", "message": failed[i]}
@@ -644,11 +665,11 @@ class Scheduler:
             req.finished_reason = self._check_finished(req, token)
             if req.finished_reason is not None:
                 finished.append(req)
-            elif newly_prefilled:
+            elif newly_prefilled and id(req) not in riders:
                 self.running.append(req)
         if finished:
             done = set(map(id, finished))
-            if not newly_prefilled:
+            if riders or not newly_prefilled:  # running requests among them leave `running`
                 self.running = [r for r in self.running if id(r) not in done]
             for req in finished:
                 req.weight_version = self.handover.weight_version
