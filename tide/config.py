@@ -54,7 +54,8 @@ class EngineConfig:
     attention_backend: str = _option("auto", "auto (triton on CUDA, torch_native elsewhere), "
                                              "triton or torch_native")
     disable_cuda_graph: bool = _option(False, "run decode eagerly instead of replaying CUDA graphs")
-    cuda_graph_max_bs: int = _option(256, "largest decode batch captured as a CUDA graph")
+    cuda_graph_max_bs: int = _option(
+        512, "largest decode batch captured as a CUDA graph (at most max_running_requests)")
     # Memory pools.
     mem_fraction_static: float = _option(
         0.85, "fraction of the GPU's total memory for weights + KV cache (the rest is activations "

@@ -179,6 +179,9 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         probs = truncate(probs, params)
         noise = torch.empty_like(probs)
+        if all(p.seed is None for p in params):  # one launch for the batch, not one per row
+            noise.exponential_(generator=self._generator(probs.device))
+            return (probs / noise).argmax(dim=-1)
         for i, p in enumerate(params):
             if p.seed is None:
                 noise[i].exponential_(generator=self._generator(probs.device))
