@@ -56,6 +56,29 @@ def _decided(sched, req: Req) -> int:
     return len(req.output_ids) + int(riding)
 
 
+class Sender:
+    """The scheduler process's bookkeeping (`_send_outputs`, `_report_finished`): what a client
+    receives from step() returns, abort returns and handover calls."""
+
+    def __init__(self, reqs: list[Req]) -> None:
+        self.live = {r.rid: r for r in reqs}
+        self.received: dict[str, list[int]] = {r.rid: [] for r in reqs}
+        self.finishes: dict[str, int] = {r.rid: 0 for r in reqs}
+
+    def send(self, reqs: list[Req], from_step: bool = False) -> None:
+        for r in reqs:
+            if from_step and self.live.get(r.rid) is not r:
+                continue
+            got = self.received[r.rid]
+            got.extend(r.output_ids[len(got):])
+            if r.finished:
+                self.finishes[r.rid] += 1
+                self.live.pop(r.rid, None)
+
+    def report_finished(self) -> None:
+        self.send([r for r in self.live.values() if r.finished])
+
+
 def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
          chunk: int = 16) -> dict:
     """Step `reqs` to the end; `events`: (rid, k, action) — `action(engine)` runs once, as soon as
@@ -72,6 +95,7 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
     for req in reqs:
         sched.add_request(req)
     by_rid = {r.rid: r for r in reqs}
+    sender = Sender(reqs)
     pending = list(events)
     try:
         for _ in range(5000):
@@ -79,11 +103,12 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
                 rid, k, action = ev
                 if _decided(sched, by_rid[rid]) >= k or by_rid[rid].finished:
                     pending.remove(ev)
-                    action(engine)
+                    sender.send(action(engine) or [])
+                    sender.report_finished()
             if all(r.finished for r in reqs) and not sched.has_work():
                 break
             assert not sched.is_blocked(), "the test left the engine paused"
-            sched.step()
+            sender.send(sched.step(), from_step=True)
             sched.check_invariants()
         else:
             pytest.fail("no progress")
@@ -92,6 +117,9 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
         sched.overlap = False
         sched.config = config
     assert not pending, "an event never fired"
+    # every token reached the client once, and every finish exactly once
+    assert sender.received == {r.rid: r.output_ids for r in reqs}
+    assert set(sender.finishes.values()) == {1}
     assert sched.tree_cache.protected_size() == 0
     return {"overlapped": overlapped, "mixed": mixed_tokens, "out": {r.rid: (r.output_ids, r.finished_reason, r.weight_version,
                                                       r.output_token_logprobs, r.output_top_logprobs)
