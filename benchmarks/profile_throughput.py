@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from benchmarks.run import workload
+from benchmarks.run import engine_options, workload
 
 SECTIONS = ("schedule", "batch_build", "launch", "sampling", "token_sync", "output_processing",
             "other")
@@ -322,36 +322,16 @@ def _generate(engine: Any, reqs: list[tuple[list[int], int]]) -> list[dict]:
     return engine.generate(input_ids=ids, sampling_params=params)
 
 
-def _engine_options(pairs: list[str]) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--engine takes key=value, got {pair!r}")
-        key, value = pair.split("=", 1)
-        low = value.lower()
-        if low in ("true", "false"):
-            opts[key] = low == "true"
-        else:
-            try:
-                opts[key] = int(value)
-            except ValueError:
-                try:
-                    opts[key] = float(value)
-                except ValueError:
-                    opts[key] = value
-    return opts
-
-
 def profile_throughput(shape: str, num_requests: int, lo: int, hi: int, kernels: bool,
-                       kernel_requests: int | None, engine_options: dict[str, Any]) -> dict[str, Any]:
+                       kernel_requests: int | None, options: dict[str, Any]) -> dict[str, Any]:
     import tide
 
     if shape == "demo":
-        engine = tide.Engine(**engine_options)
+        engine = tide.Engine(**options)
     else:
         from benchmarks.run import make_engine
 
-        engine = make_engine(shape, **engine_options)
+        engine = make_engine(shape, **options)
     try:
         sched = engine.scheduler
         vocab = sched.model_config.vocab_size if sched.model_config is not None else 32000
@@ -378,7 +358,7 @@ def profile_throughput(shape: str, num_requests: int, lo: int, hi: int, kernels:
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "date": time.strftime("%Y-%m-%d"),
             "torch": torch.__version__,
-            "engine_options": engine_options,
+            "engine_options": options,
             "overlap_schedule": sched.overlap,
             "mixed_chunk": sched.config.enable_mixed_chunk,
             "num_requests": num_requests,
@@ -464,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lo = args.min_len or (8 if args.quick else 100)
     hi = args.max_len or (32 if args.quick else 1024)
     res = profile_throughput(shape, n, lo, hi, not args.no_kernels, args.kernel_requests,
-                             _engine_options(args.engine))
+                             engine_options(args.engine))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile-{shape}.json"), "w") as f:
         json.dump(res, f, indent=2)
