@@ -121,9 +121,9 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
     assert sender.received == {r.rid: r.output_ids for r in reqs}
     assert set(sender.finishes.values()) == {1}
     assert sched.tree_cache.protected_size() == 0
-    return {"overlapped": overlapped, "mixed": mixed_tokens, "out": {r.rid: (r.output_ids, r.finished_reason, r.weight_version,
-                                                      r.output_token_logprobs, r.output_top_logprobs)
-                                              for r in reqs}}
+    out = {r.rid: (r.output_ids, r.finished_reason, r.weight_version, r.output_token_logprobs,
+                   r.output_top_logprobs) for r in reqs}
+    return {"overlapped": overlapped, "mixed": mixed_tokens, "out": out}
 
 
 def _same(engine, make, events=(), mixed_too: bool = False) -> dict:

@@ -116,6 +116,7 @@ class DeviceSample:
             vals_l, ids_l = vals.tolist(), top_ids.tolist()
             top = [list(zip(vals_l[i][:n], ids_l[i][:n]))
                    for i, n in enumerate(self.top_logprobs_num)]
+        assert ids is not None
         return SampleOutput(ids.tolist(), logprobs, top)
 
 

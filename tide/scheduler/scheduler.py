@@ -226,7 +226,7 @@ class Scheduler:
         try:
             self.prepare(batch)
             future = self.worker.forward_launch(batch)
-        except Exception as e:  # noqa: BLE001 - as in step()
+        except Exception as e:  # as in step()
             logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
             return self._fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
         self._commit_launch(batch, future)
@@ -264,7 +264,7 @@ class Scheduler:
         try:
             self._prepare_successor(batch, prev, [rows[id(r)] for r in reqs])
             future = self.worker.forward_launch(batch)
-        except Exception as e:  # noqa: BLE001 - step N's tokens still count; step N+1's requests fail
+        except Exception as e:  # step N's tokens still count; step N+1's requests fail
             logger.exception("forward failed; aborting %d request(s)", len(reqs))
             if self._inflight_loc is not None:
                 self.allocator.free(self._inflight_loc)
@@ -307,7 +307,7 @@ class Scheduler:
         batch = launched.batch
         try:
             out = launched.future.result()
-        except Exception as e:  # noqa: BLE001 - a device error surfaces here
+        except Exception as e:  # a device error surfaces here
             logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
             return self._fail([r for r in batch.reqs if not r.finished],
                               f"internal error: {type(e).__name__}: {e}")
