@@ -135,7 +135,7 @@ class TpModelWorker(ModelWorker):
             return SampleFuture(output=SampleOutput([], None, None))
         try:
             sample = self.sampler.sample(logits, batch.sampling, greedy_ids)
-        except Exception:  # find the failing row(s) on the synchronous path
+        except Exception:  # noqa: BLE001 - find the failing row(s) on the synchronous path
             return SampleFuture(output=self.sample(logits, batch.sampling, greedy_ids))
         sample.copy_to_host()
         return SampleFuture(sample)
