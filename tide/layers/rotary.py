@@ -57,9 +57,13 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        # In fp32, rounded once at the end, as the fused GPU kernel does (a bf16 rotation rounds
+        # three times and drifts from it by more than the attention kernels differ).
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        qf, kf = q.float(), k.float()
+        return ((qf * cos + _rotate_half(qf) * sin).to(q.dtype),
+                (kf * cos + _rotate_half(kf) * sin).to(k.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
