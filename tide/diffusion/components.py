@@ -177,5 +177,17 @@ def _load_model(cls: Any, library: str, path: str, name: str, device: torch.devi
             raise ValueError(
                 f"component {name!r}: cannot load safetensors weights from {path}: {e}") from None
         module = module.to(target)
+        if target.type == "cpu":
+            _align_host_tensors(module)
     module.eval().requires_grad_(False)
     return module
+
+
+def _align_host_tensors(module: Any) -> None:
+    """Copy host tensors that safetensors left at an address not 64-byte aligned (views into the
+    file) into fresh memory: CPU matmul kernels pick their path by alignment, so otherwise a
+    component's results would change when residency moves its weights into aligned buffers."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.device.type == "cpu" and t.data_ptr() % 64:
+                t.data = t.data.clone()

@@ -214,7 +214,7 @@ class DiffusionEngine:
                 oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
             # Out of the except block: the traceback and the failed batch's tensors are gone.
             if oom is not None:
-                stage = self.pipeline.executor.failed_stage
+                stage = self.pipeline.executor.current_stage
                 self.residency.release_point("oom")
                 self.memory_ledger.mark("oom", f"stage {stage}: {oom}")
                 raise DiffusionOutOfMemoryError(

@@ -138,9 +138,11 @@ def plan_strategies(requested: dict[str, str], sizes: dict[str, ComponentSize],
                     memory_intensive: set[str], budget: int | None,
                     layerwise_blocks: int) -> dict[str, str]:
     """Strategies for every component in `sizes`: the requested ones as given, `auto` ones chosen so
-    the static peak fits `budget`, moving the least often used first: memory-intensive encoders, then
-    the other components (largest first) to offload; then the denoiser to offload, then to layerwise;
-    then the memory-intensive encoders to layerwise. ValueError when even that does not fit."""
+    the static peak fits `budget`. Moves are tried in order — memory-intensive encoders, then the
+    other components (largest first) to offload; the denoiser to offload, then to layerwise; the
+    memory-intensive encoders to layerwise — until the peak fits; then each moved component goes
+    back to the least aggressive strategy that still fits (latest move first). ValueError when even
+    every move does not fit."""
     chosen = {name: (RESIDENT if s == AUTO else s) for name, s in requested.items()}
     auto = [n for n, s in requested.items() if s == AUTO]
     if budget is None or not auto:
@@ -155,15 +157,26 @@ def plan_strategies(requested: dict[str, str], sizes: dict[str, ComponentSize],
     if denoiser in auto:
         steps += [(denoiser, OFFLOAD), (denoiser, LAYERWISE)]
     steps += [(n, LAYERWISE) for n in by_size if n in memory_intensive and sizes[n].blocks]
-    for name, strategy in [(None, None), *steps]:
-        if name is not None and strategy is not None:
-            chosen[name] = strategy
+    moved: list[str] = []
+    for name, strategy in steps:
         if fits():
-            return chosen
-    need = static_peak(chosen, sizes, stage_components, layerwise_blocks)
-    raise ValueError(f"residency_budget_gb={budget / 1e9:g}: the pipeline's weights need at least "
-                     f"{need / 1e9:.2f} GB on the device even with {chosen}; raise the budget or lower "
-                     "layerwise_blocks")
+            break
+        chosen[name] = strategy
+        moved.append(name)
+    if not fits():
+        need = static_peak(chosen, sizes, stage_components, layerwise_blocks)
+        raise ValueError(f"residency_budget_gb={budget / 1e9:g}: the pipeline's weights need at least "
+                         f"{need / 1e9:.3g} GB on the device even with {chosen}; raise the budget or "
+                         "lower layerwise_blocks")
+    for name in dict.fromkeys(reversed(moved)):
+        current = chosen[name]
+        for lighter in STRATEGIES[:STRATEGIES.index(current)]:
+            chosen[name] = lighter
+            if fits():
+                break
+        else:
+            chosen[name] = current
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class StageHook:
 class StageExecutor:
     """Runs a pipeline's stages, in order, over one batch at a time, profiling each stage
     (`tide.diffusion.profiler`: time and memory into `batch.profile` and `batch.stage_timings_ms`).
-    After a failure `failed_stage` names the stage that raised."""
+    `current_stage` names the stage running now; after a failure, the one that raised."""
 
     def __init__(self, stages: Sequence[Stage], device: torch.device,
                  hooks: Sequence[StageHook] = (), observer: MemoryObserver | None = None) -> None:
@@ -66,19 +66,19 @@ class StageExecutor:
         self.device = device
         self.hooks: list[StageHook] = list(hooks)
         self.observer = observer
-        self.failed_stage: str | None = None
+        self.current_stage: str | None = None
 
     def add_hook(self, hook: StageHook) -> None:
         self.hooks.append(hook)
 
     def run(self, batch: DiffusionBatch) -> DiffusionBatch:
         profiler = StageProfiler(self.device, self.observer)
-        self.failed_stage = None
+        self.current_stage = None
         failed = True
         try:
             with torch.inference_mode():
                 for stage in self.stages:
-                    self.failed_stage = stage.name
+                    self.current_stage = stage.name
                     profiler.begin(stage.name)
                     for hook in self.hooks:
                         hook.before_stage(stage, batch)
@@ -87,7 +87,7 @@ class StageExecutor:
                         hook.after_stage(stage, batch)
                     profiler.end(stage.name)
             failed = False
-            self.failed_stage = None
+            self.current_stage = None
         finally:
             for hook in self.hooks:
                 hook.after_batch(batch, failed)
