@@ -34,6 +34,7 @@ ALLOWED_TYPE_ONLY = {
     ("tide.executor.forward_batch", "tide.layers.attention.base"),
     ("tide.layers.attention.base", "tide.executor.model_runner"),
     ("tide.layers.attention.triton_backend", "tide.executor.model_runner"),
+    ("tide.layers.attention.torch_native", "tide.executor.model_runner"),
 }
 
 

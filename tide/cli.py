@@ -21,6 +21,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--disable-radix-cache", action="store_true", default=None)
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--enable-deterministic-inference", action="store_true", default=None,
+                   help="batch-invariant ops: the same prompt and seed give the same tokens and "
+                        "logprobs whatever the batch (docs/rl.md)")
     p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
     p.add_argument("--log-level", default=None)
 
@@ -28,7 +31,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model_path", "device", "dtype", "max_total_tokens", "context_length",
             "chunked_prefill_size", "disable_radix_cache", "attention_backend", "load_format",
-            "log_level")
+            "enable_deterministic_inference", "log_level")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

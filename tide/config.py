@@ -47,6 +47,10 @@ class EngineConfig:
     enable_memory_saver: bool = False
     enable_cpu_backup: bool = False
     schedule_conservativeness: float = 1.0
+    # RL fidelity: every op whose reduction order could depend on the batch runs batch-invariant,
+    # so a request's tokens and logprobs do not depend on what shares its batch, on chunked
+    # prefill or on a cached prefix (see docs/rl.md). CPU only for now.
+    enable_deterministic_inference: bool = False
     # Loading.
     show_progress: bool | None = None
     log_level: str = "warning"

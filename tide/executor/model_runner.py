@@ -11,6 +11,7 @@ from tide.config import EngineConfig
 from tide.executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
 from tide.layers.attention import select_attention_backend
+from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -63,9 +64,16 @@ class ModelRunner:
                 f"context_length {self.context_len} exceeds the model's max_position_embeddings "
                 f"{model_config.max_position_embeddings}"
             )
+        if config.enable_deterministic_inference and self.device.type != "cpu":
+            raise ValueError(
+                "enable_deterministic_inference is supported on CPU only for now (no "
+                f"batch-invariant kernels for device {self.device.type!r} yet); use device='cpu'"
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = self._load_model()
+        if config.enable_deterministic_inference:
+            set_batch_invariant(self.model)
         # Memory saver on CUDA: weights and KV live in address-stable regions, so release/resume
         # keeps every pointer a captured CUDA graph holds.
         self.use_vmm = False

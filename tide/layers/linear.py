@@ -15,6 +15,10 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
+    # Set on every projection of an engine with `enable_deterministic_inference`: the product is then
+    # computed by `tide.layers.batch_invariant.linear` (a row's result independent of the batch).
+    batch_invariant = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _param(out_features, in_features)
@@ -32,6 +36,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype,
         is written there and returned."""
+        if self.batch_invariant:
+            from tide.layers import batch_invariant
+
+            y = batch_invariant.linear(x, self.weight, self.bias)
+            return y if out is None else out.copy_(y)
         if x.is_cuda and x.shape[0] == 1:
             from tide.layers import gemv
 

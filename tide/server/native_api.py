@@ -52,7 +52,8 @@ class NativeServing:
 
     async def generate(self, req: GenerateReqInput, raw_request: Request) -> Response:
         owner = caller_of(raw_request).identity
-        single, items = await self._normalize(req, owner)
+        async with self.tm.admission:
+            single, items = await self._normalize(req, owner)
         event = asyncio.Event()
         if req.stream:
             # Submitted inside the stream, so a client gone before it starts leaves nothing behind.

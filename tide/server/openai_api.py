@@ -205,7 +205,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
         single = isinstance(prompt, str) or bool(prompt and isinstance(prompt[0], int))
         num_prompts = 1 if single else len(prompt)
         params = self.sampling_params(req, num_prompts)
-        prompts = await self._prompts(req)
+        async with self.tm.admission:
+            prompts = await self._prompts(req)
         # With max_tokens null, every prompt gets the room the longest one leaves.
         max_tokens = min(self.tm.resolve_max_new_tokens(len(p.ids), req.max_tokens, "prompt",
                                                         "max_tokens") for p in prompts)
@@ -364,7 +365,8 @@ class OpenAIServingChat(OpenAIServingBase):
         if req.top_logprobs is not None:
             check_at_most(req.top_logprobs, self.tm.limits.max_top_logprobs, "top_logprobs")
         params = self.sampling_params(req, 1)
-        prompt_ids = await self._apply_template(req)
+        async with self.tm.admission:
+            prompt_ids = await self._apply_template(req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = self.tm.resolve_max_new_tokens(len(prompt_ids), max_new, "messages", max_param)

@@ -62,6 +62,8 @@ from tide.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tide.server")
 
+ADMISSION_CONCURRENCY = 16  # generation requests being admitted at once
+
 _NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
 
 
@@ -192,6 +194,10 @@ class TokenizerManager:
         # never stalls other clients. The tokenizer releases the GIL while it works.
         self._tokenize_pool = ThreadPoolExecutor(self.limits.tokenizer_threads,
                                                  thread_name_prefix="tide-tokenize")
+        # Held while a generation request is validated, tokenized and submitted. A burst of
+        # thousands of requests is admitted a slice at a time, so the event loop keeps answering
+        # /health and streaming between slices instead of validating them all in one go.
+        self.admission = asyncio.Semaphore(ADMISSION_CONCURRENCY)
         self.input_addr = input_addr
         self.output_addr = output_addr
         self.metrics = metrics

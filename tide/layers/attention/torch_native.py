@@ -3,6 +3,13 @@
 Sliding-window layers gather only the keys a query block can see: queries go in blocks of
 `sliding_window` rows, and a block starting at position s reads keys s - window + 1 .. its last
 position, so the work per token is O(window) at any context length (not a full-length mask).
+
+Deterministic mode (`enable_deterministic_inference`): every query row attends on its own, over
+exactly the keys it can see, as a decode step does. A token's attention is then the same sequence of
+operations whether it is computed in one prefill, in any chunk of a chunked prefill, on top of a
+cached prefix, or as a decode step, whatever else is in the batch (this also makes the trainer-side
+reference `tide.rl.logprobs`, one prefill over prompt + output, equal the engine's decode steps).
+It costs one attention call per prompt token per layer.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from tide.layers.attention.base import AttentionBackend, register
 
 if TYPE_CHECKING:
     from tide.executor.forward_batch import ForwardBatch
+    from tide.executor.model_runner import ModelRunner
     from tide.layers.attention.layer import Attention
 
 
@@ -23,6 +31,13 @@ if TYPE_CHECKING:
 class TorchNativeAttnBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logit_cap = True
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+
+    @classmethod
+    def create(cls, runner: "ModelRunner") -> "TorchNativeAttnBackend":
+        return cls(deterministic=runner.config.enable_deterministic_inference)
 
     def forward_extend(
         self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch"
@@ -48,7 +63,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             n_new = new_lens[i]
             prefix = seq_len - n_new
             row = req_to_token[fb.req_pool_indices[i]]
-            block = window if window is not None else max(n_new, 1)
+            if self.deterministic:
+                block = 1
+            else:
+                block = window if window is not None else max(n_new, 1)
             for s in range(0, n_new, block):
                 e = min(s + block, n_new)
                 q_pos = prefix + s  # position of the block's first query
