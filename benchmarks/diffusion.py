@@ -361,11 +361,12 @@ def _timed(fn: Callable[[], Any], clock: _Clock) -> tuple[Any, float]:
     return out, clock.ms(start, end)
 
 
-def bench_residency(name: str, model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
+def bench_residency(name: str, model_dir: str, args: argparse.Namespace,
+                    save: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
     """tide under each `--residency` strategy, then diffusers' `--peers`, one after the other in
     this process (each with fresh modules and the same dummy weights): latency, per-stage ms, peak
     allocated device memory, host RSS, release points, and the max abs difference of the images
-    from tide's first strategy's."""
+    from tide's first strategy's. `save(partial)` is called after each system."""
     import tide
 
     out: dict[str, Any] = {"shape": SHAPES[name][0] if not args.quick else f"tiny-{name}",
@@ -426,12 +427,14 @@ def bench_residency(name: str, model_dir: str, args: argparse.Namespace) -> dict
         if args.flat_requests:
             row["flat"] = _flatness(engine, args)
         out["strategies"][strategy] = row
+        save(out)
         engine.shutdown()
         del engine
         _teardown(device)
 
     for peer in args.peers:
         out["peers"][peer] = _bench_peer(peer, model_dir, args, ref)
+        save(out)
         if torch.cuda.is_available():
             _teardown(torch.device("cuda"))
     return out
@@ -735,7 +738,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.residency:
             print(f"{name}: {'tiny-' + name if q else SHAPES[name][0]} {args.size}x{args.size}, "
                   f"{args.steps} steps", flush=True)
-            res["results"][name] = bench_residency(name, model_dir, args)
+            def save(partial: dict[str, Any], name: str = name) -> None:
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump({**res, "results": {**res["results"], name: partial}}, f, indent=2)
+
+            res["results"][name] = bench_residency(name, model_dir, args, save)
         else:
             res["results"][name] = bench_model(name, model_dir, args)
         gc.collect()  # the model's engine and pipeline are gone with the bench function's frame

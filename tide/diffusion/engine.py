@@ -364,6 +364,7 @@ class DiffusionEngine:
             with self._lock:
                 self.pipeline.residency.close()
                 self.pipeline = None  # type: ignore[assignment]
+                self.weights = None  # type: ignore[assignment]
 
     def __enter__(self) -> DiffusionEngine:
         return self

@@ -251,13 +251,14 @@ class HostCopy:
 def _register(flat: torch.Tensor) -> bool:
     try:
         err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
-    except (RuntimeError, AttributeError) as e:
+        err = int(getattr(err, "value", err))
+    except (RuntimeError, AttributeError, TypeError) as e:
         logger.warning("cannot pin %d bytes of host memory (%s); copies will be synchronous",
                        flat.numel(), e)
         return False
-    if int(err) != 0:
+    if err != 0:
         logger.warning("cudaHostRegister of %d bytes failed (error %s); copies will be synchronous",
-                       flat.numel(), int(err))
+                       flat.numel(), err)
         return False
     return True
 
