@@ -105,6 +105,28 @@ def test_completion_and_stream_match(client):
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_usage_with_n_counts_each_prompt_once(client, engine):
+    """OpenAI's semantics for n > 1: the prompt is billed once per prompt, every choice's output
+    counts, and cached_tokens (a part of prompt_tokens) never exceeds it."""
+    prompt = PROMPTS[0] + " and n"
+    n_prompt = len(engine.tokenizer.encode(prompt))
+    for _ in range(2):  # the second request finds the prompt in the radix cache
+        out = client.completions.create(model="tide-test", prompt=prompt, max_tokens=3, n=3,
+                                        temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+        usage = out.usage
+        assert usage.prompt_tokens == n_prompt
+        assert usage.completion_tokens == 3 * 3
+        assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    chat = client.chat.completions.create(model="tide-test", n=3, max_tokens=2, seed=1,
+                                          messages=[{"role": "user", "content": prompt}])
+    chat_again = client.chat.completions.create(model="tide-test", n=3, max_tokens=2, seed=1,
+                                                messages=[{"role": "user", "content": prompt}])
+    assert chat.usage.prompt_tokens == chat_again.usage.prompt_tokens
+    assert 0 < chat_again.usage.prompt_tokens_details.cached_tokens <= chat_again.usage.prompt_tokens
+
+
 def test_completion_stream_has_final_usage_without_stream_options(client):
     stream = client.completions.create(model="tide-test", prompt=PROMPTS[1], max_tokens=4,
                                        temperature=0, stream=True)

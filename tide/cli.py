@@ -1,31 +1,68 @@
-"""Command line: `tide generate`, `tide serve`, `tide memory-plot` (and later `tide bench`)."""
+"""Command line: `tide generate`, `tide serve`, `tide memory-plot`.
+
+Engine options take their help text and default from `tide.config.EngineConfig` (one source of truth);
+every option's help shows its default.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from tide.config import EngineConfig, option_help
 from tide.diffusion import cli as diffusion_cli
 from tide.diffusion.config import is_diffusion_model
+from tide.version import __version__
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already names its default; flags
+    (store_true) are off by default and say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.nargs == 0
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _engine_help(field: str) -> str:
+    """EngineConfig's help for `field`, with EngineConfig's default when the text does not name it."""
+    text = option_help(field)
+    if "default" in text:
+        return text
+    default = EngineConfig.__dataclass_fields__[field].default
+    if isinstance(default, bool):
+        return text
+    return f"{text} (default: {default})"
+
+
+def _engine_option(p: Any, field: str, **kwargs: Any) -> None:
+    """`--FIELD` for EngineConfig field `field`: default None, so EngineConfig's default applies."""
+    p.add_argument("--" + field.replace("_", "-"), dest=field, default=None,
+                   help=_engine_help(field), **kwargs)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model_path", default=None,
-                   help="HF model directory, or a diffusers pipeline directory (model_index.json) or "
-                        "demo-diffusion for images (default: the built-in demo LLM)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--disable-radix-cache", action="store_true", default=None)
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--enable-deterministic-inference", action="store_true", default=None,
-                   help="batch-invariant ops: the same prompt and seed give the same tokens and "
-                        "logprobs whatever the batch (docs/rl.md)")
-    p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--log-level", default=None)
+                   help="Hugging Face model directory, or a diffusers pipeline directory "
+                        "(model_index.json) or demo-diffusion for images (default: the built-in "
+                        "demo LLM)")
+    _engine_option(p, "device")
+    _engine_option(p, "dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    _engine_option(p, "max_total_tokens", type=int, metavar="N")
+    _engine_option(p, "context_length", type=int, metavar="N")
+    _engine_option(p, "chunked_prefill_size", type=int, metavar="N")
+    _engine_option(p, "disable_radix_cache", action="store_true")
+    _engine_option(p, "attention_backend", choices=["auto", "triton", "torch_native"])
+    _engine_option(p, "enable_deterministic_inference", action="store_true")
+    _engine_option(p, "load_format", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--log-level", default=None, type=str.lower,
+                   choices=["debug", "info", "warning", "error"],
+                   help="log level (default: info for serve, warning for generate)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -48,7 +85,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     with Engine(**engine_kwargs(args)) as engine:
-        prompt = args.prompt
+        prompt: str = args.prompt
         if args.chat:
             if engine.tokenizer is None:
                 raise SystemExit("tide: error: --chat needs a tokenizer and this model has none")
@@ -59,7 +96,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompt = text
         out = engine.generate(prompt=prompt, sampling_params=params)
     assert isinstance(out, dict)  # one prompt: one output
-    sys.stdout.write(args.prompt + out["text"] + "\n")
+    # A completion continues the prompt, so both are printed; a chat reply stands alone.
+    sys.stdout.write((out["text"] if args.chat else args.prompt + out["text"]) + "\n")
     meta = out["meta_info"]
     sys.stderr.write(
         f"[{meta['completion_tokens']} tokens, finish_reason={meta['finish_reason']['type']}, "
@@ -69,6 +107,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from tide.server.port import check_port_available
+
+    check_port_available(args.host, args.port)  # before the model loads: a busy port fails at once
     if is_diffusion_model(args.model_path):
         return diffusion_cli.serve(args)
     from tide.config import EngineConfig
@@ -122,29 +163,41 @@ def _cmd_memory_plot(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tide", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("prompt", nargs="?", default="The for statement")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.7)
-    gen.add_argument("--top-p", type=float, default=0.9)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    parser = argparse.ArgumentParser(prog="tide", description=__doc__.split("\n\n")[0],
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tide {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
+
+    gen = command("generate", "generate a completion (or with --chat a reply) for one prompt")
+    gen.add_argument("prompt", help="the prompt text (for images: what to draw)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                     help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling probability mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the K likeliest (-1: all)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (for images: noise seed)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the model's chat template and print only the reply")
     _add_engine_args(gen)
     diffusion_cli.add_generate_args(gen)
     gen.set_defaults(func=_cmd_generate)
-    srv = sub.add_parser("serve", help="serve the OpenAI and sglang-native HTTP API")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=30000)
+    srv = command("serve", "serve the OpenAI and sglang-native HTTP API")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (0.0.0.0: every interface; then admin routes need "
+                          "--admin-api-key)")
+    srv.add_argument("--port", type=int, default=30000,
+                     help="port to listen on; checked before the model loads")
     srv.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every route; give it several times "
                           "(or KEY1,KEY2) for several users: each key is its own identity, and "
-                          "request ids (rids) are scoped to it")
+                          "request ids (rids) are scoped to it (default: none, no key needed)")
     srv.add_argument("--admin-api-key", default=None,
                      help="require this key on admin routes (flush_cache, abort_all, weight updates, "
-                          "pause/continue, ...)")
+                          "pause/continue, ...) (default: none: admin routes only on a loopback --host)")
     srv.add_argument("--allow-unauthenticated-admin", action="store_true",
                      help="serve the admin routes without --admin-api-key on a --host that is not "
                           "loopback (refused by default)")
@@ -179,38 +232,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most sequences one request may ask for, prompts x n (default: 4096)")
     limits.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
                         help="threads that tokenize off the event loop (default: 2)")
-    srv.add_argument("--tokenizer-path", default=None)
-    srv.add_argument("--skip-tokenizer-init", action="store_true", default=None,
-                     help="load no tokenizer (the model needs no tokenizer files): requests send "
-                          "input_ids and get output_ids; text prompts, chat messages and stop "
-                          "strings are refused")
-    srv.add_argument("--max-running-requests", type=int, default=None)
-    srv.add_argument("--mem-fraction-static", type=float, default=None)
-    srv.add_argument("--enable-memory-saver", action="store_true", default=None,
-                     help="allow /release_memory_occupation and /resume_memory_occupation (KV cache, "
-                          "weights and CUDA graphs are allocated so their memory can be released "
-                          "and taken back at the same addresses)")
-    srv.add_argument("--enable-cpu-backup", action="store_true", default=None,
-                     help="with --enable-memory-saver: keep a pinned host copy of the weights while "
-                          "they are released, and restore it on resume")
+    _engine_option(srv, "tokenizer_path", metavar="DIR")
+    _engine_option(srv, "skip_tokenizer_init", action="store_true")
+    _engine_option(srv, "max_running_requests", type=int, metavar="N")
+    _engine_option(srv, "mem_fraction_static", type=float, metavar="F")
+    _engine_option(srv, "enable_memory_saver", action="store_true")
+    _engine_option(srv, "enable_cpu_backup", action="store_true")
     _add_engine_args(srv)
     diffusion_cli.add_serve_args(srv)
     srv.set_defaults(func=_cmd_serve)
-    plot = sub.add_parser("memory-plot",
-                          help="draw a memory timeline (Engine.dump_memory_timeline or GET "
-                               "/dump_memory_timeline) as a PNG")
+    plot = command("memory-plot", "draw a memory timeline (Engine.dump_memory_timeline or GET "
+                                  "/dump_memory_timeline) as a PNG")
     plot.add_argument("timeline", help="timeline JSON file")
     plot.add_argument("-o", "--output", default=None,
                       help="PNG to write (default: the JSON path with .png)")
-    plot.add_argument("--title", default=None)
+    plot.add_argument("--title", default=None, help="plot title (default: none)")
     plot.add_argument("--max-labels", type=int, default=200,
                       help="label at most this many events (those with the largest memory change "
                            "or stall); every event still gets its line (default: 200)")
     plot.add_argument("--start", type=float, default=None,
-                      help="first second to show, counted from the first event")
+                      help="first second to show, counted from the first event (default: 0)")
     plot.add_argument("--end", type=float, default=None,
-                      help="last second to show, counted from the first event")
-    plot.add_argument("--dpi", type=int, default=100)
+                      help="last second to show, counted from the first event (default: the last event)")
+    plot.add_argument("--dpi", type=int, default=100, help="resolution of the PNG")
     plot.set_defaults(func=_cmd_memory_plot)
     return parser
 

@@ -18,42 +18,72 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
+def _option(default: Any, help: str) -> Any:
+    """A field with its help text: the one description `tide --help`, docs/python_api.md and
+    `option_help` read."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def option_help(name: str) -> str:
+    """The help text of `EngineConfig` field `name`."""
+    return str(EngineConfig.__dataclass_fields__[name].metadata["help"])
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Options of an engine. Field names follow sglang's `ServerArgs` where sglang has the concept."""
+    """Options of an engine. Field names follow sglang's `ServerArgs` where sglang has the concept.
 
-    model_path: str = DEMO_MODEL_PATH
-    tokenizer_path: str | None = None
-    # No tokenizer at all: requests are token ids in, token ids out (text inputs and stop strings
-    # are refused). The checkpoint needs no tokenizer files.
-    skip_tokenizer_init: bool = False
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    context_length: int | None = None
-    attention_backend: str = "auto"  # "auto": triton on CUDA, torch_native elsewhere
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256
+    Every field carries its help text in `dataclasses.field(metadata={"help": ...})`; the CLI's
+    option help is read from there."""
+
+    model_path: str = _option(DEMO_MODEL_PATH, "Hugging Face model directory (config.json, "
+                              "*.safetensors, tokenizer files); default: the built-in demo model")
+    tokenizer_path: str | None = _option(None, "tokenizer directory (default: model_path)")
+    skip_tokenizer_init: bool = _option(
+        False, "load no tokenizer: requests are token ids in, token ids out (text inputs and stop "
+               "strings are refused); the checkpoint needs no tokenizer files")
+    load_format: str = _option("auto", "auto or safetensors: read the checkpoint; dummy: random "
+                                       "weights of the model's shapes (tests, benchmarks)")
+    dtype: str = _option("auto", "weight and activation dtype: auto (on GPU the checkpoint's "
+                                 "torch_dtype, bfloat16 for a float32 checkpoint; float32 on CPU), "
+                                 "float32, bfloat16 or float16")
+    device: str = _option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    seed: int = _option(0, "seed of dummy weights and of sampling for requests that pass no seed")
+    context_length: int | None = _option(
+        None, "longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    attention_backend: str = _option("auto", "auto (triton on CUDA, torch_native elsewhere), "
+                                             "triton or torch_native")
+    disable_cuda_graph: bool = _option(False, "run decode eagerly instead of replaying CUDA graphs")
+    cuda_graph_max_bs: int = _option(256, "largest decode batch captured as a CUDA graph")
     # Memory pools.
-    mem_fraction_static: float = 0.85
-    max_total_tokens: int | None = None
-    max_running_requests: int = 256
+    mem_fraction_static: float = _option(
+        0.85, "fraction of the GPU's total memory for weights + KV cache (the rest is activations "
+              "and the allocator's slack); lower it if a colocated process needs memory")
+    max_total_tokens: int | None = _option(
+        None, "KV cache size in tokens; on GPU at most what mem_fraction_static leaves after the "
+              "weights (default: all of that), on CPU default 32768")
+    max_running_requests: int = _option(256, "most requests decoding at once")
     # Scheduling.
-    chunked_prefill_size: int = 8192
-    max_prefill_tokens: int = 16384
-    disable_radix_cache: bool = False
+    chunked_prefill_size: int = _option(8192, "longest prefill chunk in tokens; longer prompts "
+                                              "are prefilled over several steps")
+    max_prefill_tokens: int = _option(16384, "most prompt tokens one prefill batch takes")
+    disable_radix_cache: bool = _option(False, "do not reuse cached prompt prefixes across requests")
     # Releasing memory to a colocated trainer (release/resume_memory_occupation).
-    enable_memory_saver: bool = False
-    enable_cpu_backup: bool = False
-    schedule_conservativeness: float = 1.0
-    # RL fidelity: every op whose reduction order could depend on the batch runs batch-invariant,
-    # so a request's tokens and logprobs do not depend on what shares its batch, on chunked
-    # prefill or on a cached prefix (see docs/rl.md). CPU only for now.
-    enable_deterministic_inference: bool = False
+    enable_memory_saver: bool = _option(
+        False, "allocate KV cache, weights and CUDA graphs so release_memory_occupation / "
+               "resume_memory_occupation can give their memory back and take it again")
+    enable_cpu_backup: bool = _option(False, "with enable_memory_saver: keep a pinned host copy of "
+                                             "the weights while released, restored on resume")
+    schedule_conservativeness: float = _option(
+        1.0, "accepted for sglang compatibility (must be > 0); the scheduler does not read it yet")
+    # RL fidelity (see docs/rl.md).
+    enable_deterministic_inference: bool = _option(
+        False, "batch-invariant ops: the same prompt and seed give the same tokens and logprobs "
+               "whatever shares the batch, chunked prefill or a cached prefix (CPU only for now)")
     # Loading.
-    show_progress: bool | None = None
-    log_level: str = "warning"
+    show_progress: bool | None = _option(None, "show a progress bar while loading weights "
+                                               "(default: for checkpoints of 1 GiB or more)")
+    log_level: str = _option("warning", "log level of the tide loggers (debug, info, warning, error)")
 
     def __post_init__(self) -> None:
         if self.load_format not in _LOAD_FORMATS:

@@ -27,7 +27,7 @@ class Tokenizer(Protocol):
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     """The tokenizer at `tokenizer_path` (default: `model_path`). None with `skip_tokenizer_init`
     or for a dummy-weights model without tokenizer files; ValueError naming the path for a real
-    one without them."""
+    one without them. Its `model_max_length` is lifted: tide enforces the context length."""
     from transformers import AutoTokenizer
 
     if config.skip_tokenizer_init:
@@ -41,4 +41,12 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
             return None
         raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json); pass "
                          "skip_tokenizer_init=True (--skip-tokenizer-init) to serve token ids only")
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # tide bounds prompt length itself (context_length, with a clear error); the tokenizer's own
+    # model_max_length would only add transformers' "Token indices sequence length is longer than
+    # ..." warning for prompts tide is about to refuse anyway.
+    tokenizer.model_max_length = _NO_LIMIT
+    return tokenizer
+
+
+_NO_LIMIT = int(1e30)  # transformers' own "no limit" value (VERY_LARGE_INTEGER)

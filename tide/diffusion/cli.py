@@ -20,27 +20,31 @@ _LLM_ONLY = ("max_total_tokens", "context_length", "chunked_prefill_size", "disa
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("diffusion models (--model demo-diffusion or a diffusers directory)")
-    g.add_argument("--out", default=None, help="PNG to write (several images: NAME-0.png, NAME-1.png...)")
+    g.add_argument("--out", default=None,
+                   help="PNG to write (default: none, required for images; several: NAME-0.png, ...)")
     g.add_argument("--size", default=None, help="WIDTHxHEIGHT (default: the model's)")
-    g.add_argument("--num-inference-steps", type=int, default=28)
-    g.add_argument("--guidance-scale", type=float, default=None)
-    g.add_argument("--true-cfg-scale", type=float, default=1.0, help="FLUX with --negative-prompt")
-    g.add_argument("--negative-prompt", default=None)
-    g.add_argument("--num-images", type=int, default=1)
+    g.add_argument("--num-inference-steps", type=int, default=28, metavar="N",
+                   help="denoising steps")
+    g.add_argument("--guidance-scale", type=float, default=None,
+                   help="classifier-free guidance scale (default: the model's)")
+    g.add_argument("--true-cfg-scale", type=float, default=1.0,
+                   help="FLUX with --negative-prompt: true CFG scale")
+    g.add_argument("--negative-prompt", default=None, help="what not to draw (default: none)")
+    g.add_argument("--num-images", type=int, default=1, metavar="N", help="images to generate")
     _add_engine_limits(g)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("diffusion models (--model demo-diffusion or a diffusers directory)")
-    g.add_argument("--max-queued-requests", type=int, default=None,
+    g.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
                    help="image requests that may wait for a batch (default 256); beyond, 503")
     _add_engine_limits(g)
 
 
 def _add_engine_limits(g: Any) -> None:
-    g.add_argument("--max-batch-images", type=int, default=None,
+    g.add_argument("--max-batch-images", type=int, default=None, metavar="N",
                    help="images per batch and per request (default 16)")
-    g.add_argument("--max-sequence-length", type=int, default=None,
+    g.add_argument("--max-sequence-length", type=int, default=None, metavar="N",
                    help="T5 tokens per prompt for FLUX (default 512)")
     g.add_argument("--component-residency", default=None, metavar="SPEC",
                    help="where each model component lives: COMPONENT=STRATEGY,... with strategy "

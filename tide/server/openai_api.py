@@ -183,13 +183,18 @@ class OpenAIServingBase:
         return {"weight_version": version if version is not None else self.tm.weight_version}
 
     @staticmethod
-    def usage(prompt_tokens: int, states: list[ReqState]) -> dict[str, Any]:
+    def usage(states: list[ReqState], n: int) -> dict[str, Any]:
+        """OpenAI's `usage` for prompt-major `states`, `n` per prompt: each prompt counts once (as
+        OpenAI bills `n` choices), its cached tokens are those of its first choice (so `cached_tokens
+        <= prompt_tokens`), and every choice's output counts."""
+        firsts = states[::n]
+        prompt = sum(len(s.prompt_ids) for s in firsts)
+        cached = sum(min(s.cached_tokens, len(s.prompt_ids)) for s in firsts)
         completion = sum(len(s.output_ids) for s in states)
-        cached = sum(s.cached_tokens for s in states)
         return {
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
@@ -239,7 +244,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                             "finish_reason": finish_reason_name(s.finished_reason)})
         body = {
             "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-            "choices": choices, "usage": self.usage(sum(len(p.ids) for p in prompts), states),
+            "choices": choices, "usage": self.usage(states, req.n),
             "system_fingerprint": None, "metadata": self.metadata(states),
         }
         return JSONResponse(body)
@@ -320,7 +325,6 @@ class OpenAIServingCompletion(OpenAIServingBase):
         n = req.n
         text_pos = [len(prompts[i // n].text or "") if req.echo else 0 for i in range(len(states))]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        prompt_tokens = sum(len(p.ids) for p in prompts)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created,
@@ -344,11 +348,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
                     lp = self._logprobs(s, start, end, False, prompts[i // n], text_pos[i])
                 text_pos[i] += len(delta)
                 finished_count += finished
-                usage = self.usage(prompt_tokens, states) if finished_count == len(states) else None
+                usage = self.usage(states, n) if finished_count == len(states) else None
                 yield chunk([{"index": i, "text": delta, "logprobs": lp,
                               "finish_reason": finish_reason_name(s.finished_reason)}], usage)
             if include_usage:
-                yield chunk([], self.usage(prompt_tokens, states))
+                yield chunk([], self.usage(states, n))
             yield SSE_DONE
         finally:
             self.tm.abort_states(states, "client disconnected")
@@ -398,7 +402,7 @@ class OpenAIServingChat(OpenAIServingBase):
             })
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-            "choices": choices, "usage": self.usage(len(prompt_ids), states),
+            "choices": choices, "usage": self.usage(states, len(states)),
             "system_fingerprint": None, "metadata": self.metadata(states),
         })
 
@@ -490,7 +494,7 @@ class OpenAIServingChat(OpenAIServingBase):
                               "logprobs": lp,
                               "finish_reason": finish_reason_name(s.finished_reason)}])
             if include_usage:
-                yield chunk([], self.usage(len(prompts[0].ids), states))
+                yield chunk([], self.usage(states, len(states)))
             yield SSE_DONE
         finally:
             self.tm.abort_states(states, "client disconnected")
