@@ -49,15 +49,15 @@ def _add_engine_limits(g: Any) -> None:
     g.add_argument("--component-residency", default=None, metavar="SPEC",
                    help="where each model component lives: COMPONENT=STRATEGY,... with strategy "
                         "resident, offload, layerwise or auto (e.g. text_encoder_2=offload,"
-                        "transformer=layerwise), or 'auto'; unnamed components are resident")
+                        "transformer=layerwise), or 'auto' (default: every component resident)")
     g.add_argument("--residency-budget-gb", type=float, default=None,
                    help="most GB of component weights on the device at once (auto fits it; "
-                        "prefetches wait for room under it)")
+                        "prefetches wait for room under it; default: no limit)")
     g.add_argument("--layerwise-blocks", type=int, default=None,
                    help="blocks of a layerwise component on the device at once (default 2)")
     g.add_argument("--preferred-resident", default=None, metavar="COMPONENTS",
                    help="offloaded components that stay on the device after a request, "
-                        "comma-separated")
+                        "comma-separated (default: none)")
     g.add_argument("--memory-intensive", default=None, metavar="COMPONENTS",
                    help="components whose release empties the allocator cache, comma-separated "
                         "(default: the denoiser and text encoders of 1 GiB or more)")
