@@ -457,3 +457,30 @@ def test_cli_rejects_a_bad_residency_spec(tmp_path):
                           timeout=300, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2
     assert "component 'transformer' has unknown strategy 'offlaod'" in proc.stderr
+
+
+def test_layerwise_block_cache_fills_the_budget_and_streams_the_rest(flux_dir):
+    """With a budget, the first blocks that fit stay on the device for the whole denoising stage:
+    the later steps copy only the others; without one, every step streams every block."""
+    ref, _ = gen(make(flux_dir, fake=False)[0], seed=4)
+    plain, _ = make(flux_dir, component_residency="transformer=layerwise")
+    gen(plain, seed=4)
+    blocks = plain.residency.components["transformer"].blocks
+    rest = plain.residency.components["transformer"].whole.nbytes
+    resident = sum(c.size.total for c in plain.residency.components.values()
+                   if c.strategy == RESIDENT)
+    window = sum(sorted(g.nbytes for g in blocks)[-2:])
+    steps = 2
+    # The rest, every block each step, and the next step's first block prefetched at the last one.
+    assert plain.residency.components["transformer"].placements == 1 + steps * len(blocks) + 1
+    # Room for the three largest (first) blocks beside the window.
+    budget = resident + rest + window + sum(g.nbytes for g in blocks[:3]) + 64
+    engine, _ = make(flux_dir, component_residency="transformer=layerwise",
+                     residency_budget_gb=budget / 1e9)
+    img, meta = gen(engine, seed=4)
+    assert np.array_equal(img, ref)
+    comp = engine.residency.components["transformer"]
+    assert comp.placements == 1 + len(blocks) + (steps - 1) * (len(blocks) - 3) + 1
+    assert comp.max_blocks_on_device <= 3 + 2
+    assert not comp.on_device and comp.blocks_on_device() == 0 and not comp.cached
+    assert meta["stage_memory"]["denoising"]["peak_bytes"] <= budget

@@ -12,7 +12,9 @@ Strategies, per component (`DiffusionConfig.component_residency`):
   and stream through the device during its stage: when block i starts, blocks i+1 .. i+N-1 are copied on
   a side stream while it computes, and block i is dropped when it returns, so at most
   `layerwise_blocks` (N) blocks are on the device at once. The rest of the component (embeddings, norms,
-  projections) is placed like `offload` around its stage.
+  projections) is placed like `offload` around its stage. With a `residency_budget_gb`, the first
+  blocks that fit the room left beside the streaming window stay on the device for the rest of the
+  stage (block cache): the later passes of the stage (denoising steps) copy only the others.
 
 Prefetch: when a stage starts, the next memory-intensive component that a later stage runs (only that
 one, and only if it is not already on the device) is copied on the side stream while the current stage
@@ -358,6 +360,7 @@ class ManagedComponent:
     placements: int = 0
     h2d_bytes: int = 0
     max_blocks_on_device: int = 0
+    cached: set[int] = field(default_factory=set)  # layerwise blocks kept for the rest of the stage
 
     @property
     def name(self) -> str:
@@ -481,6 +484,7 @@ class ComponentManager(StageHook):
                        "preferred": c.policy.preferred, "bytes": c.size.total,
                        "on_device": c.on_device, "device_bytes": c.device_bytes(),
                        "blocks": len(c.blocks), "blocks_on_device": c.blocks_on_device(),
+                       "cached_blocks": len(c.cached),
                        "max_blocks_on_device": c.max_blocks_on_device,
                        "placements": c.placements, "h2d_bytes": c.h2d_bytes}
                 for name, c in self.components.items()},
@@ -506,6 +510,7 @@ class ComponentManager(StageHook):
         stream = self._compute_stream()
         for g in comp.groups():
             g.release(stream)
+        comp.cached = set()
         if self._deferred is comp:
             self._deferred = None
 
@@ -581,6 +586,8 @@ class ComponentManager(StageHook):
             assert comp.whole is not None
             self._place(comp, comp.whole, prefetch=False)
             comp.whole.wait(self._compute_stream())
+            if comp.strategy == LAYERWISE:
+                self._choose_cached_blocks(comp)
             for g in comp.blocks[:self.layerwise_blocks]:
                 self._place(comp, g, prefetch=True)  # the block hooks wait before each block runs
             self._track_blocks(comp)
@@ -629,14 +636,38 @@ class ComponentManager(StageHook):
     def _track_blocks(self, comp: ManagedComponent) -> None:
         comp.max_blocks_on_device = max(comp.max_blocks_on_device, comp.blocks_on_device())
 
+    def _choose_cached_blocks(self, comp: ManagedComponent) -> None:
+        """With a budget, the first blocks (in order) whose bytes fit the room left beside the
+        streaming window stay on the device for the rest of the stage: later passes (denoising
+        steps) copy only the others. Without a budget none do (pure streaming, <= N blocks)."""
+        comp.cached = set()
+        if self.budget_bytes is None:
+            return
+        window = sum(sorted(g.nbytes for g in comp.blocks)[-self.layerwise_blocks:])
+        placed_blocks = sum(g.nbytes for g in comp.blocks if g.placed)  # inside the window
+        room = self.budget_bytes - (self.device_bytes() - placed_blocks) - window
+        for i, g in enumerate(comp.blocks):
+            if g.nbytes > room:
+                break
+            comp.cached.add(i)
+            room -= g.nbytes
+
     def _block_pre_hook(self, comp: ManagedComponent, index: int) -> Any:
         def hook(_module: nn.Module, _args: Any) -> None:
             n = len(comp.blocks)
-            window = list(dict.fromkeys((index + j) % n for j in range(min(self.layerwise_blocks, n))))
+            # The streaming window: this block and the next N-1 that still need a copy (cached
+            # blocks already on the device need none and do not count).
+            window = [index]
+            for j in range(1, n):
+                if len(window) == self.layerwise_blocks:
+                    break
+                i = (index + j) % n
+                if not (i in comp.cached and comp.blocks[i].placed):
+                    window.append(i)
             stream = self._compute_stream()
             for i, g in enumerate(comp.blocks):
-                if g.placed and i not in window:  # prefetched for an order that did not come
-                    g.release(stream)
+                if g.placed and i not in window and i not in comp.cached:
+                    g.release(stream)  # prefetched for an order that did not come
             block = comp.blocks[index]
             self._place(comp, block, prefetch=False)
             block.wait(stream)
@@ -648,7 +679,8 @@ class ComponentManager(StageHook):
 
     def _block_post_hook(self, comp: ManagedComponent, index: int) -> Any:
         def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
-            comp.blocks[index].release(self._compute_stream())
+            if index not in comp.cached:
+                comp.blocks[index].release(self._compute_stream())
 
         return hook
 
