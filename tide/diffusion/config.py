@@ -90,8 +90,9 @@ class DiffusionConfig:
       "auto" (every component auto) or a dict. Names are checked against the model's components
       when the pipeline loads.
     - `residency_budget_gb`: the most component weights (GB, 1e9 bytes) the device holds at once,
-      prefetches included: `auto` picks strategies to fit it, prefetches wait for room under it and
-      preferred components leave when a placement needs their room. None: no limit (auto on CUDA
+      prefetches included: `auto` picks strategies to fit it, prefetches wait for room under it,
+      preferred components leave when a placement needs their room, and a layerwise component keeps
+      as many of its first blocks as fit for the rest of its stage. None: no limit (auto on CUDA
       then takes 80% of the device's memory; on CPU everything stays resident).
     - `layerwise_blocks`: blocks of a layerwise component on the device at once (>= 1; 2 overlaps
       one block's copy with the previous block's compute).
