@@ -662,7 +662,6 @@ def _delays(value: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import diffusers
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -693,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inject-stage-delay", type=_delays, default=None, metavar="STAGE=MS,...",
                     help="sleep this long inside these stages (to see --check fail)")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     baselines = load_baselines(args.baselines) if (args.check or args.update) else {}
     if args.check:  # settings not given take the ones the baselines were written with
         for key, value in baselines.get("args", {}).items():
@@ -721,14 +721,21 @@ def main(argv: list[str] | None = None) -> int:
     for peer in args.peers:
         if peer not in PEER_CHOICES:
             raise SystemExit(f"--peers: unknown peer {peer!r}; choose from {list(PEER_CHOICES)}")
-    torch.set_grad_enabled(False)
+    with torch.no_grad():  # not set_grad_enabled(False): main() also runs inside test processes
+        return _run(args, baselines)
+
+
+def _run(args: argparse.Namespace, baselines: dict[str, Any]) -> int:
+    import diffusers
+
+    q = args.quick
     root = tempfile.gettempdir()
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu"
         else "cpu",
         "torch": torch.__version__, "diffusers": diffusers.__version__, "quick": q,
-        "command": "python -m benchmarks.diffusion " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.diffusion " + " ".join(args.argv),
         "results": {},
     }
     for name in args.models:
