@@ -525,8 +525,11 @@ DEFAULT_BASELINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "di
 # Tolerance rules by stage. Absolute by default (`abs_ms`, at least `abs_frac` of the baseline);
 # relative with an absolute floor (`rel`, `floor_ms`) for the decode, whose time also holds device
 # work its neighbours queued (the events see it when the decode's host copy waits for it).
+# The 25 ms floor covers what short stages varied by across three H200 runs: host-launch jitter
+# (resident text encoding 29-40 ms) and the 9.5 GB text-encoder copy of `offload` (211-229 ms);
+# long stages varied by < 1%.
 GPU_RULES: dict[str, dict[str, float]] = {
-    "default": {"abs_ms": 2.0, "abs_frac": 0.03},
+    "default": {"abs_ms": 25.0, "abs_frac": 0.03},
     "decoding": {"rel": 0.10, "floor_ms": 10.0},
 }
 # A shared 2-core CPU runner is noisy: wide enough never to flake, narrow enough to see 0.3 s.
