@@ -230,6 +230,7 @@ class Handover:
                               ) -> HandoverResult:
         if not isinstance(new_version, str) or not new_version:
             return HandoverResult(False, "new_version must be a non-empty string")
+        self.scheduler.settle()  # a step still on the device finishes under the old version
         if abort_all_requests:
             self.scheduler.abort(message="aborted by update_weight_version")
         self.weight_version = new_version
