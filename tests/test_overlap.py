@@ -80,7 +80,7 @@ class Sender:
 
 
 def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
-         chunk: int = 16) -> dict:
+         chunk: int = 16, **options) -> dict:
     """Step `reqs` to the end; `events`: (rid, k, action) — `action(engine)` runs once, as soon as
     request `rid` has k tokens decided. Small prefill chunks (`chunk`) keep a prompt mid-prefill
     while others decode (the mixed batches' case). Returns what each request produced."""
@@ -88,7 +88,8 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
     assert engine.flush_cache()
     sched.overlap = overlap
     config = sched.config
-    sched.config = dataclasses.replace(config, enable_mixed_chunk=mixed, chunked_prefill_size=chunk)
+    sched.config = dataclasses.replace(config, enable_mixed_chunk=mixed, chunked_prefill_size=chunk,
+                                       **options)
     sched.stats.num_overlapped_decode = sched.stats.num_mixed_decode = 0
     sched.worker.sampler = Sampler(0)  # unseeded rows draw from the same generator state each run
     sched.handover.weight_version = "default"  # a previous run's updates leave theirs
@@ -97,6 +98,7 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
     by_rid = {r.rid: r for r in reqs}
     sender = Sender(reqs)
     pending = list(events)
+    ahead_while_waiting = 0
     try:
         for _ in range(5000):
             for ev in list(pending):
@@ -108,7 +110,10 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
             if all(r.finished for r in reqs) and not sched.has_work():
                 break
             assert not sched.is_blocked(), "the test left the engine paused"
+            ahead = sched.stats.num_overlapped_decode
             sender.send(sched.step(), from_step=True)
+            if sched.stats.num_overlapped_decode > ahead and sched.waiting:
+                ahead_while_waiting += 1
             sched.check_invariants()
         else:
             pytest.fail("no progress")
@@ -123,7 +128,8 @@ def _run(engine, reqs: list[Req], overlap: bool, events=(), mixed: bool = False,
     assert sched.tree_cache.protected_size() == 0
     out = {r.rid: (r.output_ids, r.finished_reason, r.weight_version, r.output_token_logprobs,
                    r.output_top_logprobs) for r in reqs}
-    return {"overlapped": overlapped, "mixed": mixed_tokens, "out": out}
+    return {"overlapped": overlapped, "mixed": mixed_tokens, "out": out,
+            "ahead_while_waiting": ahead_while_waiting}
 
 
 def _same(engine, make, events=(), mixed_too: bool = False) -> dict:
@@ -265,6 +271,16 @@ def test_retraction_under_memory_pressure(llama_path):
         assert mixed["out"] == base["out"] and mixed["mixed"] > 0
     finally:
         engine.shutdown()
+
+
+def test_requests_waiting_for_a_running_slot(engine):
+    """More requests than max_running_requests: decode steps go on overlapped while the rest wait
+    for a slot, and each is admitted at the step it would be without the overlap."""
+    prompts = random_prompts(9, LENGTHS)
+    params = [dict(GREEDY, max_new_tokens=n) for n in (12, 5, 9, 14, 3, 8)]
+    base = _run(engine, _reqs(prompts, params), overlap=False, max_running_requests=2)
+    over = _run(engine, _reqs(prompts, params), overlap=True, max_running_requests=2)
+    assert over["out"] == base["out"] and over["ahead_while_waiting"] > 0
 
 
 def test_engine_generate_with_overlap(engine):

@@ -240,12 +240,13 @@ class Scheduler:
 
     def _step_overlapped(self) -> list[Req] | None:
         """Launch decode step N+1 on the tokens step N leaves on the device, then apply step N's
-        tokens. None (nothing done) where step N+1 would not be exactly the decode step the
-        one-step-at-a-time schedule runs next: requests wait for admission or a chunk, a request
-        needs its tokens on the host (penalties), or KV is short (retraction decides)."""
+        tokens. None (nothing done) where step N+1 would not be the decode step the
+        one-step-at-a-time schedule runs next: a prompt is mid-chunk, requests wait for admission
+        while it may succeed, a request needs its tokens on the host (penalties), or KV is short
+        (retraction decides)."""
         prev = self._launched
         assert prev is not None
-        if not prev.batch.is_decode or self.waiting or self.chunked_req is not None:
+        if not prev.batch.is_decode or self.chunked_req is not None:
             return None
         context_len = self.worker.context_len
         # Requests whose pending token surely ends them (length) are left out of step N+1; one that
@@ -254,6 +255,11 @@ class Scheduler:
                 if len(r.output_ids) + 1 < r.sampling_params.max_new_tokens
                 and r.seq_len + 1 < context_len]
         if not reqs or not _may_overlap(reqs):
+            return None
+        # Waiting requests are only passed over while max_running_requests run and none is known to
+        # end with step N (one that stops on EOS there lets the next be admitted a step later).
+        if self.waiting and not (len(reqs) == len(self.running)
+                                 and len(reqs) >= self.config.max_running_requests):
             return None
         rows = {id(r): i for i, r in enumerate(prev.batch.reqs)}
         if any(id(r) not in rows for r in reqs):
