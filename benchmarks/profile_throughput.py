@@ -309,6 +309,15 @@ def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str
                 continue
             out[kind][kernel_class(evt.name)] += evt.self_cpu_time_total / 1e6
     result: dict[str, Any] = {"unit": "device kernel seconds" if cuda else "CPU operator seconds"}
+    if cuda:  # every kernel of the run by class, whatever launched it (a check on the attribution)
+        every = dict.fromkeys(KERNEL_CLASSES, 0.0)
+        for avg in prof.key_averages():
+            t = getattr(avg, "self_device_time_total", None)
+            if t is None:
+                t = getattr(avg, "self_cuda_time_total", 0.0)
+            if t and not avg.key.startswith(("tide.", "aten::", "cuda")):
+                every[kernel_class(avg.key)] += t / 1e6
+        result["all_kernels"] = every
     for kind, classes in out.items():
         total = sum(classes.values())
         if total:
@@ -410,6 +419,12 @@ def table(res: dict[str, Any]) -> str:
                   "| step kind | attention | GEMM | other | total |", "| --- | ---: | ---: | ---: | ---: |"]
         if "error" in kern:
             lines.append(f"| error: {kern['error']} | | | | |")
+        every = kern.get("all_kernels")
+        if every:
+            total = sum(every.values()) or 1.0
+            lines.append("| whole run (any launcher) | " + " | ".join(
+                f"{every[c]:.3f} s ({every[c] / total:.0%})" for c in KERNEL_CLASSES)
+                + f" | {sum(every.values()):.3f} s |")
         for kind in ("prefill", "mixed", "decode"):
             k = kern.get(kind)
             if k:
