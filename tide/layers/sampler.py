@@ -1,8 +1,9 @@
 """Turns last-token logits into next tokens, per-request parameters applied row by row.
 
 Order: penalties -> temperature -> top_k / top_p / min_p -> draw. Greedy rows take the argmax. A draw
-is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes from a generator seeded by
-(seed, output position), so its tokens do not depend on what else is in the batch.
+is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes from a generator on the
+logits' device seeded by (seed, output position), so its tokens do not depend on what else is in the
+batch. Every step runs on that device; results leave it through `DeviceSample`.
 
 Returned logprobs are `log_softmax` of the logits after penalties and temperature (temperature 0 counts
 as 1) and before any truncation: the distribution the model proposed at that temperature.
@@ -186,11 +187,10 @@ class Sampler:
         for i, p in enumerate(params):
             if p.seed is None:
                 noise[i].exponential_(generator=self._generator(probs.device))
-            else:
+            else:  # a generator of its own on the logits' device: no host draw, no copy
                 step_seed = (p.seed * _SEED_MIX + positions[i]) % (2**63)
-                gen = torch.Generator(device="cpu").manual_seed(step_seed)
-                row = torch.empty(probs.shape[1]).exponential_(generator=gen)
-                noise[i].copy_(row)
+                gen = torch.Generator(device=probs.device).manual_seed(step_seed)
+                noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
 
