@@ -1,0 +1,100 @@
+"""The weights' host backup (`tide.memory.occupation.WeightsBackup`) on its own, on CPU: parameters
+that share one storage, a parameter viewing its storage at an offset, byte-exact round trips through
+a freed and re-taken storage, one buffer across cycles, and a backup consumed by its restore."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from tide.memory.host import HostBuffer
+from tide.memory.occupation import MemoryOccupation
+
+
+def _model() -> nn.Module:
+    model = nn.Module()
+    base = torch.randn(6, 5)
+    model.a = nn.Parameter(base[:2], requires_grad=False)  # two parameters on one storage
+    model.b = nn.Parameter(base[2:], requires_grad=False)  # (at an offset)
+    model.c = nn.Parameter(torch.randn(7).to(torch.bfloat16), requires_grad=False)
+    model.register_buffer("not_a_weight", torch.arange(3.0))
+    return model
+
+
+def _occupation(model: nn.Module) -> MemoryOccupation:
+    runner = SimpleNamespace(device=torch.device("cpu"), model=model, weights_region=None,
+                             use_vmm=False, cuda_graph_runner=None)
+    return MemoryOccupation(runner, enable_cpu_backup=True, ledger=None)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_round_trip_through_freed_storages_is_byte_exact_and_reuses_one_buffer():
+    model = _model()
+    occupation = _occupation(model)
+    backup = occupation.backup
+    for cycle in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # new weights between cycles: the next backup must carry them
+        want = _state(model)
+        occupation.release(["weights"])
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+        assert backup.valid
+        occupation.resume(["weights"])
+        assert not backup.valid
+        for name, p in model.named_parameters():
+            assert torch.equal(p, want[name]), (cycle, name)
+        assert model.b.storage_offset() == 10 and model.a.untyped_storage().data_ptr() == (
+            model.b.untyped_storage().data_ptr())
+        if cycle == 0:
+            ptr = backup.buffer.tensor.data_ptr()
+    assert backup.allocations == 1 and backup.buffer.tensor.data_ptr() == ptr
+    # 2 spans: the shared fp32 storage (30 floats) and the bf16 one, each 256-aligned
+    assert backup.host_bytes == 256 + 14
+    assert torch.equal(model.not_a_weight, torch.arange(3.0))
+
+
+def test_restore_without_a_valid_backup_writes_nothing():
+    model = _model()
+    occupation = _occupation(model)
+    assert occupation.backup.restore() is False
+    occupation.release(["weights"])
+    occupation.resume(["weights"])
+    with torch.no_grad():
+        model.c.fill_(3.0)
+    assert occupation.backup.restore() is False  # consumed by the resume
+    assert torch.equal(model.c, torch.full((7,), 3.0, dtype=torch.bfloat16))
+
+
+def test_close_frees_the_buffer_and_the_next_save_allocates_again():
+    model = _model()
+    occupation = _occupation(model)
+    occupation.release(["weights"])
+    occupation.resume(["weights"])
+    assert occupation.drop_cpu_backup() == 270
+    assert occupation.backup.buffer is None and occupation.backup.host_bytes == 0
+    want = _state(model)
+    occupation.release(["weights"])
+    occupation.resume(["weights"])
+    assert occupation.backup.allocations == 2
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+
+def test_host_buffer_checks_its_size_and_closes_once():
+    for bad in (0, -1, 1.5, True):
+        try:
+            HostBuffer(bad, pin=False)  # type: ignore[arg-type]
+        except ValueError as e:
+            assert "nbytes" in str(e)
+        else:
+            raise AssertionError(f"nbytes={bad!r} was accepted")
+    buf = HostBuffer(4096, pin=False)
+    assert buf.tensor is not None and buf.tensor.numel() == 4096 and not buf.pinned
+    buf.close()
+    buf.close()
+    assert buf.closed
