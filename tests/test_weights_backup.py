@@ -59,6 +59,29 @@ def test_round_trip_through_freed_storages_is_byte_exact_and_reuses_one_buffer()
     assert torch.equal(model.not_a_weight, torch.arange(3.0))
 
 
+def test_copies_split_at_the_host_buffers_chunks(monkeypatch):
+    """Small chunks: every span is copied in pieces that never straddle two chunks, byte-exact."""
+    import tide.memory.occupation as occupation_module
+
+    made = []
+
+    def small_chunks(nbytes: int, pin: bool) -> HostBuffer:
+        made.append(HostBuffer(nbytes, pin, chunk_bytes=48))
+        return made[-1]
+
+    monkeypatch.setattr(occupation_module, "HostBuffer", small_chunks)
+    model = _model()
+    occupation = _occupation(model)
+    want = _state(model)
+    occupation.release(["weights"])
+    assert len(made) == 1 and len(made[0].chunks) == 6  # 270 bytes in chunks of 48
+    host = made[0].tensor
+    shared = torch.cat([want["a"].reshape(-1), want["b"].reshape(-1)])
+    assert torch.equal(host[:120], shared.view(torch.uint8))  # the shared storage, as bytes
+    occupation.resume(["weights"])
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+
 def test_restore_without_a_valid_backup_writes_nothing():
     model = _model()
     occupation = _occupation(model)

@@ -19,6 +19,7 @@ back zeroed and the engine refuses to generate until a weight update has covered
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -104,8 +105,10 @@ class WeightsBackup:
     one; it is freed only by `close()` (engine shutdown, or `Engine.drop_cpu_backup()`), so it costs
     as much host memory as the weights (16 GB for an 8B bf16 model) from the first release on.
 
-    Copies run on a side stream ordered after the work already queued on the current stream; the
-    host then waits for that stream only, never for the whole device.
+    Copies run on a side stream ordered after the work already queued on the current stream, split
+    at the buffer's pinned chunks; on the first save, the copy into a chunk starts as soon as that
+    chunk is pinned, while the next ones are being pinned. The host then waits for that stream
+    only, never for the whole device.
 
     Invariant: `valid` is True exactly from a `save()` to the `restore()` that consumes it, so a
     backup is restored at most once, and never over weights written after it was taken.
@@ -116,7 +119,7 @@ class WeightsBackup:
         self.buffer: HostBuffer | None = None
         self.valid = False
         self.allocations = 0  # host buffers allocated so far (1 after any number of cycles)
-        self.last_save_s = 0.0  # seconds of the last save's copy (allocation excluded)
+        self.last_save_s = 0.0  # seconds of the last save (pinning a new buffer's chunks included)
         self.last_restore_s = 0.0
         self._stream: torch.cuda.Stream | None = None
 
@@ -152,20 +155,29 @@ class WeightsBackup:
             self._stream = torch.cuda.Stream(self.runner.device)
         return self._stream
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """dst.copy_(src) for each pair; on CUDA on the side stream, returning once they are done."""
-        if self.runner.device.type != "cuda":
-            for dst, src in pairs:
-                dst.copy_(src)
-            return
-        stream = self._side_stream()
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+    def _transfer(self, spans: list[torch.Tensor], offsets: list[int], to_host: bool) -> None:
+        """Copy between the spans and the host buffer, chunk by chunk of the buffer (a copy never
+        straddles two of its pinned chunks). On CUDA the copies run on the side stream, ordered
+        after the current stream's queued work, and the copy into a chunk is queued as soon as
+        that chunk is pinned (the first save pins while earlier chunks copy); returns once done."""
+        assert self.buffer is not None and self.buffer.tensor is not None  # open
+        host = self.buffer.tensor
+        cuda = self.runner.device.type == "cuda"
+        stream = self._side_stream() if cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        for lo, hi in self.buffer.pin_chunks():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for offset, span in zip(offsets, spans):
+                    a, b = max(lo, offset), min(hi, offset + span.numel())
+                    if b <= a:
+                        continue
+                    dev, cpu = span[a - offset : b - offset], host[a:b]
+                    (cpu if to_host else dev).copy_(dev if to_host else cpu, non_blocking=cuda)
+        if stream is not None:
             done = torch.cuda.Event()
             done.record(stream)
-        done.synchronize()
+            done.synchronize()
 
     def save(self) -> None:
         """Copy every weight byte to the host buffer (allocated on the first call)."""
@@ -175,11 +187,9 @@ class WeightsBackup:
             self.close()
             self.buffer = HostBuffer(total, pin=self.runner.device.type == "cuda")
             self.allocations += 1
-        host = self.buffer.tensor
-        assert host is not None  # set while the buffer is open
         self.valid = False
         start = time.perf_counter()
-        self._copy([(host[o : o + s.numel()], s) for o, s in zip(offsets, spans)])
+        self._transfer(spans, offsets, to_host=True)
         self.last_save_s = time.perf_counter() - start
         self.valid = True
 
@@ -192,9 +202,8 @@ class WeightsBackup:
         offsets, total = self._layout(spans)
         if total > self.buffer.nbytes:
             raise RuntimeError("the weights' layout changed while they were released")
-        host = self.buffer.tensor
         start = time.perf_counter()
-        self._copy([(s, host[o : o + s.numel()]) for o, s in zip(offsets, spans)])
+        self._transfer(spans, offsets, to_host=False)
         self.last_restore_s = time.perf_counter() - start
         self.valid = False
         return True
