@@ -28,6 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 30
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device's context
 _TOUCH_STRIDE = 4096  # one write per base page faults every page in (a whole huge page at once)
 
 
@@ -78,7 +79,8 @@ class HostBuffer:
         lo, hi = self.chunks[index]
         piece = self.tensor[lo:hi]
         piece[::_TOUCH_STRIDE].fill_(0)  # fault every page in, on torch's intra-op threads
-        err = int(torch.cuda.cudart().cudaHostRegister(piece.data_ptr(), hi - lo, 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(piece.data_ptr(), hi - lo,
+                                                       _REGISTER_PORTABLE))
         if err == 0:
             self._registered.append(index)
         else:

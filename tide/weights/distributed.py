@@ -150,15 +150,19 @@ class WeightUpdateGroup:
     def handshake(self, bucket_bytes: int, timeout: timedelta) -> None:
         """The group's first collectives (module docstring); sets `bucket_bytes` from rank 0's."""
         on_cuda = self.device.type == "cuda"
+        # Allocated on the current stream (their blocks return to its pool), broadcast on a side
+        # stream, so nothing queued for serving waits on the handshake.
+        header = torch.zeros(3, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            header.copy_(torch.tensor([HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes]))
+        warm = torch.empty(WARMUP_BYTES, dtype=torch.uint8, device=self.device) if on_cuda else None
         stream = torch.cuda.Stream(self.device) if on_cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            header = torch.zeros(3, dtype=torch.int64, device=self.device)
-            if self.rank == 0:
-                header.copy_(torch.tensor([HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes]))
             self.broadcast(header, timeout=timeout)
-            if on_cuda:
-                self.broadcast(torch.empty(WARMUP_BYTES, dtype=torch.uint8, device=self.device),
-                               timeout=timeout)
+            if warm is not None:
+                self.broadcast(warm, timeout=timeout)
             magic, version, agreed = (int(v) for v in header.tolist())  # waits for this stream
         if magic != HANDSHAKE_MAGIC:
             raise RuntimeError("rank 0 did not make its side of the group with "

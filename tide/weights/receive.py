@@ -60,7 +60,11 @@ def piece_copies(numels: Sequence[int], pieces: Sequence[tuple[int, int]]) -> li
 class BroadcastReceiver:
     """One update's receiving side (module docstring). Call `finish()` when done, also on error."""
 
-    def __init__(self, group: WeightUpdateGroup) -> None:
+    def __init__(self, group: WeightUpdateGroup,
+                 streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None) -> None:
+        """`streams`: the (receive, copy) streams on the group's CUDA device. Pass the same pair to
+        every update: the caching allocator keeps freed receive buffers per stream, so new streams
+        on every call would strand the previous calls' buffers in its cache."""
         self.group = group
         self.device = group.device
         self.cuda = self.device.type == "cuda"
@@ -68,9 +72,10 @@ class BroadcastReceiver:
         self._recv: torch.cuda.Stream | None = None
         self._copy: torch.cuda.Stream | None = None
         if self.cuda:
+            if streams is None:
+                streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            self._recv, self._copy = streams
             current = torch.cuda.current_stream(self.device)
-            self._recv = torch.cuda.Stream(self.device)
-            self._copy = torch.cuda.Stream(self.device)
             self._recv.wait_stream(current)  # nothing in flight still reads the old weights
             self._copy.wait_stream(current)
 

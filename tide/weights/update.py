@@ -59,6 +59,7 @@ class WeightUpdater:
         # Set (to the reason) while the parameters' memory is released: every update is refused.
         self.write_block: str | None = None
         self._last_plan: tuple[object, list[WeightTarget]] | None = None  # an RL loop repeats one
+        self._receive_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
 
     def reset_coverage(self) -> None:
         self.written = set()
@@ -229,7 +230,9 @@ class WeightUpdater:
             target = targets.get(name) if error is None else None
             return self.weight_map.rows(target) if target is not None else None
 
-        receiver = BroadcastReceiver(group)
+        if group.device.type == "cuda" and self._receive_streams is None:
+            self._receive_streams = (torch.cuda.Stream(group.device), torch.cuda.Stream(group.device))
+        receiver = BroadcastReceiver(group, self._receive_streams)
         try:
             if load_format == "flattened_bucket":
                 order: dict[torch.dtype, list[tuple[torch.Tensor | None, int]]] = {}
