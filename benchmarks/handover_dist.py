@@ -84,8 +84,9 @@ def trainer(barrier, result_q, calls: int, bucket_bytes: int) -> None:
 def engine_side(barrier, result_q, calls: int) -> None:
     sys.path.insert(0, os.getcwd())
     import tide
-    from benchmarks.shapes import config_dir
     from tide.weights import init_custom_process_group
+
+    from benchmarks.shapes import config_dir
 
     torch.cuda.set_device(1)
     engine = tide.Engine(config_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
@@ -159,7 +160,8 @@ def main() -> None:
         print(f"join {key}: {t * 1e3:.0f} ms")
     for _, fmt, call, ok, t, msg in sorted(r for r in results if r[0] == "update"):
         out["updates"].append({"format": fmt, "call": call, "first": call == 0, "success": ok,
-                               "seconds": t, "GBps": nbytes / t / 1e9, "ratio_to_raw": raw_t / t})
+                               "message": msg, "seconds": t, "GBps": nbytes / t / 1e9,
+                               "ratio_to_raw": raw_t / t})
         print(f"update_weights_from_distributed {fmt} call {call}{' (first)' if call == 0 else ''}:"
               f" {t * 1e3:.1f} ms ({nbytes / t / 1e9:.1f} GB/s, {raw_t / t:.0%} of raw) success={ok}")
     for fmt in GROUPS:
