@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -121,3 +122,55 @@ def test_host_buffer_checks_its_size_and_closes_once():
     buf.close()
     buf.close()
     assert buf.closed
+
+
+class _FakeCudart:
+    """Records cudaHostRegister/Unregister calls (CPU hosts have no CUDA runtime)."""
+
+    def __init__(self, fail_calls: tuple[int, ...] = ()) -> None:
+        self.fail_calls = fail_calls
+        self.calls: list[tuple[int, int, int]] = []
+        self.live: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append((ptr, size, flags))
+        if len(self.calls) - 1 in self.fail_calls:
+            return 1  # cudaErrorInvalidValue
+        self.live[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        del self.live[ptr]
+        return 0
+
+
+def test_pinned_buffer_registers_whole_pages_chunk_by_chunk_once(monkeypatch):
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    page = 2 << 20
+    buf = HostBuffer(5 * page + 100, pin=True, chunk_bytes=page)
+    assert buf.tensor.numel() == 5 * page + 100 and fake.calls == []  # nothing pinned yet
+    seen = []
+    for lo, hi in buf.pin_chunks():
+        seen.append((lo, hi))
+        assert len(fake.calls) == len(seen)  # each chunk is pinned just before it is handed out
+    assert seen == [(i * page, min((i + 1) * page, 5 * page + 100)) for i in range(6)]
+    base = buf.tensor.data_ptr()
+    assert [(p - base, n, f) for p, n, f in fake.calls] == [(i * page, page, 1) for i in range(6)]
+    assert buf.registered and buf.alloc_s > 0
+    assert list(buf.pin_chunks()) == seen and len(fake.calls) == 6  # pinned once
+    buf.tensor[-1] = 7  # the memory is usable
+    buf.close()
+    assert fake.live == {} and buf.closed
+
+
+def test_a_chunk_the_runtime_refuses_stays_pageable_and_the_rest_is_pinned(monkeypatch):
+    fake = _FakeCudart(fail_calls=(1,))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    buf = HostBuffer(3 << 21, pin=True, chunk_bytes=2 << 20)
+    assert len(list(buf.pin_chunks())) == 3
+    assert not buf.registered and len(fake.live) == 2
+    buf.close()
+    assert fake.live == {}
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HostBuffer(4096, pin=True, chunk_bytes=4096)

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 30
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device's context
+_HUGE_PAGE = 2 << 20
 _TOUCH_STRIDE = 4096  # one write per base page faults every page in (a whole huge page at once)
 
 
@@ -41,12 +42,16 @@ class HostBuffer:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if pin and chunk_bytes % _HUGE_PAGE:
+            raise ValueError(f"chunk_bytes must be a multiple of {_HUGE_PAGE} to pin, got {chunk_bytes}")
         self.nbytes = nbytes
         self.pinned = pin
+        self._capacity = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE  # mapped and registered: whole pages
         self.chunks = [(s, min(nbytes, s + chunk_bytes)) for s in range(0, nbytes, chunk_bytes)]
         self._to_pin: list[int] = []  # chunk indices not pinned yet
         self._registered: list[int] = []  # chunk indices registered with the runtime
         self._map: mmap.mmap | None = None
+        self._whole: torch.Tensor | None = None  # the whole mapping (pinned path)
         start = time.perf_counter()
         self.tensor: torch.Tensor | None = None
         if pin:
@@ -61,7 +66,7 @@ class HostBuffer:
 
     def _map_anonymous(self, nbytes: int) -> torch.Tensor | None:
         try:
-            mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            mapping = mmap.mmap(-1, self._capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except (OSError, ValueError, AttributeError) as e:  # AttributeError: no MAP_ANONYMOUS
             logger.warning("anonymous mapping of %d bytes failed (%s); using pin_memory", nbytes, e)
             return None
@@ -71,13 +76,16 @@ class HostBuffer:
             except OSError:
                 pass  # huge pages are an optimisation
         self._map = mapping
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        self._whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        return self._whole[:nbytes]
 
     def _pin(self, index: int) -> None:
-        assert self.tensor is not None  # open
+        assert self._whole is not None  # open, mapped
         start = time.perf_counter()
         lo, hi = self.chunks[index]
-        piece = self.tensor[lo:hi]
+        if index == len(self.chunks) - 1:
+            hi = self._capacity  # up to the end of the last page
+        piece = self._whole[lo:hi]
         piece[::_TOUCH_STRIDE].fill_(0)  # fault every page in, on torch's intra-op threads
         err = int(torch.cuda.cudart().cudaHostRegister(piece.data_ptr(), hi - lo,
                                                        _REGISTER_PORTABLE))
@@ -117,11 +125,12 @@ class HostBuffer:
         mapping goes back to the system once the last of them is gone."""
         if self.tensor is None:
             return
-        for index in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor[self.chunks[index][0]:].data_ptr())
+        if self._whole is not None:
+            for index in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(self._whole[self.chunks[index][0]:].data_ptr())
         self._registered = []
         self._to_pin = []
-        self.tensor = None
+        self.tensor = self._whole = None
         if self._map is not None:
             try:
                 self._map.close()
