@@ -134,7 +134,9 @@ class WeightUpdateGroup:
         """Trainer side of `update_weights_from_distributed(names, dtypes, shapes, load_format)`
         for these tensors, in this order: one broadcast per tensor, or with
         `load_format="flattened_bucket"` each dtype's tensors concatenated (first-seen dtype order)
-        and sent with `broadcast_flattened`."""
+        and sent with `broadcast_flattened`. Concatenating copies each dtype's tensors once on this
+        rank; a trainer that keeps its weights in one flat buffer calls `broadcast_flattened` on it
+        instead."""
         if load_format == "flattened_bucket":
             groups: dict[torch.dtype, list[torch.Tensor]] = {}
             for _, t in named:
