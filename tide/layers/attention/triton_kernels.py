@@ -18,8 +18,8 @@ may have freed and reused, or never filled, the slots of keys that fell out of t
 `logit_cap` (Gemma-2's soft-capping) maps the scaled scores through cap * tanh(score / cap) before
 the causal/window mask and the softmax.
 
-`decode_split_bounds` and `extend_kv_bounds` compute, in plain Python, the key ranges the kernels
-visit (the same arithmetic), for tests and cost estimates.
+Block sizes and the key ranges the kernels visit live in `split_kv` (plain Python, the same
+arithmetic), so tests and cost estimates can check them without a GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +29,13 @@ import triton
 import triton.language as tl
 
 from tide.layers import pdl
+from tide.layers.attention.split_kv import (
+    DECODE_BLOCK_N,
+    EXTEND_BLOCK_M,
+    EXTEND_BLOCK_N,
+    MIN_SPLIT_LEN,
+    num_kv_splits,
+)
 
 
 @triton.jit
@@ -46,7 +53,8 @@ def _soft_cap(s, cap):
 
 @triton.jit
 def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                  offs_d, mask_d, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr):
+                  offs_d, mask_d, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """One block of keys and values (pool rows `slots`, loaded where `mask_n`) through online softmax
     for the query rows of `q`; `keep` [rows, BLOCK_N] says which scores count. Returns the updated
     (max, sum, output). A row that has kept no score yet stays at max -inf, sum 0, output 0."""
@@ -55,7 +63,7 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
     )
-    s = tl.dot(q, k) * sm_scale
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
     if SOFT_CAP:
         s = _soft_cap(s, logit_cap)
     qk = tl.where(keep, s, float("-inf"))
@@ -69,7 +77,7 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
         mask=mask_n[:, None] & mask_d[None, :],
         other=0.0,
     )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -97,7 +105,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -134,7 +142,7 @@ def _decode_stage1(
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, mask_n[None, :], kvh, stride_kt,
                                       stride_kh, stride_vt, stride_vh, offs_d, mask_d, sm_scale,
-                                      logit_cap, m_i, l_i, acc, SOFT_CAP)
+                                      logit_cap, m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
     out = acc / l_i[:, None]
     lse = m_i + tl.log(l_i)
     tl.store(
@@ -177,51 +185,9 @@ def _decode_stage2(
     tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
-MIN_SPLIT_LEN = 64
-# Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
-# H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
-DECODE_BLOCK_N = 32
-EXTEND_BLOCK_M = 64
-EXTEND_BLOCK_N = 64
-
-
-def num_kv_splits(parallel_rows: int, max_splits: int) -> int:
-    """Splits per (request, kv head): enough programs to fill the GPU when the batch is small."""
-    splits = 1
-    while splits < max_splits and parallel_rows * splits < 1024:
-        splits *= 2
-    return splits
-
-
-def decode_split_bounds(
-    seq_len: int, sliding_window: int | None, num_splits: int
-) -> list[tuple[int, int]]:
-    """[start, end) key positions that each non-empty stage-1 split reads for one decode query at
-    position seq_len - 1 (the kernel's arithmetic). Together they cover exactly the visible keys:
-    the last min(seq_len, sliding_window) positions, or all of them without a window."""
-    kv_start = 0 if sliding_window is None else max(seq_len - sliding_window, 0)
-    per_split = max(-(-(seq_len - kv_start) // num_splits), MIN_SPLIT_LEN)
-    bounds = []
-    for split in range(num_splits):
-        start = kv_start + split * per_split
-        end = min(start + per_split, seq_len)
-        if start < end:
-            bounds.append((start, end))
-    return bounds
-
-
-def extend_kv_bounds(
-    prefix_len: int, extend_len: int, sliding_window: int | None, block_m: int = EXTEND_BLOCK_M
-) -> list[tuple[int, int]]:
-    """[start, end) key positions the extend kernel reads for each block of `block_m` new tokens of
-    one request (queries at positions prefix_len .. prefix_len + extend_len - 1): from the first key
-    the block's first query sees to the block's last query."""
-    bounds = []
-    for m0 in range(0, extend_len, block_m):
-        q_first = prefix_len + m0
-        start = 0 if sliding_window is None else max(q_first - sliding_window + 1, 0)
-        bounds.append((start, prefix_len + min(m0 + block_m, extend_len)))
-    return bounds
+def _dot_precision(q: torch.Tensor) -> str:
+    """fp32 models get fp32 products (as torch's matmul by default), not TF32."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def decode_attention(
@@ -256,7 +222,7 @@ def decode_attention(
         sm_scale, window, logit_cap if logit_cap is not None else 1.0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
-        SLIDING=sliding, SOFT_CAP=logit_cap is not None,
+        SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
     )
     _decode_stage2[(batch, num_heads)](
@@ -275,7 +241,7 @@ def _extend_kernel(
     stride_r2t, sm_scale, sliding_window, logit_cap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr,
-    SOFT_CAP: tl.constexpr, USE_PDL: tl.constexpr,
+    SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -318,7 +284,7 @@ def _extend_kernel(
             keep = keep & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh,
                                       stride_vt, stride_vh, offs_d, mask_d, sm_scale, logit_cap,
-                                      m_i, l_i, acc, SOFT_CAP)
+                                      m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows past ext_len keep nothing
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -358,6 +324,6 @@ def extend_attention(
         logit_cap if logit_cap is not None else 1.0,
         GROUP=group, BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim,
-        SLIDING=sliding, SOFT_CAP=logit_cap is not None,
+        SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
     )
