@@ -68,7 +68,8 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
         s = _soft_cap(s, logit_cap)
     qk = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # Subtract 0 instead of -inf in rows with no kept score yet: exp(-inf) = 0 there, never NaN.
+    # Rows with no kept score yet (extend rows past the new tokens; rows whose window starts after
+    # this block if BLOCK_M > BLOCK_N) subtract 0, not -inf: exp(-inf) = 0 there, never NaN.
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(qk - m_sub[:, None])
     alpha = tl.exp(m_i - m_sub)
