@@ -123,7 +123,7 @@ def test_hybrid_cuda_graph_greedy_equals_eager(hybrid_checkpoint, arch):
     past the window."""
     path = hybrid_checkpoint(arch, 100)
     prompts = [list(range(3, 3 + n)) for n in (5, 99, 100, 101, 250)]
-    params = {"temperature": 0, "max_new_tokens": 150, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
     outs = {}
     for graphs in (False, True):
         engine = tide.Engine(str(path), dtype="bfloat16", disable_cuda_graph=not graphs,
