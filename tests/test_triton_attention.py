@@ -86,6 +86,24 @@ def test_extend_reads_only_keys_some_query_of_the_block_sees():
                     assert end - start <= block + window - 1
 
 
+def test_auto_backend_runs_windowed_models_on_triton_on_cuda():
+    """The triton backend implements windows and soft-caps, so `auto` gives it windowed and
+    soft-capped models on CUDA and naming it is accepted (torch_native stays the CPU choice)."""
+    from tide.layers.attention import select_attention_backend
+    from tide.layers.attention.torch_native import TorchNativeAttnBackend
+    from tide.layers.attention.triton_backend import TritonAttnBackend
+    from tide.model_config import ModelConfig
+
+    from test_swa_config import GEMMA2_9B, GEMMA3_12B
+
+    for hf in (GEMMA2_9B, GEMMA3_12B):
+        mc = ModelConfig.from_hf_dict(hf)
+        assert mc.has_sliding_layers
+        assert select_attention_backend("auto", "cuda", mc) is TritonAttnBackend
+        assert select_attention_backend("triton", "cuda", mc) is TritonAttnBackend
+        assert select_attention_backend("auto", "cpu", mc) is TorchNativeAttnBackend
+
+
 # ---- the kernels in triton's interpreter
 
 
@@ -310,7 +328,7 @@ def test_interpreted_models_on_the_triton_backend_match_torch_native(arch, tmp_p
     # Few splits keep the interpreter quick (the kernel tests above cover up to 16).
     monkeypatch.setattr(triton_kernels, "num_kv_splits",
                         lambda rows, most: split_kv.num_kv_splits(rows, min(most, 4)))
-    engine = tide.Engine(str(path), attention_backend="triton", chunked_prefill_size=16,
+    engine = tide.Engine(str(path), device="cpu", attention_backend="triton", chunked_prefill_size=16,
                          max_prefill_tokens=16)
     try:
         assert type(engine.model_runner.attn_backend).__name__ == "TritonAttnBackend"
@@ -320,8 +338,8 @@ def test_interpreted_models_on_the_triton_backend_match_torch_native(arch, tmp_p
         engine.shutdown()
     assert again["meta_info"]["cached_tokens"] >= len(prompts[1]) - 1
 
-    engine = tide.Engine(str(path), attention_backend="torch_native", chunked_prefill_size=16,
-                         max_prefill_tokens=16)
+    engine = tide.Engine(str(path), device="cpu", attention_backend="torch_native",
+                         chunked_prefill_size=16, max_prefill_tokens=16)
     try:
         ref = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         ref_again = engine.generate(input_ids=follow, sampling_params=params, return_logprob=True)
