@@ -54,7 +54,8 @@ class EngineConfig:
     attention_backend: str = _option("auto", "auto (triton on CUDA, torch_native elsewhere), "
                                              "triton or torch_native")
     disable_cuda_graph: bool = _option(False, "run decode eagerly instead of replaying CUDA graphs")
-    cuda_graph_max_bs: int = _option(256, "largest decode batch captured as a CUDA graph")
+    cuda_graph_max_bs: int = _option(
+        512, "largest decode batch captured as a CUDA graph (at most max_running_requests)")
     # Memory pools.
     mem_fraction_static: float = _option(
         0.85, "fraction of the GPU's total memory for weights + KV cache (the rest is activations "
@@ -68,6 +69,12 @@ class EngineConfig:
                                               "are prefilled over several steps")
     max_prefill_tokens: int = _option(16384, "most prompt tokens one prefill batch takes")
     disable_radix_cache: bool = _option(False, "do not reuse cached prompt prefixes across requests")
+    disable_overlap_schedule: bool = _option(
+        False, "run each decode step to the end before scheduling the next (the overlap schedule "
+               "prepares step N+1 while the GPU runs step N; it is used on CUDA only)")
+    enable_mixed_chunk: bool = _option(
+        False, "running requests decode in the same forward as a prefill batch instead of waiting "
+               "for it")
     # Releasing memory to a colocated trainer (release/resume_memory_occupation).
     enable_memory_saver: bool = _option(
         False, "allocate KV cache, weights and CUDA graphs so release_memory_occupation / "

@@ -188,18 +188,23 @@ class ModelRunner:
         self._staging_copied.record()
         return out
 
-    def _batch(self, mode: ForwardMode, input_ids: list[int], positions: list[int],
+    def _batch(self, mode: ForwardMode, input_ids: list[int] | torch.Tensor, positions: list[int],
                req_pool_indices: list[int], seq_lens: list[int], prefix_lens: list[int],
                extend_lens: list[int], out_cache_loc: torch.Tensor) -> ForwardBatch:
-        # One host-to-device copy for all four index lists; the fields are views of it.
-        packed = self._to_device(input_ids + positions + req_pool_indices + seq_lens)
-        t, b = len(input_ids), len(seq_lens)
+        # One host-to-device copy for all the index lists; the fields are views of it. Input ids
+        # already on the device (the overlap schedule's previous tokens) are used as they are.
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids: list[int] = [] if on_device else input_ids  # type: ignore[assignment]
+        packed = self._to_device(host_ids + positions + req_pool_indices + seq_lens)
+        t, b = len(positions), len(seq_lens)
+        ids = input_ids if on_device else packed[:t]
+        packed = packed[len(host_ids):]
         return ForwardBatch(
             mode=mode,
-            input_ids=packed[:t],
-            positions=packed[t : 2 * t],
-            req_pool_indices=packed[2 * t : 2 * t + b],
-            seq_lens=packed[2 * t + b :],
+            input_ids=ids,  # type: ignore[arg-type]
+            positions=packed[:t],
+            req_pool_indices=packed[t : t + b],
+            seq_lens=packed[t + b :],
             out_cache_loc=out_cache_loc,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
@@ -229,15 +234,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_decode(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | torch.Tensor,
         positions: list[int],
         req_pool_indices: list[int],
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """One token per request at `positions` (= KV length before this step): records
         `out_cache_loc` as each request's slot at its position in req_to_token, then returns
-        logits [B, vocab]. After a CUDA-graph replay the logits are a view of the graphs' shared
-        buffer and `last_greedy_ids` holds each row's argmax: both are valid until the next replay.
+        logits [B, vocab]. `input_ids` may be a device tensor (int64). After a CUDA-graph replay
+        the logits are a view of the graphs' shared buffer and `last_greedy_ids` holds each row's
+        argmax: both are valid until the next replay.
         Eager: new logits, `last_greedy_ids` None."""
         bs = len(input_ids)
         seq_lens = [p + 1 for p in positions]
@@ -252,7 +258,10 @@ class ModelRunner:
             return self.model(fb.input_ids, fb.positions, fb)
         pad = bucket - bs
         if pad:
-            input_ids = input_ids + [0] * pad
+            if isinstance(input_ids, torch.Tensor):
+                input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+            else:
+                input_ids = input_ids + [0] * pad
             positions = positions + [0] * pad
             req_pool_indices = req_pool_indices + [self.req_to_token_pool.dummy_slot] * pad
             seq_lens = seq_lens + [1] * pad

@@ -301,6 +301,9 @@ class SchedulerProcess:
                 logger.error("scheduler step failed:\n%s", traceback.format_exc())
                 self._abort_everything(f"internal error in scheduler step: {type(e).__name__}: {e}")
                 return
+            # A request a handover call already reported finished (it got its last token while a
+            # launched step was settled) is not sent twice.
+            reqs = [r for r in reqs if self.live.get(r.rid) is r]
             if reqs:
                 self._send_outputs(reqs)
         self._retry_flushes()
