@@ -74,6 +74,11 @@ def gemm_config(n: int, k: int) -> GemmConfig:
     return GemmConfig(128, 64, 64, num_warps=4, num_stages=4)
 
 
+def _precision(x: torch.Tensor) -> str:
+    """fp32 operands are multiplied in full fp32 ("ieee", as torch does by default), not TF32."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -81,7 +86,8 @@ def _num_sms(index: int) -> int:
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    NUM_PROGS: tl.constexpr):
     pid = tl.program_id(0)
@@ -110,7 +116,7 @@ def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm,
             else:
                 a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
                 w = tl.load(w_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if HAS_BIAS:
@@ -144,7 +150,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _matmul_kernel[(progs,)](
         x2, weight, bias if bias is not None else weight, out, m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(x),
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -234,7 +241,7 @@ def _attention_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_r2t, sm_scale, is_decode,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
 ):
     TOKENS: tl.constexpr = BLOCK_M // GROUP_P
     b = tl.program_id(0)
@@ -275,13 +282,13 @@ def _attention_kernel(
         k = tl.load(K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        qk = tl.where(keep, tl.dot(q, k) * sm_scale, float("-inf"))
+        qk = tl.where(keep, tl.dot(q, k, input_precision=PRECISION) * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     out = acc / l_i[:, None]
@@ -328,6 +335,6 @@ def attention(
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), sm_scale, is_decode,
         GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, PRECISION=_precision(q),
         num_warps=4, num_stages=2, **_NO_FUSION,
     )
