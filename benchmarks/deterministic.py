@@ -26,10 +26,11 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-
-from benchmarks.run import bs1_decode, make_engine, tide_throughput, workload
 from tide.layers import batch_invariant_triton as bt
 from tide.memory import empty_device_cache
+from triton.runtime.errors import OutOfResources
+
+from benchmarks.run import bs1_decode, make_engine, tide_throughput, workload
 
 SHAPE = "llama-3.1-8b"
 # (N, K) of the model's projections: qkv, o, gate_up, down, lm_head.
@@ -80,13 +81,14 @@ def gemm_sweep(res: dict[str, Any]) -> dict[tuple[int, int], bt.GemmConfig]:
     for n, k in PROJECTIONS:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in M_VALUES}
-        cublas = {m: _time(lambda m=m: torch.nn.functional.linear(xs[m], w)) for m in M_VALUES}
+        cublas = {m: _time(lambda x=xs[m], w=w: torch.nn.functional.linear(x, w)) for m in M_VALUES}
         rows = {"cublas_us": {m: t * 1e6 for m, t in cublas.items()}, "configs": []}
         best, best_cost = None, float("inf")
         for cfg in CANDIDATES + [bt.gemm_config(n, k)]:
             try:
-                times = {m: _time(lambda m=m, cfg=cfg: bt.linear(xs[m], w, config=cfg)) for m in M_VALUES}
-            except Exception as e:  # a config the GPU cannot run (shared memory): skip it
+                times = {m: _time(lambda x=xs[m], w=w, cfg=cfg: bt.linear(x, w, config=cfg))
+                         for m in M_VALUES}
+            except OutOfResources as e:  # more shared memory than the GPU has: skip it
                 print(f"  {n}x{k} {cfg}: {type(e).__name__}", flush=True)
                 continue
             cost = sum(M_WEIGHTS[m] * times[m] / cublas[m] for m in M_VALUES) / sum(M_WEIGHTS.values())
@@ -105,7 +107,6 @@ def gemm_sweep(res: dict[str, Any]) -> dict[tuple[int, int], bt.GemmConfig]:
         if invariant:
             picks[(n, k)] = best
         out[f"{n}x{k}"] = rows
-        del w, xs
     res["gemm"] = out
     return picks
 
