@@ -24,7 +24,8 @@ gets it by construction, not by tuning luck:
   already one program per row with a block set by the hidden size only).
 
 Elementwise float ops are compiled with `enable_fp_fusion=False`, so no multiply-add is contracted
-differently in one context than in another.
+differently in one context than in another. Every kernel keeps `tide.layers.pdl`'s contract (launch
+dependents, then wait, before any load).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from tide.layers import pdl
 
 _NO_FUSION = {"enable_fp_fusion": False}
 
@@ -89,7 +92,10 @@ def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_PROGS: tl.constexpr):
+                   NUM_PROGS: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -147,13 +153,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = config or gemm_config(n, k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     progs = min(tiles, _num_sms(x.device.index or 0)) if x.is_cuda else min(tiles, 4)
+    use_pdl = pdl.enabled(x)
     _matmul_kernel[(progs,)](
         x2, weight, bias if bias is not None else weight, out, m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(x),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
     )
     return out.reshape(*lead, n)
 
@@ -162,7 +169,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _log_softmax_kernel(X, Out, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _log_softmax_kernel(X, Out, n_cols, stride_x, stride_o, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     # Pass 1: per-lane running max and sum over BLOCK-wide chunks, then one fixed reduction.
@@ -195,13 +206,19 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:
         return out
     block = min(4096, triton.next_power_of_2(x.shape[1]))
+    use_pdl = pdl.enabled(x)
     _log_softmax_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), out.stride(0), BLOCK=block,
-                                       num_warps=8 if block >= 2048 else 4, **_NO_FUSION)
+                                       USE_PDL=use_pdl, num_warps=8 if block >= 2048 else 4,
+                                       launch_pdl=use_pdl, **_NO_FUSION)
     return out
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Out, n_cols, stride_x, stride_o, eps, offset, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, Out, n_cols, stride_x, stride_o, eps, offset, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -223,8 +240,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if x2.shape[0] == 0:
         return out.view(shape)
     block = triton.next_power_of_2(shape[-1])
+    use_pdl = pdl.enabled(x)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, shape[-1], x2.stride(0), out.stride(0), eps,
-                                     offset, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                                     offset, BLOCK=block, USE_PDL=use_pdl,
+                                     num_warps=min(16, max(1, block // 256)), launch_pdl=use_pdl,
                                      **_NO_FUSION)
     return out.view(shape)
 
@@ -241,8 +260,11 @@ def _attention_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_r2t, sm_scale, is_decode,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     TOKENS: tl.constexpr = BLOCK_M // GROUP_P
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -329,6 +351,7 @@ def attention(
         blocks, is_decode = triton.cdiv(max_len, ATTN_BLOCK_M // group_p), 0
     if batch == 0:
         return
+    use_pdl = pdl.enabled(q)
     _attention_kernel[(batch, num_kv_heads, blocks)](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, ext_lens, ext_starts,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
@@ -336,5 +359,5 @@ def attention(
         req_to_token.stride(0), sm_scale, is_decode,
         GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, PRECISION=_precision(q),
-        num_warps=4, num_stages=2, **_NO_FUSION,
+        USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl, **_NO_FUSION,
     )
