@@ -41,6 +41,56 @@ def test_kernels_under_the_interpreter():
     assert " passed" in proc.stdout and "skipped" in proc.stdout  # this test, skipped there
 
 
+def _compile_sm90(fn, types: dict[str, str], constexprs: dict, **options):
+    """Compile `fn` for an H100/H200 (sm_90) without a GPU; arguments specialised as a real launch
+    specialises aligned tensors (16-byte pointers, strides and sizes divisible by 16)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: types.get(n, "i32" if n.startswith("stride") else "constexpr") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K", "n_cols")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def test_kernels_compile_for_hopper():
+    """The CUDA compile path (which the interpreter skips) accepts every kernel, and the GEMM's K
+    loop is software-pipelined (shared memory for all its stages, not one)."""
+    if INTERPRETED:
+        pytest.skip("kernels are interpreted in this process")
+    from tide.layers import batch_invariant_triton as bt
+
+    cfg = bt.gemm_config(4096, 4096)
+    gemm = _compile_sm90(
+        bt._matmul_kernel,
+        {"A": "*bf16", "W": "*bf16", "Bias": "*bf16", "C": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
+        dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", BLOCK_M=cfg.block_m,
+             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=132,
+             USE_PDL=True),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
+    assert gemm.metadata.shared >= (cfg.num_stages - 1) * stage_bytes
+    _compile_sm90(
+        bt._attention_kernel,
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i32",
+         "ReqPoolIdx": "*i64", "SeqLens": "*i64", "ExtendLens": "*i64", "ExtendStarts": "*i64",
+         "MidO": "*fp32", "MidLse": "*fp32", "sm_scale": "fp32", "is_decode": "i32",
+         "write_partials": "i32", "split_progs": "i32"},
+        dict(GROUP=4, GROUP_P=4, BLOCK_M=64, BLOCK_N=64, SPLIT=bt.ATTN_SPLIT, BLOCK_D=128,
+             HEAD_DIM=128, PRECISION="tf32", USE_PDL=True),
+        num_warps=4, num_stages=2, enable_fp_fusion=False)
+    _compile_sm90(bt._combine_kernel,
+                  {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "SeqLens": "*i64"},
+                  dict(SPLIT=bt.ATTN_SPLIT, BLOCK_D=128, HEAD_DIM=128, USE_PDL=True),
+                  num_warps=4, enable_fp_fusion=False)
+    _compile_sm90(bt._log_softmax_kernel, {"X": "*fp32", "Out": "*fp32", "n_cols": "i32"},
+                  dict(BLOCK=4096, USE_PDL=True), num_warps=8, enable_fp_fusion=False)
+    _compile_sm90(bt._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Out": "*bf16", "n_cols": "i32",
+                                        "eps": "fp32", "offset": "fp32"},
+                  dict(BLOCK=4096, USE_PDL=True), num_warps=16, enable_fp_fusion=False)
+
+
 def _mma_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     import numpy as np
     from triton.runtime import interpreter
@@ -188,12 +238,12 @@ class _Paged:
                      extend=(torch.tensor(ext), torch.tensor(starts), max(ext)))
         return {i: out[s : s + n] for i, s, n in zip(reqs, starts, ext)}
 
-    def decode(self, bt, reqs: list[int], pos: list[int]) -> dict[int, torch.Tensor]:
+    def decode(self, bt, reqs: list[int], pos: list[int], scratch=None) -> dict[int, torch.Tensor]:
         """One decode step: the token at pos[j] of each request (K/V of 0..pos[j] cached)."""
         q = torch.stack([self.q[i][p] for i, p in zip(reqs, pos)])
         out = torch.empty_like(q)
         bt.attention(q, self.k, self.v, out, self.req_to_token, torch.tensor(reqs),
-                     torch.tensor([p + 1 for p in pos]), self.scale)
+                     torch.tensor([p + 1 for p in pos]), self.scale, scratch=scratch)
         return {i: out[j] for j, i in enumerate(reqs)}
 
     def reference(self, i: int) -> torch.Tensor:
@@ -207,10 +257,19 @@ class _Paged:
         return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+@pytest.fixture
+def small_splits(bt, monkeypatch):
+    """Splits of 128 keys (two key blocks), so short test sequences cross several."""
+    monkeypatch.setattr(bt, "ATTN_SPLIT", 128)
+    return bt
+
+
 @interpreted
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf - -inf, masked out
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 2)], ids=["gqa4", "mha", "gqa3"])
-def test_attention_same_bits_for_decode_extend_chunks_and_prefix(bt, heads):
-    paged = _Paged([37, 5, 70, 19], *heads)
+def test_attention_same_bits_for_decode_extend_chunks_and_prefix(small_splits, heads):
+    bt = small_splits
+    paged = _Paged([37, 5, 200, 19], *heads)
     full = paged.extend(bt, [0, 1, 2, 3], [0, 0, 0, 0])
     for i in range(4):
         assert (full[i].float() - paged.reference(i)).abs().max().item() < 2e-3
@@ -218,20 +277,23 @@ def test_attention_same_bits_for_decode_extend_chunks_and_prefix(bt, heads):
     assert torch.equal(paged.extend(bt, [2], [0])[2], full[2])
     other = paged.extend(bt, [3, 2, 0], [0, 0, 0])
     assert all(torch.equal(other[i], full[i]) for i in (0, 2, 3))
-    # On a cached prefix (block boundaries of the new tokens shift with it).
-    for p in (1, 13, 30, 49, 50, 64):
+    # On a cached prefix (block and split boundaries of the new tokens shift with it).
+    for p in (13, 64, 127, 128, 150):
         assert torch.equal(paged.extend(bt, [2, 0], [p, min(p, 36)])[2], full[2][p:]), p
-    # Chunked prefill: chunks of 7 then 16 tokens, the K/V of later tokens not cached yet.
-    for size in (7, 16):
-        for s in range(0, 70, size):
-            e = min(s + size, 70)
+    # Chunked prefill: chunks of 61 tokens, the K/V of later tokens not cached yet.
+    for size in (61,):
+        for s in range(0, 200, size):
+            e = min(s + size, 200)
             assert torch.equal(paged.extend(bt, [2], [s], [e])[2], full[2][s:e]), (size, s)
-    # Decode steps, one token per request, in batches of other compositions.
-    for reqs, pos in [([0, 1, 2, 3], [36, 4, 69, 18]), ([2], [69]), ([2, 0], [63, 0]),
-                      ([3, 2], [0, 64])]:
-        out = paged.decode(bt, reqs, pos)
-        for i, p in zip(reqs, pos):
-            assert torch.equal(out[i], full[i][p]), (reqs, i, p)
+    # Decode steps, one token per request, in batches of other compositions; the splits of
+    # batches up to `scratch.max_batch` run in parallel programs, larger ones in one.
+    scratch = bt.DecodeSplitScratch(2, heads[0], 16, 512, "cpu")
+    for reqs, pos in [([0, 1, 2, 3], [36, 4, 199, 18]), ([2], [199]), ([2, 0], [127, 0]),
+                      ([3, 2], [0, 128])]:
+        for sc in (None, scratch):
+            out = paged.decode(bt, reqs, pos, sc)
+            for i, p in zip(reqs, pos):
+                assert torch.equal(out[i], full[i][p]), (reqs, i, p, sc is not None)
 
 
 @interpreted

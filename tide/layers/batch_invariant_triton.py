@@ -11,14 +11,18 @@ gets it by construction, not by tuning luck:
   its own A row. (Autotuning over M would break this; so would cuBLAS, which picks its algorithm and
   split-K from M.)
 - `attention`: ONE kernel serves decode and extend. A program takes BLOCK_M (token, q head) rows of
-  one request and one kv head and streams the request's keys from position 0 in BLOCK_N-key blocks,
-  in order, with the online softmax per row; keys after a row's own position are masked to exact
-  zeros (a no-op on its running max, sum and output). A token's reduction order is therefore a
-  function of its position only: the same in a decode step (one token), a prefill, any chunk of a
-  chunked prefill and on top of a cached prefix, whatever else is in the batch. The decode call is
-  the extend kernel with one new token per request (a runtime flag, never specialised), so the two
-  are the same machine code, not two kernels that happen to agree. There is no split-KV: one program
-  per (request, kv head, block of tokens) covers the whole context.
+  one request and one kv head. The keys are cut into splits at fixed positions (ATTN_SPLIT keys
+  each, from position 0); within a split the keys stream in BLOCK_N-key blocks, in order, with the
+  online softmax per row, and keys after a row's own position are masked to exact zeros (a no-op on
+  its running max, sum and output); the splits' partials are merged in split order by `_fold`. A
+  token's reduction order is therefore a function of its position only: the same in a decode step
+  (one token), a prefill, any chunk of a chunked prefill and on top of a cached prefix, whatever
+  else is in the batch. The decode call is the extend kernel with one new token per request (a
+  runtime flag, never specialised), so the two are the same machine code, not two kernels that
+  happen to agree. Small decode batches run a token's splits in parallel programs that write their
+  partials, and `_combine_kernel` merges them with the same `_fold` in the same order (elementwise
+  IEEE ops, no fusion: the same bits as the in-kernel merge); the split positions never depend on
+  the batch, only which program computes a split does.
 - `log_softmax`: one program per row, a fixed chunked pass over the vocabulary.
 - `rms_norm`: one program per row (Gemma's fp32 form; the Llama-style RMSNorm in `triton_ops` is
   already one program per row with a block set by the hidden size only).
@@ -252,15 +256,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 ATTN_BLOCK_M = 64  # (token, q head) rows per program
 ATTN_BLOCK_N = 64  # keys per step of the online softmax
+ATTN_SPLIT = 512  # keys per split: positions [s * ATTN_SPLIT, (s + 1) * ATTN_SPLIT) form split s
 
 
-@triton.jit(do_not_specialize=["is_decode"])
+@triton.jit
+def _fold(o, lse, o_s, lse_s):
+    """Merge split partial (o_s, lse_s) into the running (o, lse). The one merge both the attention
+    kernel and `_combine_kernel` use: elementwise only, so (without fp fusion) it gives the same bits
+    in either kernel. Merging into the empty state (0, -inf) returns (o_s, lse_s) exactly."""
+    m = tl.maximum(lse, lse_s)
+    w_old = tl.exp(lse - m)
+    w_new = tl.exp(lse_s - m)
+    total = w_old + w_new
+    o = (o * w_old[:, None] + o_s * w_new[:, None]) / total[:, None]
+    return o, m + tl.log(total)
+
+
+@triton.jit(do_not_specialize=["is_decode", "write_partials", "split_progs"])
 def _attention_kernel(
-    Q, K, V, Out, ReqToToken, ReqPoolIdx, SeqLens, ExtendLens, ExtendStarts,
+    Q, K, V, Out, ReqToToken, ReqPoolIdx, SeqLens, ExtendLens, ExtendStarts, MidO, MidLse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_r2t, sm_scale, is_decode,
+    stride_r2t, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    sm_scale, is_decode, write_partials, split_progs,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -268,7 +288,6 @@ def _attention_kernel(
     TOKENS: tl.constexpr = BLOCK_M // GROUP_P
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    mblk = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     if is_decode != 0:
         ext_len = seq_len * 0 + 1
@@ -276,6 +295,17 @@ def _attention_kernel(
     else:
         ext_len = tl.load(ExtendLens + b)
         q_start = tl.load(ExtendStarts + b).to(tl.int64)
+    # Either one block of tokens through every split (folded here), or, for a decode step with
+    # `write_partials`, one token through splits first, first + split_progs, ... (partials to MidO).
+    zero = b * 0
+    if write_partials != 0:
+        mblk = zero
+        first = zero + tl.program_id(2)
+        step = zero + split_progs
+    else:
+        mblk = zero + tl.program_id(2)
+        first = zero
+        step = zero + 1
     if mblk * TOKENS >= ext_len:
         return
     prefix = seq_len - ext_len
@@ -294,31 +324,96 @@ def _attention_kernel(
     )
     q_pos = prefix + tok
     kv_end = prefix + tl.minimum((mblk + 1) * TOKENS, ext_len)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < kv_end
-        slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        qk = tl.where(keep, tl.dot(q, k, input_precision=PRECISION) * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(
-        Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=mask_m[:, None] & mask_d[None, :],
-    )
+    o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(first, tl.cdiv(kv_end, SPLIT), step):
+        split_start = s * SPLIT
+        split_end = tl.minimum(split_start + SPLIT, kv_end)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(split_start, split_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < split_end
+            slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(keep, tl.dot(q, k, input_precision=PRECISION) * sm_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        # A row that sees no key of this split (its position is before the split) gets 0/0 here
+        # and is left out of the merge below.
+        o_s = acc / l_i[:, None]
+        lse_s = m_i + tl.log(l_i)
+        if write_partials != 0:
+            tl.store(MidO + b * stride_mb + head[:, None] * stride_mh + s * stride_ms + offs_d[None, :],
+                     o_s, mask=mask_m[:, None] & mask_d[None, :])
+            tl.store(MidLse + b * stride_lb + head * stride_lh + s, lse_s, mask=mask_m)
+        else:
+            o_new, lse_new = _fold(o, lse, o_s, lse_s)
+            sees = q_pos >= split_start
+            o = tl.where(sees[:, None], o_new, o)
+            lse = tl.where(sees, lse_new, lse)
+    if write_partials == 0:
+        tl.store(
+            Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(Out.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+
+
+@triton.jit
+def _combine_kernel(MidO, MidLse, Out, SeqLens, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                    stride_ot, stride_oh, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+    """A decode token's split partials merged in split order, as the attention kernel merges them."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    o = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    lse = tl.full([1], float("-inf"), dtype=tl.float32)
+    for s in range(0, tl.cdiv(seq_len, SPLIT)):
+        o_s = tl.load(MidO + b * stride_mb + h * stride_mh + s * stride_ms + offs_d[None, :],
+                      mask=mask_d[None, :], other=0.0)
+        lse_s = tl.load(MidLse + b * stride_lb + h * stride_lh + s + tl.arange(0, 1))
+        o, lse = _fold(o, lse, o_s, lse_s)
+    tl.store(Out + b * stride_ot + h * stride_oh + offs_d[None, :], o.to(Out.dtype.element_ty),
+             mask=mask_d[None, :])
+
+
+class DecodeSplitScratch:
+    """fp32 partials for decode steps of at most `max_batch` requests whose splits run in parallel
+    programs (`attention`): [max_batch, Hq, splits of the longest context, D] and the log-sum-exps.
+    Allocated once, so CUDA graphs keep pointing at it."""
+
+    def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_context_len: int,
+                 device: torch.device | str) -> None:
+        splits = triton.cdiv(max_context_len, ATTN_SPLIT)
+        self.max_batch = max_batch
+        self.mid_o = torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32,
+                                 device=device)
+        self.mid_lse = torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def parallel_batch_limit(num_kv_heads: int, device: torch.device | str) -> int:
+        """Decode batches up to this size run their splits in parallel: fewer (request, kv head)
+        pairs than SMs would leave most of the GPU idle."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return 4
+        return max(1, _num_sms(device.index or 0) // num_kv_heads)
 
 
 def attention(
@@ -331,11 +426,18 @@ def attention(
     seq_lens: torch.Tensor,  # [B]: tokens in the cache after this step's K/V is stored
     sm_scale: float,
     extend: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    scratch: DecodeSplitScratch | None = None,
 ) -> None:
     """Causal attention of each request's new tokens over its whole cached sequence (new K/V already
     stored). `extend` = (extend_lens, extend_starts, max_extend_len) for an extend batch; None for a
-    decode batch (one new token per request, at row b). Decode and extend run the same kernel, so a
-    token's output bits do not depend on which of the two computed it (module doc)."""
+    decode batch (one new token per request, at row b).
+
+    A token's keys are cut into splits of ATTN_SPLIT positions, each reduced in ATTN_BLOCK_N-key
+    blocks with an online softmax and merged in split order (`_fold`). Extend, and decode batches
+    larger than `scratch.max_batch` (or without scratch), do all of it in one program per block of
+    tokens; smaller decode batches run the splits in parallel programs and merge them in
+    `_combine_kernel`. Same kernel, same splits, same merge order: a token's bits are the same in
+    every case (module doc)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -343,21 +445,44 @@ def attention(
     if group_p > ATTN_BLOCK_M:
         raise ValueError(f"{group} q heads per kv head exceed the kernel's {ATTN_BLOCK_M} rows")
     batch = req_pool_indices.shape[0]
-    if extend is None:
-        ext_lens = ext_starts = seq_lens  # not read
-        blocks, is_decode = 1, 1
-    else:
-        ext_lens, ext_starts, max_len = extend
-        blocks, is_decode = triton.cdiv(max_len, ATTN_BLOCK_M // group_p), 0
     if batch == 0:
         return
+    parallel = extend is None and scratch is not None and batch <= scratch.max_batch
+    if extend is None:
+        ext_lens = ext_starts = seq_lens  # not read
+        is_decode = 1
+        if parallel:
+            assert scratch is not None
+            # Enough programs per (request, kv head) for about two per SM; each takes every
+            # split_progs-th split (splits past the sequence exit at once).
+            split_progs = min(scratch.mid_o.shape[2],
+                              max(1, 2 * DecodeSplitScratch.parallel_batch_limit(1, q.device)
+                                  // (batch * num_kv_heads)))
+            blocks = split_progs
+        else:
+            split_progs, blocks = 1, 1
+    else:
+        ext_lens, ext_starts, max_len = extend
+        split_progs, blocks, is_decode = 1, triton.cdiv(max_len, ATTN_BLOCK_M // group_p), 0
+    mid_o, mid_lse = (scratch.mid_o, scratch.mid_lse) if parallel and scratch else (out, out)
     use_pdl = pdl.enabled(q)
+    block_d = triton.next_power_of_2(head_dim)
     _attention_kernel[(batch, num_kv_heads, blocks)](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, ext_lens, ext_starts,
+        mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), sm_scale, is_decode,
-        GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim, PRECISION=_precision(q),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        sm_scale, is_decode, int(parallel), split_progs,
+        GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, SPLIT=ATTN_SPLIT,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl, **_NO_FUSION,
     )
+    if parallel:
+        _combine_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            SPLIT=ATTN_SPLIT, BLOCK_D=block_d, HEAD_DIM=head_dim, USE_PDL=use_pdl,
+            num_warps=4, launch_pdl=use_pdl, **_NO_FUSION,
+        )

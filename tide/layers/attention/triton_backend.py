@@ -33,17 +33,27 @@ class TritonAttnBackend(AttentionBackend):
         mc = runner.model_config
         return cls(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                    runner.max_batch_size, runner.device,
-                   deterministic=runner.config.enable_deterministic_inference)
+                   deterministic=runner.config.enable_deterministic_inference,
+                   max_context_len=runner.context_len)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_batch_size: int,
                  device: torch.device, max_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, max_context_len: int | None = None) -> None:
         """`deterministic`: decode and extend both run `batch_invariant_triton.attention` (one
-        kernel, a token's key order fixed by its position; no split-KV scratch is used)."""
+        kernel; a token's keys split at fixed positions and merged in order). With
+        `max_context_len`, small decode batches run those splits in parallel programs (scratch
+        for them is allocated here); without it every split runs in one program."""
         from tide.layers.attention import triton_kernels
 
         self.kernels = triton_kernels
         self.deterministic = deterministic
+        self._det_scratch = None
+        if deterministic and max_context_len is not None:
+            from tide.layers.batch_invariant_triton import DecodeSplitScratch
+
+            limit = DecodeSplitScratch.parallel_batch_limit(num_kv_heads, device)
+            self._det_scratch = DecodeSplitScratch(min(limit, max_batch_size), num_heads, head_dim,
+                                                   max_context_len, device)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_kv_splits = max_kv_splits
         # Split-KV scratch, sized for the largest batch x splits any batch size uses (small batches
@@ -143,6 +153,6 @@ class TritonAttnBackend(AttentionBackend):
             q, fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id), out,
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
-            extend=extend,
+            extend=extend, scratch=self._det_scratch,
         )
         return out
