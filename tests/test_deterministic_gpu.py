@@ -27,8 +27,9 @@ pytestmark = [
 ]
 
 MAX_NEW = 24
-# Long enough to cross several key blocks and token blocks of the attention kernel.
-TARGETS = random_prompts(1101, [3, 45, 130, 260])
+# Long enough to cross several key blocks and token blocks of the attention kernel, and (600) its
+# 512-key split boundary; alone, a decode step runs the splits in parallel programs.
+TARGETS = random_prompts(1101, [3, 45, 130, 600])
 TARGET_PARAMS = [
     {"max_new_tokens": MAX_NEW, "temperature": 1.0, "seed": 11, "ignore_eos": True},
     {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True},
@@ -130,9 +131,9 @@ def test_chunked_prefill_matches_alone(ckpt, alone, chunk):
 
 
 def test_after_retraction_matches_alone(ckpt, alone):
-    # Prompts share no prefix with each other (438 tokens, each twice: the copy hits the cache) and
-    # grow by 24: 520 slots cannot hold all 8 at once, so decode retracts some.
-    engine = _engine(ckpt, max_total_tokens=520)
+    # Prompts share no prefix with each other (778 tokens, each twice: the copy hits the cache) and
+    # grow by 24: 760 slots cannot hold all 8 at once, so decode retracts some.
+    engine = _engine(ckpt, max_total_tokens=760)
     try:
         outs = engine.generate(input_ids=TARGETS * 2, sampling_params=TARGET_PARAMS * 2,
                                return_logprob=True)
@@ -252,10 +253,17 @@ def test_attention_decode_equals_extend_on_gpu():
     assert torch.equal(extend([2], [333])[2], full[2][333:])
     assert torch.equal(extend([2, 0], [1000, 650])[0], full[0][650:])
     q = torch.stack([qs[i][-1] for i in (2, 0)])
-    out = torch.empty_like(q)
-    bt.attention(q, kb, vb, out, r2t, torch.tensor([2, 0], device="cuda"),
-                 torch.tensor([lens[2], lens[0]], device="cuda"), scale)
-    assert torch.equal(out[0], full[2][-1]) and torch.equal(out[1], full[0][-1])
+    scratch = bt.DecodeSplitScratch(4, hq, d, 2048, "cuda")
+    for sc in (None, scratch):  # all splits in one program / in parallel programs
+        out = torch.empty_like(q)
+        bt.attention(q, kb, vb, out, r2t, torch.tensor([2, 0], device="cuda"),
+                     torch.tensor([lens[2], lens[0]], device="cuda"), scale, scratch=sc)
+        assert torch.equal(out[0], full[2][-1]) and torch.equal(out[1], full[0][-1])
+    ref = torch.softmax((qs[2].float().transpose(0, 1) @ kb[r2t[2, :1500].long()].float()
+                         .repeat_interleave(4, 1).permute(1, 2, 0)) * scale
+                        + torch.full((1500, 1500), float("-inf"), device="cuda").triu(1), -1)
+    ref = (ref @ vb[r2t[2, :1500].long()].float().repeat_interleave(4, 1).transpose(0, 1))
+    assert (full[2].float() - ref.transpose(0, 1)).abs().max().item() < 2e-2
 
 
 def test_log_softmax_rows_bit_identical():
