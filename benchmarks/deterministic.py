@@ -44,6 +44,8 @@ CANDIDATES = [
     bt.GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
     bt.GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
     bt.GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
+    bt.GemmConfig(128, 64, 64, num_warps=4, num_stages=4, programs_per_sm=2),
+    bt.GemmConfig(64, 128, 64, num_warps=4, num_stages=4, programs_per_sm=2),
     bt.GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
     bt.GemmConfig(64, 64, 64, num_warps=4, num_stages=4),
     bt.GemmConfig(64, 128, 128, num_warps=4, num_stages=3),

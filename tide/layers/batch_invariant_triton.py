@@ -59,6 +59,9 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    # Persistent programs per SM (the grid is this times the SM count, at most one per tile). Which
+    # program computes a tile never changes the tile's bits, so this is free to tune.
+    programs_per_sm: int = 1
 
 
 # Per-(N, K) overrides, e.g. from `benchmarks/deterministic.py --gemm-sweep` on the target GPU.
@@ -156,7 +159,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out.reshape(*lead, n)
     cfg = config or gemm_config(n, k)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    progs = min(tiles, _num_sms(x.device.index or 0)) if x.is_cuda else min(tiles, 4)
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 2
+    progs = min(tiles, sms * cfg.programs_per_sm)
     use_pdl = pdl.enabled(x)
     _matmul_kernel[(progs,)](
         x2, weight, bias if bias is not None else weight, out, m, n, k,
