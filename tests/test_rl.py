@@ -221,24 +221,3 @@ def test_sliding_window_models_batch_invariant_and_rl_logprobs(arch, tmp_path):
     assert _result(outs[4]) == _result(solo)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert tide.rl.logprobs(hf, prompt, solo["output_ids"]) == _logprobs(solo)
-
-
-def test_deterministic_backend_for_windowed_models_on_cuda():
-    """The triton backend's deterministic kernel takes no window or soft-cap yet: windowed models
-    run torch_native's deterministic path under "auto", and naming "triton" for them is refused."""
-    pytest.importorskip("triton")
-    from test_swa_config import _TINY
-
-    from tide.layers import batch_invariant
-    from tide.layers.attention.torch_native import TorchNativeAttnBackend
-    from tide.model_config import ModelConfig
-
-    windowed = ModelConfig.from_hf_dict({"architectures": ["MistralForCausalLM"],
-                                         **dict(_TINY, num_hidden_layers=2, sliding_window=16)})
-    plain = ModelConfig.from_hf_dict({"architectures": ["MistralForCausalLM"],
-                                      **dict(_TINY, num_hidden_layers=2, sliding_window=None)})
-    assert batch_invariant.select_attention_backend("auto", "cuda", windowed) is TorchNativeAttnBackend
-    with pytest.raises(ValueError, match="enable_deterministic_inference"):
-        batch_invariant.select_attention_backend("triton", "cuda", windowed)
-    assert batch_invariant.select_attention_backend("auto", "cuda", plain).__name__ == "TritonAttnBackend"
-    assert batch_invariant.select_attention_backend("auto", "cpu", windowed) is TorchNativeAttnBackend

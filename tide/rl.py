@@ -32,7 +32,7 @@ from torch import nn
 
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
 from tide.layers import batch_invariant
-from tide.layers.attention import AttentionBackend
+from tide.layers.attention import AttentionBackend, select_attention_backend
 from tide.layers.attention.torch_native import TorchNativeAttnBackend
 from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
@@ -83,8 +83,7 @@ class _Reference:
         self.weight_map = WeightMap(self.model)
         # The backend an engine with attention_backend="auto" picks on this device, in its
         # deterministic form: the same kernels as the engine's deterministic steps.
-        backend_cls = batch_invariant.select_attention_backend("auto", self.device.type,
-                                                               self.model_config)
+        backend_cls = select_attention_backend("auto", self.device.type, self.model_config)
         if backend_cls is TorchNativeAttnBackend:
             self.backend: AttentionBackend = TorchNativeAttnBackend(deterministic=True)
         else:

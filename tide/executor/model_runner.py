@@ -10,7 +10,6 @@ import torch
 from tide.config import EngineConfig
 from tide.executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
-from tide.layers import batch_invariant
 from tide.layers.attention import select_attention_backend
 from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.ledger import MemoryLedger
@@ -86,9 +85,9 @@ class ModelRunner:
             if self.use_vmm:
                 self.weights_region = self._move_weights_to_vmm()
         self._init_pools()
-        select = (batch_invariant.select_attention_backend if config.enable_deterministic_inference
-                  else select_attention_backend)
-        backend_cls = select(config.attention_backend, self.device.type, model_config)
+        backend_cls = select_attention_backend(
+            config.attention_backend, self.device.type, model_config
+        )
         self.attn_backend = backend_cls.create(self)
         self.cuda_graph_runner: CudaGraphRunner | None = None
         self.last_greedy_ids: torch.Tensor | None = None

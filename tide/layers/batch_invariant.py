@@ -18,15 +18,9 @@ softmax picks its kernel from the shape and the pointers' alignment, so neither 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from tide.layers.attention import AttentionBackend
-    from tide.model_config import ModelConfig
 
 ROW_BLOCK = 32
 
@@ -60,28 +54,6 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
         return batch_invariant_triton.log_softmax(x)
     return torch.log_softmax(x.float(), dim=-1)
-
-
-def select_attention_backend(name: str, device_type: str,
-                             model_config: "ModelConfig") -> type["AttentionBackend"]:
-    """The attention backend for `enable_deterministic_inference`: as
-    `tide.layers.attention.select_attention_backend`, except that the triton backend's deterministic
-    kernel does not take sliding windows or soft-caps yet, so a model that uses them runs
-    torch_native's deterministic path (one query row per call) under "auto", and naming "triton"
-    for it is refused."""
-    from tide.layers.attention import select_attention_backend as select_default
-    from tide.layers.attention.torch_native import TorchNativeAttnBackend
-
-    cls = select_default(name, device_type, model_config)
-    needs = model_config.has_sliding_layers or model_config.attn_logit_softcapping is not None
-    if not needs or cls is TorchNativeAttnBackend:
-        return cls
-    if name != "auto":
-        raise ValueError(
-            "enable_deterministic_inference: attention_backend 'triton' has no deterministic kernel "
-            "for sliding-window or soft-capped attention yet; use attention_backend='auto' or "
-            "'torch_native'")
-    return TorchNativeAttnBackend
 
 
 def set_batch_invariant(model: nn.Module) -> None:

@@ -276,13 +276,27 @@ def _fold(o, lse, o_s, lse_s):
     return o, m + tl.log(total)
 
 
-@triton.jit(do_not_specialize=["is_decode", "write_partials", "split_progs"])
+@triton.jit
+def _first_split(q_pos, window, SPLIT: tl.constexpr):
+    """The first split holding a key the query at q_pos sees (window 0: no window)."""
+    lo = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)
+    return lo // SPLIT
+
+
+@triton.jit
+def _soft_cap(x, cap):
+    """cap * tanh(x / cap), with tanh(y) = 1 - 2 / (e^2y + 1): finite for every x."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (x / cap)) + 1.0))
+
+
+@triton.jit(do_not_specialize=["is_decode", "write_partials", "split_progs", "window"])
 def _attention_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, SeqLens, ExtendLens, ExtendStarts, MidO, MidLse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_r2t, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    sm_scale, is_decode, write_partials, split_progs,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    sm_scale, logit_cap, is_decode, write_partials, split_progs, window,
+    HAS_CAP: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -330,7 +344,9 @@ def _attention_kernel(
     kv_end = prefix + tl.minimum((mblk + 1) * TOKENS, ext_len)
     o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(first, tl.cdiv(kv_end, SPLIT), step):
+    # Splits wholly before the program's earliest window are skipped (they hold no visible key).
+    s_begin = _first_split(prefix + mblk * TOKENS, window, SPLIT)
+    for s in range(s_begin + first, tl.cdiv(kv_end, SPLIT), step):
         split_start = s * SPLIT
         split_end = tl.minimum(split_start + SPLIT, kv_end)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -343,10 +359,17 @@ def _attention_kernel(
             k = tl.load(K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
                         mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            qk = tl.where(keep, tl.dot(q, k, input_precision=PRECISION) * sm_scale, float("-inf"))
+            keep &= (window == 0) | (offs_n[None, :] > q_pos[:, None] - window)
+            qk = tl.dot(q, k, input_precision=PRECISION) * sm_scale
+            if HAS_CAP:
+                qk = _soft_cap(qk, logit_cap)
+            qk = tl.where(keep, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            # A row that has seen no visible key yet (window start further on) keeps its empty
+            # state exactly: exp(-inf - 0) = 0 everywhere, no -inf - -inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
             v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                         mask=mask_n[:, None] & mask_d[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -363,6 +386,7 @@ def _attention_kernel(
         else:
             o_new, lse_new = _fold(o, lse, o_s, lse_s)
             sees = q_pos >= split_start
+            sees &= (window == 0) | (q_pos - window < split_start + SPLIT - 1)
             o = tl.where(sees[:, None], o_new, o)
             lse = tl.where(sees, lse_new, lse)
     if write_partials == 0:
@@ -375,7 +399,7 @@ def _attention_kernel(
 
 @triton.jit
 def _combine_kernel(MidO, MidLse, Out, SeqLens, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                    stride_ot, stride_oh, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+                    stride_ot, stride_oh, window, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
                     HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
     """A decode token's split partials merged in split order, as the attention kernel merges them."""
     if USE_PDL:
@@ -388,7 +412,7 @@ def _combine_kernel(MidO, MidLse, Out, SeqLens, stride_mb, stride_mh, stride_ms,
     mask_d = offs_d < HEAD_DIM
     o = tl.zeros([1, BLOCK_D], dtype=tl.float32)
     lse = tl.full([1], float("-inf"), dtype=tl.float32)
-    for s in range(0, tl.cdiv(seq_len, SPLIT)):
+    for s in range(_first_split(seq_len - 1, window, SPLIT), tl.cdiv(seq_len, SPLIT)):
         o_s = tl.load(MidO + b * stride_mb + h * stride_mh + s * stride_ms + offs_d[None, :],
                       mask=mask_d[None, :], other=0.0)
         lse_s = tl.load(MidLse + b * stride_lb + h * stride_lh + s + tl.arange(0, 1))
@@ -431,10 +455,14 @@ def attention(
     sm_scale: float,
     extend: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     scratch: DecodeSplitScratch | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> None:
     """Causal attention of each request's new tokens over its whole cached sequence (new K/V already
     stored). `extend` = (extend_lens, extend_starts, max_extend_len) for an extend batch; None for a
-    decode batch (one new token per request, at row b).
+    decode batch (one new token per request, at row b). `sliding_window`: a query at p sees keys
+    p - sliding_window + 1 .. p; `logit_cap`: scores go through cap * tanh(score / cap) before the
+    mask (`tide.layers.attention.layer.Attention`).
 
     A token's keys are cut into splits of ATTN_SPLIT positions, each reduced in ATTN_BLOCK_N-key
     blocks with an online softmax and merged in split order (`_fold`). Extend, and decode batches
@@ -478,15 +506,16 @@ def attention(
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        sm_scale, is_decode, int(parallel), split_progs,
-        GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N, SPLIT=ATTN_SPLIT,
+        sm_scale, logit_cap or 0.0, is_decode, int(parallel), split_progs, sliding_window or 0,
+        HAS_CAP=logit_cap is not None, GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M,
+        BLOCK_N=ATTN_BLOCK_N, SPLIT=ATTN_SPLIT,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl, **_NO_FUSION,
     )
     if parallel:
         _combine_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), sliding_window or 0,
             SPLIT=ATTN_SPLIT, BLOCK_D=block_d, HEAD_DIM=head_dim, USE_PDL=use_pdl,
             num_warps=4, launch_pdl=use_pdl, **_NO_FUSION,
         )

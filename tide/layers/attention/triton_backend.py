@@ -156,6 +156,7 @@ class TritonAttnBackend(AttentionBackend):
             q, fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id), out,
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
-            extend=extend, scratch=self._det_scratch,
+            extend=extend, scratch=self._det_scratch, sliding_window=layer.sliding_window,
+            logit_cap=layer.logit_cap,
         )
         return out
