@@ -193,6 +193,33 @@ def test_rl_logprobs_close_to_default_engine(ckpt):
     assert math.isfinite(worst["bfloat16"])
 
 
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_sliding_window_models_batch_invariant_and_rl_logprobs(arch, tmp_path):
+    """Windowed (and, for Gemma 2, soft-capped) attention on the triton backend's deterministic
+    kernel, Gemma's RMSNorm on its row kernel: a prompt many windows long, chunked, alone vs in a
+    mixed batch, and tide.rl.logprobs on the CUDA module equal to the engine's."""
+    from test_swa_models import build_swa_checkpoint
+
+    path = build_swa_checkpoint(tmp_path / arch, arch)
+    prompt = random_prompts(1201, [300])[0]
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "seed": 9, "ignore_eos": True}
+    engine = _engine(path, chunked_prefill_size=64, max_prefill_tokens=64)
+    try:
+        assert type(engine.model_runner.attn_backend).__name__ == "TritonAttnBackend"
+        solo = engine.generate(input_ids=prompt, sampling_params=sp, return_logprob=True)
+        engine.flush_cache()
+        others, other_params = _mixed_batch(3, 9)
+        others = [o[:200] for o in others]
+        outs = engine.generate(input_ids=others[:4] + [prompt] + others[4:],
+                               sampling_params=other_params[:4] + [sp] + other_params[4:],
+                               return_logprob=True)
+    finally:
+        engine.shutdown()
+    assert _result(outs[4]) == _result(solo)
+    assert tide.rl.logprobs(_hf(path, torch.bfloat16), prompt, solo["output_ids"]) == _logprobs(solo)
+
+
 # ---- kernels at Llama-3.1-8B shapes, on the hardware
 
 
