@@ -12,6 +12,9 @@
   seed 0, ignore_eos; `benchmarks.run.workload`) on a default engine and on a deterministic one.
 - bs1: bs1 decode tok/s at 128 and 1024 tokens of context, default vs deterministic.
 
+The sweep and the engine runs fit separate invocations (`--only gemm`, then `--only throughput,bs1
+--gemm-configs DIR/deterministic.json` to use the sweep's picks).
+
 Writes deterministic.json into --out and prints every number as it is measured.
 """
 
@@ -150,6 +153,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--no-apply", action="store_true",
                     help="keep the built-in GEMM configs for the engine runs (sweep only reports)")
+    ap.add_argument("--gemm-configs", default=None,
+                    help="a deterministic.json from an earlier --only gemm run: use its picks")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     os.makedirs(args.out, exist_ok=True)
@@ -160,6 +165,13 @@ def main() -> None:
         with open(os.path.join(args.out, "deterministic.json"), "w") as f:
             json.dump(res, f, indent=2, default=str)
 
+    if args.gemm_configs:
+        with open(args.gemm_configs) as f:
+            earlier = json.load(f)["gemm"]
+        for key, rows in earlier.items():
+            if rows["pick"]["bit_invariant"]:
+                n, k = (int(v) for v in key.split("x"))
+                bt.GEMM_CONFIGS[(n, k)] = bt.GemmConfig(**rows["pick"]["config"])
     if "gemm" in parts:
         picks = gemm_sweep(res)
         if not args.no_apply:
