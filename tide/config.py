@@ -86,7 +86,7 @@ class EngineConfig:
     # RL fidelity (see docs/rl.md).
     enable_deterministic_inference: bool = _option(
         False, "batch-invariant ops: the same prompt and seed give the same tokens and logprobs "
-               "whatever shares the batch, chunked prefill or a cached prefix (CPU only for now)")
+               "whatever shares the batch, chunked prefill or a cached prefix (CPU and CUDA)")
     # Loading.
     show_progress: bool | None = _option(None, "show a progress bar while loading weights "
                                                "(default: for checkpoints of 1 GiB or more)")

@@ -64,10 +64,10 @@ class ModelRunner:
                 f"context_length {self.context_len} exceeds the model's max_position_embeddings "
                 f"{model_config.max_position_embeddings}"
             )
-        if config.enable_deterministic_inference and self.device.type != "cpu":
+        if config.enable_deterministic_inference and self.device.type not in ("cpu", "cuda"):
             raise ValueError(
-                "enable_deterministic_inference is supported on CPU only for now (no "
-                f"batch-invariant kernels for device {self.device.type!r} yet); use device='cpu'"
+                "enable_deterministic_inference is supported on CPU and CUDA only (no "
+                f"batch-invariant kernels for device {self.device.type!r})"
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

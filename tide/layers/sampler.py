@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tide.layers import batch_invariant
 from tide.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -122,8 +123,12 @@ class DeviceSample:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, deterministic: bool = False) -> None:
+        """`deterministic` (`enable_deterministic_inference`): on CUDA, log_softmax and the draw's
+        probabilities come from the one-program-per-row kernel and top-k/top-p/min-p truncation runs
+        row by row, so a row's logprob and (seeded) draw do not depend on the batch."""
         self.seed = seed
+        self.deterministic = deterministic
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -167,7 +172,7 @@ class Sampler:
 
         out = DeviceSample(next_ids)
         if any(info.return_logprob):
-            logp = torch.log_softmax(scaled, dim=-1)
+            logp = self._log_softmax(scaled)
             out.logprobs = logp.gather(1, next_ids.unsqueeze(1)).squeeze(1)
             k = max(info.top_logprobs_num)
             if k > 0:
@@ -178,8 +183,12 @@ class Sampler:
     def _draw(self, scaled: torch.Tensor, params: list[SamplingParams],
               positions: list[int]) -> torch.Tensor:
         """One draw per row; a seeded row draws with (seed, `positions[i]`: its output position)."""
-        probs = torch.softmax(scaled, dim=-1)
-        probs = truncate(probs, params)
+        if self.deterministic and scaled.is_cuda:
+            probs = self._log_softmax(scaled).exp()
+            probs = torch.cat([truncate(probs[i : i + 1], params[i : i + 1])
+                               for i in range(len(params))])
+        else:
+            probs = truncate(torch.softmax(scaled, dim=-1), params)
         noise = torch.empty_like(probs)
         if all(p.seed is None for p in params):  # one launch for the batch, not one per row
             noise.exponential_(generator=self._generator(probs.device))
@@ -192,6 +201,11 @@ class Sampler:
                 gen = torch.Generator(device=probs.device).manual_seed(step_seed)
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+    def _log_softmax(self, scaled: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return batch_invariant.log_softmax(scaled)
+        return torch.log_softmax(scaled, dim=-1)
 
 
 def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

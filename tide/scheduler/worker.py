@@ -93,7 +93,7 @@ class TpModelWorker(ModelWorker):
                  ledger: MemoryLedger) -> None:
         self.model_runner = ModelRunner(config, model_config, ledger)
         runner = self.model_runner
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.enable_deterministic_inference)
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
         self.max_total_tokens = runner.max_total_tokens
