@@ -11,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from tide.layers.attention.base import AttentionBackend
     from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
+    from tide.memory.swa import SWAKVPool
 
 
 class ForwardMode(enum.Enum):
@@ -34,7 +35,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64, on device
     out_cache_loc: torch.Tensor  # [T] int64
     req_to_token_pool: "ReqToTokenPool"
-    token_to_kv_pool: "MHATokenToKVPool"
+    token_to_kv_pool: "MHATokenToKVPool | SWAKVPool"
     attn_backend: "AttentionBackend"
     # Host copies: the scheduler knows these, so reading them never syncs the device.
     seq_lens_cpu: list[int] = field(default_factory=list)
@@ -42,6 +43,9 @@ class ForwardBatch:
     extend_lens_cpu: list[int] = field(default_factory=list)
     # Where the model writes its fp32 logits (CUDA graphs share one buffer); None: a new tensor.
     logits_out: torch.Tensor | None = None
+    # Hybrid models: the SWA-pool slots (int32) of `out_cache_loc`, translated once per forward
+    # (`SWAKVPool.translate`); sliding layers write there. None for a single pool.
+    out_cache_loc_swa: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -50,6 +54,13 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
+
+    def cache_loc(self, layer_id: int) -> torch.Tensor:
+        """Where layer `layer_id` writes the new tokens' K/V: SWA slots for a sliding layer of a
+        two-pool cache, full slots otherwise."""
+        if self.out_cache_loc_swa is not None and self.token_to_kv_pool.is_swa_layer(layer_id):
+            return self.out_cache_loc_swa
+        return self.out_cache_loc
 
     def record_decode_slots(self) -> None:
         """req_to_token[req, position] = the new token's KV slot, for every row of a decode batch
