@@ -15,7 +15,7 @@ from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from tide.memory.swa import SWAKVPool, SWATokenToKVPoolAllocator
+from tide.memory.swa import SWAKVPool, SWATokenToKVPoolAllocator, min_swa_tokens
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.weights import init_dummy_weights, load_checkpoint
@@ -160,7 +160,13 @@ class ModelRunner:
                 f"not enough memory for the KV cache ({tokens} tokens); raise mem_fraction_static "
                 "or max_total_tokens"
             )
-        swa_tokens = max(16, int(tokens * ratio)) if hybrid else 0
+        swa_tokens = 0
+        if hybrid:
+            assert mc.sliding_window is not None
+            swa_tokens = max(int(tokens * ratio), min(tokens, min_swa_tokens(mc.sliding_window)))
+            if swa_tokens > tokens * ratio:
+                logger.warning("SWA KV pool raised to %d tokens (window %d) from "
+                               "swa_full_tokens_ratio %.3f", swa_tokens, mc.sliding_window, ratio)
         self.max_total_tokens = tokens
         self.max_total_tokens_swa = swa_tokens
         n_req = self.config.max_running_requests

@@ -30,6 +30,18 @@ if TYPE_CHECKING:
     from tide.memory.vmm import VmmRegion
 
 
+def swa_page(window: int) -> int:
+    """Out-of-window SWA slots are given back in runs of this many tokens, so a decoding request
+    holds at most window + swa_page(window) of them."""
+    return max(1, min(64, window // 8))
+
+
+def min_swa_tokens(window: int) -> int:
+    """The smallest SWA pool that always lets one request make progress (its window, one run of
+    out-of-window slots not yet given back, and the token being computed)."""
+    return window + swa_page(window) + 1
+
+
 def swa_pool_sizes(budget_bytes: float, full_bytes_per_token: int, swa_bytes_per_token: int,
                    swa_full_tokens_ratio: float) -> tuple[int, int]:
     """(full tokens, SWA tokens) that fit `budget_bytes` when the SWA pool holds

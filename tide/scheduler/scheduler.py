@@ -31,7 +31,7 @@ from tide.executor.forward_batch import ForwardMode
 from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
-from tide.memory.swa import SWATokenToKVPoolAllocator
+from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
 from tide.memory.release import empty_device_cache
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
@@ -100,6 +100,11 @@ class Scheduler:
         self.kv_epoch = 0
         self.handover = Handover(self, worker, ledger, config.enable_memory_saver, weight_version)
 
+    def kv_pools_summary(self) -> str:
+        """One log line's worth of `kv_pools()`: per pool used/capacity and evictable."""
+        return ", ".join(f"{name} pool {p['used']}/{p['capacity']} used, {p['evictable']} evictable"
+                         for name, p in self.kv_pools().items())
+
     def _new_tree(self) -> RadixCache:
         return RadixCache(self.req_to_token_pool, self.allocator,
                           disable=self.config.disable_radix_cache, window=self.swa_window)
@@ -113,9 +118,7 @@ class Scheduler:
     def swa_page(self) -> int:
         """Two-pool cache: out-of-window SWA slots are given back in runs of this many tokens, so
         a request holds at most window + swa_page of them (0 for one pool)."""
-        if self.swa_window is None:
-            return 0
-        return max(1, min(64, self.swa_window // 8))
+        return 0 if self.swa_window is None else swa_page(self.swa_window)
 
     def kv_pools(self) -> dict[str, dict[str, int]]:
         """Capacity, free, used (held or cached), cached and evictable slots of each KV pool:
@@ -148,9 +151,7 @@ class Scheduler:
             "context_length": self.worker.context_len,
             **self.worker.device_info(),
         }
-        layout = getattr(self.worker, "kv_layout", None)
-        if layout is not None:
-            info["kv_cache_layout"] = layout()
+        info["kv_cache_layout"] = self.worker.kv_layout()
         if self.model_config is not None:
             info.update(architecture=self.model_config.architecture,
                         vocab_size=self.model_config.vocab_size)
@@ -583,7 +584,7 @@ class Scheduler:
             self.waiting.appendleft(req)
             self.stats.num_retractions += 1
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            logger.info("retracted request %s (KV exhausted)", req.rid)
+            logger.info("retracted request %s (KV exhausted; %s)", req.rid, self.kv_pools_summary())
 
     def _release_swa(self, req: Req) -> None:
         """Two-pool cache: give back the SWA slots of this request's tokens that no future query can

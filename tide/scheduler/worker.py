@@ -53,6 +53,10 @@ class ModelWorker(ABC):
     def device_info(self) -> dict[str, str]:
         """`{"device", "dtype"}` of the model, for server info."""
 
+    def kv_layout(self) -> dict[str, object]:
+        """The KV pools' layout, for server info (one full pool unless a worker says otherwise)."""
+        return {"type": "full", "full_tokens": self.max_total_tokens}
+
 
 class TpModelWorker(ModelWorker):
     """The in-process worker: a `ModelRunner` (model, pools, attention backend, CUDA graphs) and the
@@ -69,6 +73,9 @@ class TpModelWorker(ModelWorker):
         self.context_len = runner.context_len
         self.weight_updater = WeightUpdater(runner.model, runner.device)
         self.memory_occupation = MemoryOccupation(runner, config.enable_cpu_backup, ledger)
+
+    def kv_layout(self) -> dict[str, object]:
+        return self.model_runner.kv_layout()
 
     def forward(self, batch: ScheduleBatch) -> SampleOutput:
         runner = self.model_runner
