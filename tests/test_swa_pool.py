@@ -407,3 +407,32 @@ def test_release_and_resume_kv_cache_covers_the_swa_pool(ckpts):
     assert engine.generate(input_ids=prompt, sampling_params=greedy)["output_ids"] == before
     _assert_empty_after_flush(engine)
     engine.shutdown()
+
+
+def test_metrics_report_both_pools(ckpts):
+    """`tide:kv_pool_slots{pool, state}` from the scheduler's load report of a hybrid engine."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tide.server.metrics import ServerMetrics
+
+    with tide.Engine(str(ckpts["gemma2"]), max_total_tokens=256, swa_full_tokens_ratio=0.5) as eng:
+        eng.generate(input_ids=random_prompts(906, [20])[0],
+                     sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+        pools = eng.scheduler.kv_pools()
+    # 20 + 12 tokens, all but the last one computed, cached in the tree.
+    assert pools["full"] == {"capacity": 256, "free": 256 - 31, "used": 31, "cached": 31,
+                             "evictable": 31}
+    # The cached sequence keeps SWA slots only for its last window (minus the one not yet run).
+    assert pools["swa"]["capacity"] == 128 and pools["swa"]["used"] == pools["swa"]["cached"]
+    assert WINDOW - 1 <= pools["swa"]["used"] <= WINDOW + 1
+    m = ServerMetrics("m")
+    m.set_load({"num_running_reqs": 0, "num_queued_reqs": 0, "kv_used_slots": 31,
+                "kv_held_slots": 0, "max_total_tokens": 256, "num_cached_tokens": 0,
+                "num_prefill_tokens": 0, "num_retractions": 0, "weight_version": "w",
+                "paused": None, "num_pending_weight_updates": 0, "memory_ledger": {},
+                "kv_pools": pools})
+    got = {(s.labels["pool"], s.labels["state"]): s.value
+           for fam in text_string_to_metric_families(m.render().decode())
+           for s in fam.samples if s.name == "tide:kv_pool_slots"}
+    assert got[("swa", "capacity")] == 128 and got[("full", "used")] == 31
+    assert got[("swa", "evictable")] == pools["swa"]["evictable"]
