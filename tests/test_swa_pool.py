@@ -5,11 +5,8 @@ checkpoints (window 8) checked against transformers while the SWA pool stays sma
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tide
-from conftest import hf_greedy_scores, random_prompts
-from test_swa_models import WINDOW, build_swa_checkpoint
+import torch
 from tide.config import EngineConfig
 from tide.executor.cuda_graph_runner import DecodeInputBuffers
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
@@ -21,8 +18,11 @@ from tide.memory.swa import (
     swa_pool_sizes,
     window_slot_table,
 )
-from tide.scheduler.request import Req
 from tide.sampling_params import SamplingParams
+from tide.scheduler.request import Req
+
+from conftest import hf_greedy_scores, random_prompts
+from test_swa_models import WINDOW, build_swa_checkpoint
 
 TOL = 1e-4
 
@@ -412,7 +412,6 @@ def test_release_and_resume_kv_cache_covers_the_swa_pool(ckpts):
 def test_metrics_report_both_pools(ckpts):
     """`tide:kv_pool_slots{pool, state}` from the scheduler's load report of a hybrid engine."""
     from prometheus_client.parser import text_string_to_metric_families
-
     from tide.server.metrics import ServerMetrics
 
     with tide.Engine(str(ckpts["gemma2"]), max_total_tokens=256, swa_full_tokens_ratio=0.5) as eng:

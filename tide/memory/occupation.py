@@ -29,6 +29,7 @@ from torch import nn
 from tide.memory.ledger import MemoryLedger
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
 from tide.memory.release import empty_device_cache
+from tide.memory.swa import SWAKVPool
 
 if TYPE_CHECKING:
     from tide.memory.vmm import VmmRegion
@@ -60,7 +61,7 @@ class OccupationTarget(Protocol):
     def req_to_token_pool(self) -> ReqToTokenPool: ...
 
     @property
-    def token_to_kv_pool(self) -> MHATokenToKVPool: ...
+    def token_to_kv_pool(self) -> MHATokenToKVPool | SWAKVPool: ...
 
     @property
     def cuda_graph_runner(self) -> GraphMemory | None: ...

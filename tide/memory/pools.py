@@ -122,6 +122,10 @@ class MHATokenToKVPool:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
+    def is_swa_layer(self, layer_id: int) -> bool:
+        """One pool: no layer lives in a separate sliding-window pool (see memory/swa.py)."""
+        return False
+
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
 

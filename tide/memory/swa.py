@@ -150,8 +150,8 @@ class SWAKVPool:
     def layer_shapes(size: int, size_swa: int, sliding: Sequence[bool], num_kv_heads: int,
                      head_dim: int, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """The shapes of every K and V buffer, in allocation order (for sizing a VMM region)."""
-        shapes = [((size_swa + 1 if s else size + 1, num_kv_heads, head_dim), dtype)
-                  for s in sliding]
+        shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
+            ((size_swa + 1 if s else size + 1, num_kv_heads, head_dim), dtype) for s in sliding]
         return shapes * 2
 
     def register_mapping(self, mapping: torch.Tensor) -> None:

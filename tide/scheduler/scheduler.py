@@ -31,8 +31,8 @@ from tide.executor.forward_batch import ForwardMode
 from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
-from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
 from tide.memory.release import empty_device_cache
+from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.scheduler.handover import Handover

@@ -20,6 +20,7 @@ from tide.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from tide.memory.ledger import MemoryLedger
 from tide.memory.occupation import MemoryOccupation
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+from tide.memory.swa import SWATokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.weights.update import WeightUpdater
@@ -36,7 +37,7 @@ class ModelWorker(ABC):
     """
 
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator
     max_total_tokens: int
     context_len: int
     weight_updater: WeightUpdater
