@@ -221,6 +221,14 @@ def _swa_used(engine) -> int:
     return engine.scheduler.kv_pools()["swa"]["used"]
 
 
+def _poison_free_swa_slots(engine) -> None:
+    pool = engine.model_runner.token_to_kv_pool
+    free = engine.model_runner.token_to_kv_pool_allocator.swa.all_free_slots()
+    for layer in pool.swa_layer_ids:
+        pool.get_key_buffer(layer)[free] = float("nan")
+        pool.get_value_buffer(layer)[free] = float("nan")
+
+
 def _assert_empty_after_flush(engine):
     sched = engine.scheduler
     sched.check_invariants()
@@ -253,7 +261,9 @@ def test_only_hybrid_models_get_two_pools(ckpts):
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_long_generation_keeps_the_swa_footprint_to_a_window(arch, ckpts, hf_models):
     """4 x window new tokens: after every step the request holds at most window + page SWA slots,
-    the outputs equal transformers', and both pools are empty once it is flushed."""
+    the outputs equal transformers', and both pools are empty once it is flushed. Every free SWA
+    slot is filled with NaN after each step, so giving back a slot still in the window (an
+    off-by-one against transformers' window) would show in the logprobs."""
     engine = tide.Engine(str(ckpts[arch]), max_total_tokens=256, swa_full_tokens_ratio=0.25)
     sched = engine.scheduler
     page = sched.swa_page
@@ -264,6 +274,7 @@ def test_long_generation_keeps_the_swa_footprint_to_a_window(arch, ckpts, hf_mod
         done = real(batch, out)
         sched.check_invariants()
         peaks.append(_swa_used(engine))
+        _poison_free_swa_slots(engine)
         return done
 
     sched.process_results = spy
@@ -325,6 +336,7 @@ def test_long_chunked_prompt_fits_a_small_swa_pool_without_retraction(ckpts, hf_
         done = real(batch, out)
         sched.check_invariants()
         peaks.append(_swa_used(engine))
+        _poison_free_swa_slots(engine)
         return done
 
     sched.process_results = spy
