@@ -12,12 +12,7 @@ from tide.executor.cuda_graph_runner import DecodeInputBuffers
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
 from tide.memory.radix_cache import RadixCache
-from tide.memory.swa import (
-    SWAKVPool,
-    SWATokenToKVPoolAllocator,
-    swa_pool_sizes,
-    window_slot_table,
-)
+from tide.memory.swa import SWAKVPool, SWATokenToKVPoolAllocator, swa_pool_sizes
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
 
@@ -62,19 +57,6 @@ def test_pool_sizes_split_the_budget_by_ratio():
         swa_pool_sizes(1e6, 10, 10, 0.0)
     with pytest.raises(ValueError, match="swa_full_tokens_ratio"):
         EngineConfig(load_format="dummy", swa_full_tokens_ratio=1.5)
-
-
-def test_window_slot_table_maps_the_last_window_positions():
-    table = torch.zeros(3, 16, dtype=torch.int32)
-    table[0, :10] = torch.arange(1, 11)  # request 0: 10 tokens in full slots 1..10
-    table[1, :3] = torch.tensor([11, 12, 13])
-    mapping = torch.zeros(14, dtype=torch.int32)
-    mapping[1:14] = torch.arange(101, 114, dtype=torch.int32)
-    mapping[2] = 0  # freed: out of every window
-    out, start = window_slot_table(table, torch.tensor([0, 1]), torch.tensor([10, 3]), 4, mapping)
-    assert out.dtype == torch.int32 and start.tolist() == [6, 0]
-    assert out[0].tolist() == [107, 108, 109, 110]  # positions 6..9
-    assert out[1].tolist() == [111, 112, 113, 0]  # a short sequence pads with the dummy slot
 
 
 # ---- SWA radix cache
@@ -353,16 +335,35 @@ def test_long_chunked_prompt_fits_a_small_swa_pool_without_retraction(ckpts, hf_
 
 
 def test_translation_runs_once_per_forward_not_per_layer(ckpts):
-    """gemma3 has four sliding layers: one gather for the new tokens' SWA slots and one for the
-    keys the batch reads, per forward, whatever the number of layers."""
+    """gemma3 has four sliding layers: one gather for the new tokens' SWA slots per forward; the
+    sliding layers read SWA slots from `req_to_token_swa`, which mirrors the full table."""
     with tide.Engine(str(ckpts["gemma3"]), max_total_tokens=256) as engine:
         pool = engine.model_runner.token_to_kv_pool
+        tables = engine.model_runner.req_to_token_pool
+        alloc = engine.model_runner.token_to_kv_pool_allocator
         sched = engine.scheduler
+        seen: list[torch.Tensor] = []
+        real = sched.process_results
+
+        def spy(batch, out):
+            # Before the step's bookkeeping: every position of every running request has its SWA
+            # slot in the SWA table wherever the full slot still has one.
+            for req, n in zip(batch.reqs, batch.extend_lens):
+                full = tables.req_to_token[req.req_pool_idx, : req.kv_len + n]
+                mapped = alloc.full_to_swa_index_mapping[full.long()]
+                swa = tables.req_to_token_swa[req.req_pool_idx, : full.numel()]
+                live = mapped > 0
+                seen.append(live)
+                assert torch.equal(swa[live], mapped[live])
+            return real(batch, out)
+
+        sched.process_results = spy
         before = pool.num_translations
         engine.generate(input_ids=random_prompts(903, [12, 9]),
                         sampling_params={"temperature": 0, "max_new_tokens": 5, "ignore_eos": True})
         forwards = sched.stats.num_forward_decode + sched.stats.num_forward_extend
-        assert pool.num_translations - before == 2 * forwards
+        assert pool.num_translations - before == forwards
+        assert seen and all(s.any() for s in seen)
 
 
 def _req(rid, prompt, max_new):

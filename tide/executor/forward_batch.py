@@ -62,11 +62,26 @@ class ForwardBatch:
             return self.out_cache_loc_swa
         return self.out_cache_loc
 
+    def req_to_token_for(self, layer_id: int) -> torch.Tensor:
+        """The request table layer `layer_id` reads its keys through: SWA slots for a sliding layer
+        of a two-pool cache (`req_to_token_swa`), full slots otherwise."""
+        pool = self.req_to_token_pool
+        if pool.req_to_token_swa is not None and self.token_to_kv_pool.is_swa_layer(layer_id):
+            return pool.req_to_token_swa
+        return pool.req_to_token
+
     def record_decode_slots(self) -> None:
         """req_to_token[req, position] = the new token's KV slot, for every row of a decode batch
-        (padded rows write slot 0 into the dummy row, which keeps it all zeros)."""
+        (padded rows write slot 0 into the dummy row, which keeps it all zeros); the same for the SWA
+        slots in `req_to_token_swa` (two-pool cache)."""
         table = self.req_to_token_pool.req_to_token
-        table.index_put_((self.req_pool_indices, self.positions), self.out_cache_loc.to(table.dtype))
+        index = (self.req_pool_indices, self.positions)
+        table.index_put_(index, self.out_cache_loc.to(table.dtype))
+        swa_table = self.req_to_token_pool.req_to_token_swa
+        if swa_table is not None:
+            if self.out_cache_loc_swa is None:
+                raise ValueError("a two-pool decode batch needs out_cache_loc_swa")
+            swa_table.index_put_(index, self.out_cache_loc_swa.to(swa_table.dtype))
 
     def last_token_indices(self) -> torch.Tensor:
         """Index in the flat token layout of each request's last new token."""

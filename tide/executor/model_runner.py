@@ -180,16 +180,18 @@ class ModelRunner:
         if self.use_vmm:
             from tide.memory.vmm import VmmRegion, region_nbytes
 
-            # The request table goes first; it is released and re-taken with the KV buffers.
+            # The request table(s) go first; they are released and re-taken with the KV buffers.
             shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
-                ((n_req + 1, self.context_len), torch.int32)]
+                ((n_req + 1, self.context_len), torch.int32)] * (2 if hybrid else 1)
             region = VmmRegion(region_nbytes(shapes + kv_shapes), self.device)
-        self.req_to_token_pool = ReqToTokenPool(n_req, self.context_len, self.device, region=region)
+        self.req_to_token_pool = ReqToTokenPool(n_req, self.context_len, self.device, region=region,
+                                                swa=hybrid)
         if hybrid:
             allocator = SWATokenToKVPoolAllocator(tokens, swa_tokens, self.device)
             pool = SWAKVPool(tokens, swa_tokens, sliding, mc.num_key_value_heads, mc.head_dim,
                              self.dtype, self.device, region=region)
             pool.register_mapping(allocator.full_to_swa_index_mapping)
+            self.req_to_token_pool.register_swa_mapping(allocator.full_to_swa_index_mapping)
             self.token_to_kv_pool_allocator: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator = (
                 allocator)
             self.token_to_kv_pool: MHATokenToKVPool | SWAKVPool = pool

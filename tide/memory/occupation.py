@@ -121,7 +121,9 @@ class MemoryOccupation:
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         pool = self.runner.token_to_kv_pool
-        return [self.runner.req_to_token_pool.req_to_token, *pool.k_buffer, *pool.v_buffer]
+        tables = self.runner.req_to_token_pool
+        swa = [tables.req_to_token_swa] if tables.req_to_token_swa is not None else []
+        return [tables.req_to_token, *swa, *pool.k_buffer, *pool.v_buffer]
 
     # ---- storages per tag
     def _storages(self, tag: str) -> list[torch.UntypedStorage]:

@@ -13,8 +13,9 @@ Invariants:
 - Every SWA slot is in exactly one place: the SWA free list, a live request's window, or a
   radix-cache node's window (`RadixCache` with `window` set counts them).
 - `SWAKVPool.k_buffer[l]` / `v_buffer[l]` hold layer l's K/V: full-pool rows for full layers,
-  SWA-pool rows for sliding layers. Writes and reads of a sliding layer use SWA slots, obtained by
-  `translate` once per forward (`ForwardBatch.out_cache_loc_swa`), never per layer.
+  SWA-pool rows for sliding layers. A sliding layer writes at SWA slots translated once per forward
+  (`ForwardBatch.out_cache_loc_swa`) and reads through `ReqToTokenPool.req_to_token_swa`, the request
+  table in SWA slots (filled as the first table is written); nothing translates per layer.
 """
 
 from __future__ import annotations
@@ -119,8 +120,7 @@ class SWAKVPool:
     `size_swa + 1` rows (row 0 of each is the dummy slot padded writes go to).
 
     `translate` (the registered full→SWA mapping) turns full slots into SWA slots; the model runner
-    calls it once per forward for the new tokens (`ForwardBatch.out_cache_loc_swa`) and the
-    attention backend once per forward for the keys the batch reads."""
+    calls it once per forward, for the new tokens (`ForwardBatch.out_cache_loc_swa`)."""
 
     def __init__(self, size: int, size_swa: int, sliding: Sequence[bool], num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
@@ -182,19 +182,3 @@ class SWAKVPool:
         """`loc`: slots of this layer's pool (SWA slots for a sliding layer)."""
         self.k_buffer[layer_id][loc] = k.to(self.dtype)
         self.v_buffer[layer_id][loc] = v.to(self.dtype)
-
-
-def window_slot_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                      seq_lens: torch.Tensor, window: int,
-                      mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a decode batch: the SWA slots a sliding layer reads, as a [B, window] int32 table whose
-    row b holds positions start[b] .. seq_lens[b] - 1 (start = max(0, seq_len - window)); entries
-    past a short sequence are 0 (the dummy slot). All on device with fixed shapes, so it can run
-    inside a captured CUDA graph; returns (table, start [B] int64)."""
-    start = (seq_lens.to(torch.int64) - window).clamp_(min=0)
-    pos = start.unsqueeze(1) + torch.arange(window, device=seq_lens.device).unsqueeze(0)
-    valid = pos < seq_lens.to(torch.int64).unsqueeze(1)
-    pos = pos.clamp_(max=req_to_token.shape[1] - 1)
-    full = req_to_token[req_pool_indices.to(torch.int64).unsqueeze(1), pos]
-    table = mapping[full.to(torch.int64)]
-    return torch.where(valid, table, torch.zeros_like(table)), start

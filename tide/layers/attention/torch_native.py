@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from tide.layers.attention.base import AttentionBackend, register
-from tide.memory.swa import SWAKVPool
 
 if TYPE_CHECKING:
     from tide.executor.forward_batch import ForwardBatch
@@ -33,36 +32,12 @@ class TorchNativeAttnBackend(AttentionBackend):
     supports_sliding_window = True
     supports_logit_cap = True
 
-    def __init__(self, deterministic: bool = False, sliding_window: int | None = None) -> None:
-        """`sliding_window`: the largest window of the model's sliding layers (None: none slide)."""
+    def __init__(self, deterministic: bool = False) -> None:
         self.deterministic = deterministic
-        self.sliding_window = sliding_window
-        # Two-pool cache: per request (first position, SWA slots from there to seq_len), built once
-        # per forward by `init_forward_metadata` and read by every sliding layer.
-        self._swa_rows: list[tuple[int, torch.Tensor]] | None = None
 
     @classmethod
     def create(cls, runner: "ModelRunner") -> "TorchNativeAttnBackend":
-        return cls(deterministic=runner.config.enable_deterministic_inference,
-                   sliding_window=runner.model_config.sliding_window)
-
-    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
-        """With a two-pool cache, translate the full slots sliding layers will read (from the
-        window before each request's first new token to its end) to SWA slots: one gather for the
-        whole batch, whatever the number of sliding layers."""
-        self._swa_rows = None
-        pool = fb.token_to_kv_pool
-        if not isinstance(pool, SWAKVPool) or self.sliding_window is None:
-            return
-        table = fb.req_to_token_pool.req_to_token
-        starts, pieces = [], []
-        for i, seq_len in enumerate(fb.seq_lens_cpu):
-            first_query = seq_len - (fb.extend_lens_cpu[i] if not fb.is_decode else 1)
-            start = max(0, first_query - self.sliding_window + 1)
-            starts.append(start)
-            pieces.append(table[fb.req_pool_indices[i], start:seq_len])
-        swa = pool.translate(torch.cat(pieces)).split([p.numel() for p in pieces])
-        self._swa_rows = list(zip(starts, swa))
+        return cls(deterministic=runner.config.enable_deterministic_inference)
 
     def forward_extend(
         self, q: torch.Tensor, layer: "Attention", fb: "ForwardBatch"
@@ -79,24 +54,15 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
-        pool = fb.token_to_kv_pool
-        k_cache = pool.get_key_buffer(layer.layer_id)
-        v_cache = pool.get_value_buffer(layer.layer_id)
-        req_to_token = fb.req_to_token_pool.req_to_token
+        k_cache = fb.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = fb.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        req_to_token = fb.req_to_token_for(layer.layer_id)  # SWA slots for a two-pool sliding layer
         window = layer.sliding_window
-        swa_rows = None
-        if isinstance(pool, SWAKVPool) and pool.is_swa_layer(layer.layer_id):
-            if self._swa_rows is None:
-                raise RuntimeError("init_forward_metadata must run before a two-pool forward")
-            swa_rows = self._swa_rows
         start = 0
         for i, seq_len in enumerate(fb.seq_lens_cpu):
             n_new = new_lens[i]
             prefix = seq_len - n_new
-            if swa_rows is None:
-                row, row_start = req_to_token[fb.req_pool_indices[i]], 0
-            else:
-                row_start, row = swa_rows[i]
+            row = req_to_token[fb.req_pool_indices[i]]
             if self.deterministic:
                 block = 1
             else:
@@ -105,7 +71,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 e = min(s + block, n_new)
                 q_pos = prefix + s  # position of the block's first query
                 kv_pos = 0 if window is None else max(0, q_pos - window + 1)
-                slots = row[kv_pos - row_start : prefix + e - row_start]
+                slots = row[kv_pos : prefix + e]
                 out[start + s : start + e] = attend(
                     q[start + s : start + e], k_cache[slots], v_cache[slots], q_pos, kv_pos, layer
                 )
