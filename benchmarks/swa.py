@@ -11,8 +11,8 @@ Gemma-3-12B and Gemma-2-9B shapes (`load_format="dummy"`, bf16), the same memory
 (b) bs1 decode tok/s at 1k/8k/32k context (Gemma-2: at most its 8k positions) vs the weight-read
     roofline (parameter bytes / measured copy bandwidth), and vs the roofline that also reads the KV
     each step reads (full layers: the context; sliding layers: the window);
-(c) bs64 decode step time, CUDA graphs vs eager (graphs need the triton backend to take windows and
-    soft-caps; otherwise reported as unavailable with the backend that ran);
+(c) bs64 decode step time, CUDA graphs vs eager, and vs graphs captured from a build where every
+    sliding layer translates full slots to SWA slots itself (one gather per layer per step);
 (d) offline throughput on the standard workload (256 requests, prompt and output lengths uniform in
     [100, 1024], seed 0, ignore_eos), `benchmarks.run`'s code.
 
@@ -248,25 +248,58 @@ def _decode_step_s(engine, bs: int, context: int, steps: int = 64) -> float:
     return (tn - t1) / (steps - 1)
 
 
+class _PerLayerTranslation:
+    """The slow build (c) compares against: every sliding layer translates the new tokens' full
+    slots itself (one gather per layer, captured into the graph) instead of reading the
+    once-per-step `out_cache_loc_swa`."""
+
+    def __enter__(self) -> None:
+        from tide.executor.forward_batch import ForwardBatch
+
+        self._real = ForwardBatch.cache_loc
+
+        def cache_loc(fb: ForwardBatch, layer_id: int):
+            pool = fb.token_to_kv_pool
+            if fb.out_cache_loc_swa is not None and pool.is_swa_layer(layer_id):
+                return pool.translate(fb.out_cache_loc)
+            return fb.out_cache_loc
+
+        ForwardBatch.cache_loc = cache_loc  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        from tide.executor.forward_batch import ForwardBatch
+
+        ForwardBatch.cache_loc = self._real  # type: ignore[method-assign]
+
+
 def part_c(shape: str, plan: Plan) -> dict[str, Any]:
+    import contextlib
+
     out: dict[str, Any] = {"batch_size": plan.decode_bs, "context": 1024}
-    for graphs in (True, False):
-        engine = _engine(shape, plan, disable_cuda_graph=not graphs,
-                         cuda_graph_max_bs=max(plan.decode_bs, 1))
-        runner = engine.model_runner
-        key = "graph" if graphs else "eager"
-        if graphs and runner.cuda_graph_runner is None:
-            out[key] = {"unavailable": f"{type(runner.attn_backend).__name__} captures no graphs"}
-        else:
-            pool = runner.token_to_kv_pool
-            before = getattr(pool, "num_translations", 0)
-            step = _decode_step_s(engine, plan.decode_bs, 1024)
-            out[key] = {"step_ms": step * 1e3,
-                        "translations": getattr(pool, "num_translations", 0) - before}
-            print(f"(c) {shape} bs{plan.decode_bs} {key}: {step * 1e3:.2f} ms/step", flush=True)
-        _close(engine)
-    if "step_ms" in out.get("graph", {}):
-        out["eager_over_graph"] = out["eager"]["step_ms"] / out["graph"]["step_ms"]
+    variants = (("graph", True, False), ("eager", False, False),
+                ("graph_per_layer_translation", True, True))
+    for key, graphs, per_layer in variants:
+        with _PerLayerTranslation() if per_layer else contextlib.nullcontext():
+            engine = _engine(shape, plan, disable_cuda_graph=not graphs,
+                             cuda_graph_max_bs=max(plan.decode_bs, 1))
+            runner = engine.model_runner
+            if graphs and runner.cuda_graph_runner is None:
+                out[key] = {"unavailable":
+                            f"{type(runner.attn_backend).__name__} captures no graphs"}
+            else:
+                pool = runner.token_to_kv_pool
+                before = getattr(pool, "num_translations", 0)
+                step = _decode_step_s(engine, plan.decode_bs, 1024)
+                out[key] = {"step_ms": step * 1e3,
+                            "host_translations": getattr(pool, "num_translations", 0) - before}
+                print(f"(c) {shape} bs{plan.decode_bs} {key}: {step * 1e3:.2f} ms/step", flush=True)
+            _close(engine)
+    graph = out.get("graph", {}).get("step_ms")
+    if graph:
+        out["eager_over_graph"] = out["eager"]["step_ms"] / graph
+        slow = out.get("graph_per_layer_translation", {}).get("step_ms")
+        if slow:
+            out["per_layer_translation_over_graph"] = slow / graph
     return out
 
 

@@ -36,3 +36,27 @@ def test_benchmark_shapes_are_hybrid():
     g2 = ModelConfig.from_dir(config_dir("gemma-2-9b"))
     assert (g2.sliding_window, len(g2.sliding_layer_ids), len(g2.full_layer_ids)) == (4096, 21, 21)
     assert g2.attn_logit_softcapping == 50.0
+
+
+def test_per_layer_translation_build_gives_the_same_tokens(tmp_path):
+    """(c)'s slow build translates in every sliding layer: same outputs, more translations."""
+    import tide
+
+    from conftest import random_prompts
+    from test_swa_models import build_swa_checkpoint
+
+    path = build_swa_checkpoint(tmp_path / "g2", "gemma2")  # two sliding layers
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    prompt = random_prompts(7, [12])[0]
+    counts, outs = [], []
+    for per_layer in (False, True):
+        with tide.Engine(str(path), max_total_tokens=256) as engine:
+            pool = engine.model_runner.token_to_kv_pool
+            if per_layer:
+                with swa._PerLayerTranslation():
+                    outs.append(engine.generate(input_ids=prompt, sampling_params=params))
+            else:
+                outs.append(engine.generate(input_ids=prompt, sampling_params=params))
+            counts.append(pool.num_translations)
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert counts[1] == 3 * counts[0]  # once per forward + once in each of the 2 sliding layers
