@@ -120,7 +120,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from tide.server.limits import RequestLimits
 
     kwargs = engine_kwargs(args)
-    for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path",
+    for key in ("max_running_requests", "mem_fraction_static", "swa_full_tokens_ratio",
+                "tokenizer_path",
                 "skip_tokenizer_init", "enable_memory_saver", "enable_cpu_backup"):
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_option(srv, "skip_tokenizer_init", action="store_true")
     _engine_option(srv, "max_running_requests", type=int, metavar="N")
     _engine_option(srv, "mem_fraction_static", type=float, metavar="F")
+    _engine_option(srv, "swa_full_tokens_ratio", type=float, metavar="F")
     _engine_option(srv, "enable_memory_saver", action="store_true")
     _engine_option(srv, "enable_cpu_backup", action="store_true")
     _add_engine_args(srv)

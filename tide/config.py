@@ -64,6 +64,10 @@ class EngineConfig:
         None, "KV cache size in tokens; on GPU at most what mem_fraction_static leaves after the "
               "weights (default: all of that), on CPU default 32768")
     max_running_requests: int = _option(256, "most requests decoding at once")
+    swa_full_tokens_ratio: float = _option(
+        0.8, "hybrid sliding-window models (full and sliding layers, e.g. Gemma-2/3): slots of the "
+             "sliding-window KV pool per slot of the full pool, in (0, 1]; the memory budget is "
+             "split so both pools fit (smaller: more full-context tokens, fewer concurrent windows)")
     # Scheduling.
     chunked_prefill_size: int = _option(8192, "longest prefill chunk in tokens; longer prompts "
                                               "are prefilled over several steps")
@@ -104,6 +108,9 @@ class EngineConfig:
         _positive("max_total_tokens", self.max_total_tokens, allow_none=True)
         _positive("context_length", self.context_length, allow_none=True)
         _positive("max_running_requests", self.max_running_requests)
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError(
+                f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         _positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _positive("chunked_prefill_size", self.chunked_prefill_size)
         _positive("max_prefill_tokens", self.max_prefill_tokens)

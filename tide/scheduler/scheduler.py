@@ -32,6 +32,7 @@ from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
 from tide.memory.release import empty_device_cache
+from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.scheduler.handover import Handover
@@ -92,9 +93,13 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.req_to_token_pool = worker.req_to_token_pool
         self.allocator = worker.token_to_kv_pool_allocator
-        self.tree_cache = RadixCache(
-            self.req_to_token_pool, self.allocator, disable=config.disable_radix_cache
-        )
+        # Two-pool KV cache (hybrid sliding-window model): the window the SWA pool serves.
+        self.swa_window: int | None = None
+        if isinstance(self.allocator, SWATokenToKVPoolAllocator):
+            if model_config is None or model_config.sliding_window is None:
+                raise ValueError("a two-pool KV cache needs the model's sliding window")
+            self.swa_window = model_config.sliding_window
+        self.tree_cache = self._new_tree()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -114,10 +119,48 @@ class Scheduler:
         self._ready: list[Req] = []
         self.handover = Handover(self, worker, ledger, config.enable_memory_saver, weight_version)
 
+    def kv_pools_summary(self) -> str:
+        """One log line's worth of `kv_pools()`: per pool used/capacity and evictable."""
+        return ", ".join(f"{name} pool {p['used']}/{p['capacity']} used, {p['evictable']} evictable"
+                         for name, p in self.kv_pools().items())
+
+    def _new_tree(self) -> RadixCache:
+        return RadixCache(self.req_to_token_pool, self.allocator,
+                          disable=self.config.disable_radix_cache, window=self.swa_window)
+
     # ---- public surface
     @property
     def max_total_tokens(self) -> int:
         return self.worker.max_total_tokens
+
+    @property
+    def swa_page(self) -> int:
+        """Two-pool cache: out-of-window SWA slots are given back in runs of this many tokens, so
+        a request holds at most window + swa_page of them (0 for one pool)."""
+        return 0 if self.swa_window is None else swa_page(self.swa_window)
+
+    def kv_pools(self) -> dict[str, dict[str, int]]:
+        """Capacity, free, used (held or cached), cached and evictable slots of each KV pool:
+        `full`, and `swa` for a two-pool cache."""
+        tree = self.tree_cache
+        retired = self.retired_trees
+        alloc = self.allocator
+        if isinstance(alloc, SWATokenToKVPoolAllocator):
+            full_free = alloc.full_available_size()
+        else:
+            full_free = alloc.available_size()
+        total = self.max_total_tokens
+        pools = {"full": {
+            "capacity": total, "free": full_free, "used": total - full_free,
+            "cached": tree.total_size() + sum(t.total_size() for t in retired),
+            "evictable": tree.evictable_size()}}
+        if isinstance(alloc, SWATokenToKVPoolAllocator):
+            swa_free = alloc.swa_available_size()
+            pools["swa"] = {
+                "capacity": alloc.size_swa, "free": swa_free, "used": alloc.size_swa - swa_free,
+                "cached": tree.swa_total_size() + sum(t.swa_total_size() for t in retired),
+                "evictable": tree.swa_evictable_size()}
+        return pools
 
     def server_info(self) -> dict[str, Any]:
         """The model, its limits and where it runs."""
@@ -127,6 +170,7 @@ class Scheduler:
             "context_length": self.worker.context_len,
             **self.worker.device_info(),
         }
+        info["kv_cache_layout"] = self.worker.kv_layout()
         if self.model_config is not None:
             info.update(architecture=self.model_config.architecture,
                         vocab_size=self.model_config.vocab_size)
@@ -441,9 +485,7 @@ class Scheduler:
                 if old.total_size():
                     old.retired = True
                     self.retired_trees.append(old)
-                    self.tree_cache = RadixCache(
-                        self.req_to_token_pool, self.allocator, disable=self.config.disable_radix_cache
-                    )
+                    self.tree_cache = self._new_tree()
         if torch_empty_cache:
             empty_device_cache(reason="weight_update", ledger=self.ledger)
 
@@ -451,12 +493,22 @@ class Scheduler:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""
         held = sum(r.kv_len - len(r.prefix_indices) for r in self._live_reqs())
         cached = self.tree_cache.total_size() + sum(t.total_size() for t in self.retired_trees)
-        total = self.allocator.available_size() + cached + held
-        if total != self.max_total_tokens:
+        free = self._free_full()
+        if free + cached + held != self.max_total_tokens:
             raise RuntimeError(
-                f"KV slot leak: free {self.allocator.available_size()} + cached "
-                f"{cached} + held {held} != {self.max_total_tokens}"
+                f"KV slot leak: free {free} + cached {cached} + held {held} != "
+                f"{self.max_total_tokens}"
             )
+        if isinstance(self.allocator, SWATokenToKVPoolAllocator):
+            held_swa = sum(r.kv_len - max(len(r.prefix_indices), r.swa_evicted_len)
+                           for r in self._live_reqs() if r.kv_len)
+            cached_swa = self.tree_cache.swa_total_size() + sum(
+                t.swa_total_size() for t in self.retired_trees)
+            free_swa = self.allocator.swa_available_size()
+            if free_swa + cached_swa + held_swa != self.allocator.size_swa:
+                raise RuntimeError(
+                    f"SWA slot leak: free {free_swa} + cached {cached_swa} + held {held_swa} != "
+                    f"{self.allocator.size_swa}")
         live_slots = sum(1 for r in self._live_reqs() if r.req_pool_idx is not None)
         if self.req_to_token_pool.available_size() + live_slots != self.req_to_token_pool.size:
             raise RuntimeError("request slot leak")
@@ -485,8 +537,11 @@ class Scheduler:
             self.chunked_req = None
         budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
         reserved = self._reserved_decode_tokens(self.running)
+        swa_cap = (self.swa_window or 0) + self.swa_page  # most SWA slots a decoding request holds
+        swa_reserved = sum(min(int(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+                                   * self.new_token_ratio), swa_cap) for r in self.running)
         batch: list[tuple[Req, int]] = []
-        used = 0
+        used = swa_used = 0
         # While a weight update waits, only a prompt already mid-chunk may go on.
         waiting_iter = iter([] if blocked else list(self.waiting))
         while True:
@@ -503,16 +558,26 @@ class Scheduler:
                 self._match_prefix(req)
             fill_len = req.seq_len
             extend = fill_len - req.kv_len
-            free = self.allocator.available_size() + self.tree_cache.evictable_size()
+            free = self._free_full() + self.tree_cache.evictable_size()
             room = free - reserved - used
             future = int(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
             nothing_else = not self.running and not batch
             chunk = min(extend, budget)
+            swa_free = 0
+            if self.swa_window is not None:
+                # Every new token takes an SWA slot for its forward; the window is kept after.
+                swa_free = self._free_swa() + self.tree_cache.swa_evictable_size()
+                if nothing_else:
+                    chunk = max(1, min(chunk, swa_free))
             if chunk < extend:
                 # A chunk is admitted if it fits now; decode reservation is checked on the last chunk.
                 fits = chunk <= room or (nothing_else and chunk <= free)
             else:
                 fits = chunk + future <= room or (nothing_else and chunk <= free)
+            swa_future = min(future, swa_cap) if chunk == extend else 0
+            if self.swa_window is not None and fits:
+                swa_room = swa_free - swa_reserved - swa_used
+                fits = chunk + swa_future <= swa_room or (nothing_else and chunk <= swa_free)
             if not fits:
                 if req.req_pool_idx is None:
                     self._unmatch_prefix(req)
@@ -523,6 +588,7 @@ class Scheduler:
                 self.waiting.remove(req)
             batch.append((req, chunk))
             used += chunk + (future if chunk == extend else 0)
+            swa_used += chunk + swa_future
             budget -= chunk
             if chunk < extend:
                 break  # a chunked request ends the batch
@@ -537,6 +603,7 @@ class Scheduler:
         req.prefix_indices = indices
         req.last_node = node
         req.kv_len = len(indices)
+        req.swa_evicted_len = 0
 
     def _unmatch_prefix(self, req: Req) -> None:
         (req.tree or self.tree_cache).dec_lock_ref(req.last_node)
@@ -545,9 +612,29 @@ class Scheduler:
         req.last_node = None
         req.kv_len = 0
 
+    def _free_full(self) -> int:
+        alloc = self.allocator
+        if isinstance(alloc, SWATokenToKVPoolAllocator):
+            return alloc.full_available_size()
+        return alloc.available_size()
+
+    def _free_swa(self) -> int:
+        """Free SWA slots (two-pool cache only)."""
+        assert isinstance(self.allocator, SWATokenToKVPoolAllocator)
+        return self.allocator.swa_available_size()
+
+    def _decode_room(self, need: int) -> bool:
+        """`need` tokens fit in free + evictable slots of every pool."""
+        if self._free_full() + self.tree_cache.evictable_size() < need:
+            return False
+        return self.swa_window is None or (
+            self._free_swa() + self.tree_cache.swa_evictable_size() >= need)
+
     def _alloc_kv(self, n: int) -> torch.Tensor:
-        if self.allocator.available_size() < n:
-            self.tree_cache.evict(n - self.allocator.available_size())
+        short = n - self._free_full()
+        short_swa = n - self._free_swa() if self.swa_window is not None else 0
+        if short > 0 or short_swa > 0:
+            self.tree_cache.evict(short, short_swa)
         slots = self.allocator.alloc(n)
         if slots is None:
             raise RuntimeError(f"KV allocation of {n} slots failed after eviction")
@@ -628,6 +715,8 @@ class Scheduler:
             self.stats.num_forward_decode += 1
             for req in batch.reqs:
                 req.kv_len += 1
+                if self.swa_window is not None:
+                    self._release_swa(req)
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         else:
@@ -687,8 +776,7 @@ class Scheduler:
     def _ensure_decode_room(self) -> None:
         """Retract the newest running requests until every remaining one has a slot for its token."""
         while self.running:
-            need = len(self.running)
-            if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
+            if self._decode_room(len(self.running)):
                 return
             req = self.running.pop()
             self._release_kv(req)
@@ -696,7 +784,24 @@ class Scheduler:
             self.waiting.appendleft(req)
             self.stats.num_retractions += 1
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            logger.info("retracted request %s (KV exhausted)", req.rid)
+            logger.info("retracted request %s (KV exhausted; %s)", req.rid, self.kv_pools_summary())
+
+    def _release_swa(self, req: Req) -> None:
+        """Two-pool cache: give back the SWA slots of this request's tokens that no future query can
+        see (positions < kv_len - window + 1), in runs of `swa_page`: its own tokens' slots, and
+        those of cached-prefix nodes only it holds."""
+        assert self.swa_window is not None and req.req_pool_idx is not None
+        dead = req.kv_len - self.swa_window + 1
+        if dead - req.swa_evicted_len < self.swa_page:
+            return
+        prefix_len = len(req.prefix_indices)
+        if req.swa_evicted_len < prefix_len:
+            (req.tree or self.tree_cache).release_swa_before(req.last_node, min(dead, prefix_len))
+        own = max(req.swa_evicted_len, prefix_len)
+        if dead > own:
+            assert isinstance(self.allocator, SWATokenToKVPoolAllocator)
+            self.allocator.free_swa(self.req_to_token_pool.req_to_token[req.req_pool_idx, own:dead])
+        req.swa_evicted_len = dead
 
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params

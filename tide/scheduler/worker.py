@@ -20,6 +20,7 @@ from tide.layers.sampler import DeviceSample, SampleOutput, Sampler, SamplingBat
 from tide.memory.ledger import MemoryLedger
 from tide.memory.occupation import MemoryOccupation
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+from tide.memory.swa import SWATokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.weights.update import WeightUpdater
@@ -58,7 +59,7 @@ class ModelWorker(ABC):
     """
 
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator
     max_total_tokens: int
     context_len: int
     weight_updater: WeightUpdater
@@ -84,6 +85,10 @@ class ModelWorker(ABC):
         copied to the host."""
         return SampleFuture(output=self.forward(batch))
 
+    def kv_layout(self) -> dict[str, object]:
+        """The KV pools' layout, for server info (one full pool unless a worker says otherwise)."""
+        return {"type": "full", "full_tokens": self.max_total_tokens}
+
 
 class TpModelWorker(ModelWorker):
     """The in-process worker: a `ModelRunner` (model, pools, attention backend, CUDA graphs) and the
@@ -101,6 +106,9 @@ class TpModelWorker(ModelWorker):
         self.weight_updater = WeightUpdater(runner.model, runner.device)
         self.memory_occupation = MemoryOccupation(runner, config.enable_cpu_backup, ledger)
         self.supports_overlap = runner.device.type == "cuda"
+
+    def kv_layout(self) -> dict[str, object]:
+        return self.model_runner.kv_layout()
 
     def _run_model(self, batch: ScheduleBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logits of the batch's sampled rows (None: none is sampled) and, after a decode-graph

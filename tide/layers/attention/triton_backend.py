@@ -73,7 +73,7 @@ class TritonAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         triton_ops.rope_and_store_kv(
             positions, q, k, v, rotary.cos_cache, rotary.sin_cache, layer.num_heads,
-            layer.num_kv_heads, layer.head_dim, fb.out_cache_loc,
+            layer.num_kv_heads, layer.head_dim, fb.cache_loc(layer.layer_id),
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
         )
         return q
@@ -111,7 +111,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id),
             out,
-            fb.req_to_token_pool.req_to_token,
+            fb.req_to_token_for(layer.layer_id),
             fb.req_pool_indices,
             fb.seq_lens,
             mid_o,
@@ -135,7 +135,7 @@ class TritonAttnBackend(AttentionBackend):
             fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id),
             out,
-            fb.req_to_token_pool.req_to_token,
+            fb.req_to_token_for(layer.layer_id),
             fb.req_pool_indices,
             prefix_lens,
             extend_lens,
