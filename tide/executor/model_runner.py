@@ -17,6 +17,7 @@ from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
+from tide.parallel import TpGroup, tp_context
 from tide.weights import init_dummy_weights, load_checkpoint
 
 if TYPE_CHECKING:
@@ -28,15 +29,20 @@ _CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `tp_rank`: on CUDA, the `tp_rank`-th GPU from the
+    configured one (cuda:N, or the current device)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {name!r} was asked for but CUDA is not available")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        first = torch.cuda.current_device() if device.index is None else device.index
+        if first + tp_rank >= torch.cuda.device_count():
+            raise ValueError(f"tp_size needs GPUs {first}..{first + tp_rank} but only "
+                             f"{torch.cuda.device_count()} are visible")
+        device = torch.device("cuda", first + tp_rank)
     return device
 
 
@@ -51,12 +57,17 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 ledger: MemoryLedger | None) -> None:
-        """`ledger`: where this engine's release points are recorded."""
+                 ledger: MemoryLedger | None, tp: TpGroup | None = None) -> None:
+        """`ledger`: where this engine's release points are recorded; `tp`: the tensor-parallel
+        group this runner is one rank of (None: one rank, the whole model here)."""
         self.config = config
         self.ledger = ledger
         self.model_config = model_config
-        self.device = resolve_device(config.device)
+        self.tp = tp or TpGroup()
+        self.device = resolve_device(config.device, self.tp.rank)
+        # This rank's attention heads (KV heads replicated when there are fewer than ranks).
+        self.num_heads = model_config.num_attention_heads // self.tp.size
+        self.num_kv_heads = self.tp.kv_heads(model_config.num_key_value_heads)[1]
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.context_len = config.context_length or model_config.max_position_embeddings
         if self.context_len > model_config.max_position_embeddings:
@@ -108,7 +119,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), tp_context(self.tp):
                 model = cls(self.model_config)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -136,7 +147,7 @@ class ModelRunner:
     def _init_pools(self) -> None:
         mc = self.model_config
         per_token = MHATokenToKVPool.bytes_per_token(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype
+            mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.dtype
         )
         if self.device.type == "cuda":
             free = available_device_memory(self.device)
@@ -154,7 +165,7 @@ class ModelRunner:
             )
         self.max_total_tokens = tokens
         n_req = self.config.max_running_requests
-        kv_shape = ((tokens + 1, mc.num_key_value_heads, mc.head_dim), self.dtype)
+        kv_shape = ((tokens + 1, self.num_kv_heads, mc.head_dim), self.dtype)
         region = None
         if self.use_vmm:
             from tide.memory.vmm import VmmRegion, region_nbytes
@@ -167,7 +178,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(n_req, self.context_len, self.device, region=region)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
+            tokens, mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.dtype, self.device,
             region=region,
         )
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_token / 2**20)

@@ -31,7 +31,6 @@ from tide.io_struct import WeightUpdateOptions
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import reserved_bytes
 from tide.memory.occupation import parse_tags
-from tide.memory.release import empty_device_cache
 from tide.weights.distributed import DEFAULT_JOIN_TIMEOUT_S
 from tide.weights.update import LOAD_FORMATS, TensorPayload, WeightUpdater
 
@@ -111,10 +110,8 @@ class TensorUpdate(WeightUpdate):
             raise ValueError("give exactly one of named_tensors or serialized_named_tensors")
         if self.serialized_named_tensors is not None:
             payload = self.serialized_named_tensors
-            if isinstance(payload, list):
-                if len(payload) != 1:
-                    raise ValueError("serialized_named_tensors must hold one payload per rank (1)")
-                payload = payload[0]
+            if isinstance(payload, list):  # one per tensor-parallel rank (sglang's form)
+                return updater.prepare_serialized_per_rank(payload, self.load_format)
             return updater.prepare_serialized(payload, self.load_format)
         if self.load_format == "flattened_bucket":
             return updater.prepare_buckets(self.named_tensors)
@@ -217,7 +214,7 @@ class Handover:
         one release point that undoes fragmentation from in-place updates)."""
         if torch_empty_cache:
             before = reserved_bytes()
-            empty_device_cache(reason="continue_generation", ledger=self.ledger)
+            self.worker.empty_cache("continue_generation")
             logger.info("continue_generation: reserved %.1f MiB -> %.1f MiB",
                         before / 2**20, reserved_bytes() / 2**20)
         self.paused = None

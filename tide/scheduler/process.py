@@ -249,6 +249,7 @@ def _serve(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: 
         proc.run()
     finally:
         proc.close()
+        scheduler.worker.shutdown()
 
 
 class SchedulerProcess:

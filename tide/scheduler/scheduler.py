@@ -31,7 +31,6 @@ from tide.executor.forward_batch import ForwardMode
 from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
-from tide.memory.release import empty_device_cache
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.scheduler.handover import Handover
@@ -220,7 +219,7 @@ class Scheduler:
             )
         self.reset_kv_state()
         if empty_cache:
-            empty_device_cache(reason="flush_cache", ledger=self.ledger)
+            self.worker.empty_cache("flush_cache")
         self.ledger.mark("flush_cache", f"empty_cache={empty_cache}")
         return True, "cache flushed"
 
@@ -275,7 +274,7 @@ class Scheduler:
                         self.req_to_token_pool, self.allocator, disable=self.config.disable_radix_cache
                     )
         if torch_empty_cache:
-            empty_device_cache(reason="weight_update", ledger=self.ledger)
+            self.worker.empty_cache("weight_update")
 
     def check_invariants(self) -> None:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""
@@ -517,8 +516,8 @@ class Scheduler:
 
 
 def create_scheduler(config: EngineConfig, weight_version: str | None = None) -> Scheduler:
-    """The scheduler side of one engine, built from `config`: model (on an in-process worker), KV
-    pools, tokenizer (for stop strings), memory ledger, handover. Raises ValueError for a bad model
+    """The scheduler side of one engine, built from `config`: model (on an in-process worker, or
+    on `tp_size` rank processes behind a `TpWorkerGroup`), KV pools, tokenizer (for stop strings), memory ledger, handover. Raises ValueError for a bad model
     directory or an unsupported architecture."""
     torch.manual_seed(config.seed)
     model_config = ModelConfig.from_dir(config.model_path)
@@ -528,7 +527,13 @@ def create_scheduler(config: EngineConfig, weight_version: str | None = None) ->
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     ledger = MemoryLedger()
-    worker = TpModelWorker(config, model_config, ledger)
+    worker: ModelWorker
+    if config.tp_size > 1:
+        from tide.scheduler.tp_worker import TpWorkerGroup
+
+        worker = TpWorkerGroup(config, model_config, ledger)
+    else:
+        worker = TpModelWorker(config, model_config, ledger)
     scheduler = Scheduler(config, worker, tuple(sorted(eos)), tokenizer, ledger, model_config,
                           weight_version or "default")
     ledger.mark("engine_ready", f"{model_config.architecture} on {worker.device_info()['device']}")

@@ -20,7 +20,9 @@ from tide.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
 from tide.memory.ledger import MemoryLedger
 from tide.memory.occupation import MemoryOccupation
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+from tide.memory.release import empty_device_cache
 from tide.model_config import ModelConfig
+from tide.parallel import TpGroup
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.weights.update import WeightUpdater
 
@@ -53,14 +55,27 @@ class ModelWorker(ABC):
     def device_info(self) -> dict[str, str]:
         """`{"device", "dtype"}` of the model, for server info."""
 
+    def empty_cache(self, reason: str) -> None:
+        """Empty the device allocator cache of every rank (a named release point on each)."""
+        empty_device_cache(reason=reason, ledger=getattr(self, "ledger", None))
+
+    def rank_ledgers(self) -> list[dict]:
+        """Each tensor-parallel rank's memory ledger (`MemoryLedger.to_dict`), rank 0 first."""
+        return []
+
+    def shutdown(self) -> None:
+        """Stop whatever the worker started (rank processes); the in-process worker has none."""
+
 
 class TpModelWorker(ModelWorker):
     """The in-process worker: a `ModelRunner` (model, pools, attention backend, CUDA graphs) and the
     sampler, on one device."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 ledger: MemoryLedger) -> None:
-        self.model_runner = ModelRunner(config, model_config, ledger)
+                 ledger: MemoryLedger, tp: TpGroup | None = None) -> None:
+        """`tp`: the tensor-parallel group this worker is one rank of (None: the whole model)."""
+        self.ledger = ledger
+        self.model_runner = ModelRunner(config, model_config, ledger, tp)
         runner = self.model_runner
         self.sampler = Sampler(config.seed)
         self.req_to_token_pool = runner.req_to_token_pool

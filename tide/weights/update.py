@@ -55,6 +55,7 @@ class WeightUpdater:
         self._staging: PinnedStaging | None = None
         # (param, shard) pairs written since `reset_coverage()`: tells when a refill is complete.
         self.written: set[tuple[str, str | int | None]] = set()
+        self.tp_size = 1  # the ranks an update reaches (`tide.scheduler.tp_worker` has more)
 
     def reset_coverage(self) -> None:
         self.written = set()
@@ -150,6 +151,14 @@ class WeightUpdater:
             return self.prepare_buckets(obj)
         return self.prepare_named_tensors(obj)
 
+    def prepare_serialized_per_rank(self, payloads: Sequence[str | bytes],
+                                    load_format: str | None) -> Callable[[], int]:
+        """One serialized payload per tensor-parallel rank (here: one rank)."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"serialized_named_tensors must hold one payload per rank "
+                             f"({self.tp_size}), got {len(payloads)}")
+        return self.prepare_serialized(payloads[0], load_format)
+
     def prepare_from_ipc(self, payload: str | bytes) -> Callable[[], int]:
         """`payload`: serialized FlattenedBucket(s) whose buffers are CUDA IPC handles of the
         trainer's memory. The mapped buffers are dropped once copied."""
@@ -195,10 +204,12 @@ class WeightUpdater:
         shapes: Sequence[Sequence[int]],
         group_name: str,
         load_format: str | None,
+        peer_error: str | None = None,
     ) -> int:
         """Receive broadcasts from rank 0 (one per tensor, or one per dtype for flattened_bucket,
-        grouped in first-seen dtype order). A request that fails validation still receives every
-        broadcast (into scratch memory) so the trainer never hangs, then raises ValueError."""
+        grouped in first-seen dtype order). A request that fails validation (here, or on another
+        tensor-parallel rank: `peer_error`) still receives every broadcast (into scratch memory) so
+        the trainer never hangs, writes nothing, then raises ValueError."""
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"group_name {group_name!r} is not an open weight update group")
@@ -211,6 +222,8 @@ class WeightUpdater:
             targets = {t.name: t for t in self.plan(metas, exact_dtype=True)}
         except ValueError as e:
             error = e
+        if error is None and peer_error is not None:
+            error = ValueError(peer_error)
         comm_device = self.device if group.backend == "nccl" else torch.device("cpu")
         if load_format == "flattened_bucket":
             order: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
@@ -246,10 +259,32 @@ class WeightUpdater:
         return len(targets)
 
     def _direct_view(self, target: WeightTarget) -> torch.Tensor | None:
+        if target.split is not None:  # this rank keeps only part of what arrives
+            return None
         rows = self.weight_map.rows(target)
         return rows if rows.is_contiguous() else None
 
+    def check_distributed(self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
+                          shapes: Sequence[Sequence[int]], group_name: str) -> None:
+        """What `load_from_distributed` validates, without receiving (ValueError naming the
+        problem): the ranks of a tensor-parallel engine all check before any receives."""
+        if group_name not in self.groups:
+            raise ValueError(f"group_name {group_name!r} is not an open weight update group")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError("names, dtypes and shapes must be non-empty lists of equal length")
+        self.plan([(n, tuple(s), parse_dtype(d)) for n, s, d in zip(names, shapes, dtypes)],
+                  exact_dtype=True)
+
     # ---- inspection
+    def weight_part(self, name: str) -> tuple[tuple[int, ...], tuple[int, int, int] | None,
+                                              torch.Tensor]:
+        """(full checkpoint shape, this rank's split or None, this rank's part on the host) of
+        checkpoint tensor `name`."""
+        target = self.weight_map.resolve(name)
+        if target is None:
+            raise ValueError(f"weight {name!r} is not stored by this model")
+        return target.shape, target.split, self.weight_map.rows(target).float().cpu()
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         target = self.weight_map.resolve(name)
         if target is None:

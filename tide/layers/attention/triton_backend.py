@@ -30,8 +30,7 @@ class TritonAttnBackend(AttentionBackend):
 
     @classmethod
     def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":
-        mc = runner.model_config
-        return cls(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+        return cls(runner.num_heads, runner.num_kv_heads, runner.model_config.head_dim,
                    runner.max_batch_size, runner.device)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_batch_size: int,
