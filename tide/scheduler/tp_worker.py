@@ -7,7 +7,7 @@ form their own process group (gloo on CPU, NCCL on CUDA; never torch's default g
 layers all-reduce and all-gather.
 
 Control goes over one authenticated local connection per child (`multiprocessing.connection`; only
-this engine's own processes speak on it):
+this engine's own processes speak on it; tensors never travel on it, they go over the rank group):
 - `forward`: rank 0 sends each batch (ids, positions, request slots, KV slots, and the request-table
   writes the scheduler made since the last batch) to every rank, then runs its own forward; every
   rank runs the same forward (the collectives meet inside it), and only rank 0 samples. No reply.
@@ -120,7 +120,14 @@ class RankRuntime:
         self.prepared[uid] = fn
 
     def apply(self, uid: int) -> int:
-        return self.prepared.pop(uid)()
+        count = self.prepared.pop(uid)()
+        self._mark("weight_update", f"{count} tensors")
+        return count
+
+    def _mark(self, kind: str, detail: str) -> None:
+        """Rank 0's handover marks rank 0's ledger; the other ranks mark their own here."""
+        if self.tp.rank:
+            self.worker.ledger.mark(kind, f"rank {self.tp.rank}: {detail}")
 
     def discard(self, uid: int) -> None:
         self.prepared.pop(uid, None)
@@ -164,7 +171,9 @@ class RankRuntime:
         self.updater.destroy_group(group_name)
 
     def weight_part(self, name: str) -> Any:
-        return self.updater.weight_part(name)
+        # As a numpy array: torch pickles tensors between processes through shared memory.
+        shape, split, part = self.updater.weight_part(name)
+        return shape, split, part.numpy()
 
     def coverage_complete(self) -> bool:
         return self.updater.coverage_complete()
@@ -174,10 +183,13 @@ class RankRuntime:
 
     # memory
     def release(self, tags: list[str]) -> int:
-        return int(self.worker.memory_occupation.release(tags))
+        freed = int(self.worker.memory_occupation.release(tags))
+        self._mark("release", f"{tags}: {freed / 2**20:.1f} MiB")
+        return freed
 
     def resume(self, tags: list[str]) -> None:
         self.worker.memory_occupation.resume(tags)
+        self._mark("resume", str(tags))
 
     def released_bytes(self) -> dict[str, int]:
         return {t: int(n) for t, n in self.worker.memory_occupation.released_bytes().items()}
@@ -596,11 +608,11 @@ class TpWeightUpdater:
             e.reraise()
             raise
         shape, split, local = parts[0]
-        full = local if split is None else torch.empty(shape, dtype=torch.float32)
+        full = torch.from_numpy(local) if split is None else torch.empty(shape)
         if split is not None:
             for _, rank_split, rank_local in parts:
                 dim, start, size = rank_split
-                full.narrow(dim, start, size).copy_(rank_local)
+                full.narrow(dim, start, size).copy_(torch.from_numpy(rank_local))
         return full.reshape(-1)[: max(0, truncate_size)].tolist()
 
     def coverage_complete(self) -> bool:
