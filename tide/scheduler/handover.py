@@ -214,7 +214,7 @@ class Handover:
         one release point that undoes fragmentation from in-place updates)."""
         if torch_empty_cache:
             before = reserved_bytes()
-            self.worker.empty_cache("continue_generation")
+            self.worker.empty_device_cache("continue_generation")
             logger.info("continue_generation: reserved %.1f MiB -> %.1f MiB",
                         before / 2**20, reserved_bytes() / 2**20)
         self.paused = None

@@ -219,7 +219,7 @@ class Scheduler:
             )
         self.reset_kv_state()
         if empty_cache:
-            self.worker.empty_cache("flush_cache")
+            self.worker.empty_device_cache("flush_cache")
         self.ledger.mark("flush_cache", f"empty_cache={empty_cache}")
         return True, "cache flushed"
 
@@ -274,7 +274,7 @@ class Scheduler:
                         self.req_to_token_pool, self.allocator, disable=self.config.disable_radix_cache
                     )
         if torch_empty_cache:
-            self.worker.empty_cache("weight_update")
+            self.worker.empty_device_cache("weight_update")
 
     def check_invariants(self) -> None:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""

@@ -200,8 +200,8 @@ class RankRuntime:
     def set_weights_need_refill(self, value: bool) -> None:
         self.worker.memory_occupation.weights_need_refill = value
 
-    def empty_cache(self, reason: str) -> None:
-        self.worker.empty_cache(reason)
+    def empty_device_cache(self, reason: str) -> None:
+        self.worker.empty_device_cache(reason)
 
     def ledger(self) -> dict[str, Any]:
         return self.worker.ledger.to_dict()
@@ -418,8 +418,8 @@ class TpWorkerGroup(ModelWorker):
         info["tp_size"] = str(self.tp_size)
         return info
 
-    def empty_cache(self, reason: str) -> None:
-        self.call("empty_cache", reason)
+    def empty_device_cache(self, reason: str) -> None:
+        self.call("empty_device_cache", reason)
 
     def rank_ledgers(self) -> list[dict]:
         return self.call("ledger")

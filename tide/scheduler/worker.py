@@ -55,7 +55,7 @@ class ModelWorker(ABC):
     def device_info(self) -> dict[str, str]:
         """`{"device", "dtype"}` of the model, for server info."""
 
-    def empty_cache(self, reason: str) -> None:
+    def empty_device_cache(self, reason: str) -> None:
         """Empty the device allocator cache of every rank (a named release point on each)."""
         empty_device_cache(reason=reason, ledger=getattr(self, "ledger", None))
 
