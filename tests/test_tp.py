@@ -276,3 +276,34 @@ def test_rank_processes_stop_with_the_engine(llama_path):
     engine.shutdown()
     assert procs[0].poll() is not None
     assert not os.path.exists(f"/proc/{procs[0].pid}/status") or procs[0].returncode is not None
+
+
+def test_server_at_tp2_serves_reports_per_rank_and_stops_every_rank(llama_path, tmp_path):
+    """`tide serve --tp-size 2`: the scheduler process starts rank 1; /generate matches the engine at
+    TP=1; /metrics has per-rank memory; SIGTERM leaves no process behind."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server_utils import ServerProcess
+
+    with tide.Engine(str(llama_path), tp_size=1, **OPTIONS) as one:
+        want = _run(one, PROMPTS[:1])
+    srv = ServerProcess(llama_path, "--tp-size", "2", "--device", "cpu", "--dtype", "float32",
+                        "--max-total-tokens", "1024", log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        out = srv.post("/generate", {"input_ids": PROMPTS[0], "sampling_params": GREEDY,
+                                     "return_logprob": True}).json()
+        got = [(out["output_ids"], [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]])]
+        _assert_same(got, want)
+        ranks = {}
+        for family in text_string_to_metric_families(srv.get("/metrics").text):
+            if family.name == "tide:rank_memory_allocated_bytes":
+                ranks = {s.labels["rank"]: s.value for s in family.samples}
+        assert set(ranks) == {"0", "1"} and all(v > 0 for v in ranks.values()), ranks
+        assert len(srv.group_pids(settle=0)) >= 3  # server, scheduler, rank 1
+    finally:
+        srv.proc.send_signal(15)
+        srv.proc.wait(30)
+        left = srv.group_pids()
+        srv.stop()
+    assert left == [], left

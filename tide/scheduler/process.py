@@ -622,6 +622,7 @@ class SchedulerProcess:
             "num_threads": _num_threads(),
             "memory_ledger": sched.ledger.totals(),
             "memory": self.memory_info(),
+            "ranks": sched.worker.rank_memory(),
         }
 
 

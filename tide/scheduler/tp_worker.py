@@ -41,6 +41,7 @@ from tide.config import EngineConfig
 from tide.executor.forward_batch import ForwardMode
 from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
+from tide.memory.observe import device_memory_stats
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.parallel import TpGroup
@@ -205,6 +206,12 @@ class RankRuntime:
 
     def ledger(self) -> dict[str, Any]:
         return self.worker.ledger.to_dict()
+
+    def memory_report(self) -> dict[str, Any]:
+        stats = device_memory_stats()
+        return {"rank": self.tp.rank, "reserved_bytes": stats["reserved"],
+                "allocated_bytes": stats["allocated"], "released_bytes": self.released_bytes(),
+                "release_totals": self.worker.ledger.totals()}
 
     def max_total_tokens(self) -> int:
         return self.worker.max_total_tokens
@@ -423,6 +430,9 @@ class TpWorkerGroup(ModelWorker):
 
     def rank_ledgers(self) -> list[dict]:
         return self.call("ledger")
+
+    def rank_memory(self) -> list[dict]:
+        return self.call("memory_report")
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """Run `RankRuntime.<method>(*args)` on every rank; each rank's result, rank 0 first. Raises

@@ -60,7 +60,13 @@ class ModelWorker(ABC):
         empty_device_cache(reason=reason, ledger=getattr(self, "ledger", None))
 
     def rank_ledgers(self) -> list[dict]:
-        """Each tensor-parallel rank's memory ledger (`MemoryLedger.to_dict`), rank 0 first."""
+        """Each tensor-parallel rank's memory ledger (`MemoryLedger.to_dict`), rank 0 first; empty
+        for one rank (the engine's own ledger is that rank's)."""
+        return []
+
+    def rank_memory(self) -> list[dict]:
+        """Each tensor-parallel rank's device memory, released bytes by tag and release totals by
+        reason (`/metrics` reports them per rank); empty for one rank."""
         return []
 
     def shutdown(self) -> None:
