@@ -210,9 +210,10 @@ class Engine:
         return self._update_weights(
             DistributedUpdate(names, dtypes, shapes, group_name, load_format), options)
 
-    def update_weights_from_ipc(self, serialized_buckets: str | bytes,
+    def update_weights_from_ipc(self, serialized_buckets: str | bytes | list[str | bytes],
                                 **options: UpdateOption) -> HandoverReply:
-        """A colocated trainer's bucket buffers, shared as CUDA IPC handles."""
+        """A colocated trainer's bucket buffers, shared as CUDA IPC handles (with `tp_size > 1`,
+        one payload every rank maps, or a list of one per rank)."""
         return self._update_weights(IPCUpdate(serialized_buckets), options)
 
     def _update_weights(self, update: WeightUpdate, options: dict[str, UpdateOption]

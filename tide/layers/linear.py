@@ -38,17 +38,22 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype,
         is written there and returned."""
+        return self.product(x, self.bias, out)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ `bias`), by the batch-invariant kernel, the decode GEMV or torch."""
         if self.batch_invariant:
             from tide.layers import batch_invariant
 
-            y = batch_invariant.linear(x, self.weight, self.bias)
+            y = batch_invariant.linear(x, self.weight, bias)
             return y if out is None else out.copy_(y)
         if x.is_cuda and x.shape[0] == 1:
             from tide.layers import gemv
 
             if gemv.supported(x, self.weight):
-                return gemv.gemv(x, self.weight, self.bias, out=out)
-        y = nn.functional.linear(x, self.weight, self.bias)
+                return gemv.gemv(x, self.weight, bias, out=out)
+        y = nn.functional.linear(x, self.weight, bias)
         return y if out is None else out.copy_(y)
 
 
@@ -97,13 +102,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x, out)
-        if self.batch_invariant:
-            from tide.layers import batch_invariant
-
-            y = batch_invariant.linear(x, self.weight, None)
-        else:
-            y = nn.functional.linear(x, self.weight)
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(self.product(x, None))
         if self.bias is not None:
             y = y + self.bias
         return y if out is None else out.copy_(y)
@@ -151,11 +150,5 @@ class ParallelLMHead(Linear):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x, out)
-        if self.batch_invariant:
-            from tide.layers import batch_invariant
-
-            local = batch_invariant.linear(x, self.weight, None)
-        else:
-            local = nn.functional.linear(x, self.weight)
-        logits = self.tp.all_gather(local)[..., : self.vocab]
+        logits = self.tp.all_gather(self.product(x, None))[..., : self.vocab]
         return logits if out is None else out.copy_(logits)

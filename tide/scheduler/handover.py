@@ -121,9 +121,10 @@ class TensorUpdate(WeightUpdate):
 @dataclass(frozen=True)
 class IPCUpdate(WeightUpdate):
     """A colocated trainer's bucket buffers shared as CUDA IPC handles
-    (`serialize_named_tensors(flatten_by_dtype(...))`); copied in, then the handles released."""
+    (`serialize_named_tensors(flatten_by_dtype(...))`), or a list with one payload per
+    tensor-parallel rank (each rank maps its own); copied in, then the handles released."""
 
-    serialized_buckets: str | bytes
+    serialized_buckets: str | bytes | list[str | bytes]
     source: ClassVar[str] = "ipc"
 
     def prepare(self, updater: WeightUpdater) -> Callable[[], int]:

@@ -159,9 +159,15 @@ class WeightUpdater:
                              f"({self.tp_size}), got {len(payloads)}")
         return self.prepare_serialized(payloads[0], load_format)
 
-    def prepare_from_ipc(self, payload: str | bytes) -> Callable[[], int]:
+    def prepare_from_ipc(self, payload: str | bytes | Sequence[str | bytes]) -> Callable[[], int]:
         """`payload`: serialized FlattenedBucket(s) whose buffers are CUDA IPC handles of the
-        trainer's memory. The mapped buffers are dropped once copied."""
+        trainer's memory (or a list with one such payload per tensor-parallel rank). The mapped
+        buffers are dropped once copied."""
+        if isinstance(payload, (list, tuple)):
+            if len(payload) != self.tp_size:
+                raise ValueError(f"serialized_buckets must hold one payload per rank "
+                                 f"({self.tp_size}), got {len(payload)}")
+            payload = payload[0]
         holder = [deserialize_named_tensors(payload)]
         write = self.prepare_buckets(holder[0])
 
