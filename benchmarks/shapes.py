@@ -51,7 +51,17 @@ QWEN3_06B = {
     "eos_token_id": 151645,
 }
 
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen3-0.6b": QWEN3_06B}
+# Llama-3.1-70B: 141 GB of bf16 weights, more than one H200 holds; at TP=2, 70.5 GB per GPU.
+LLAMA_31_70B = {
+    **LLAMA_31_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "qwen3-0.6b": QWEN3_06B}
 
 
 def config_dir(name: str) -> str:

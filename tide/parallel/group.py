@@ -57,7 +57,7 @@ class TpGroup:
         if self.size == 1:
             return x
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         self.pg.allreduce([x], opts).wait()
         return x
 

@@ -246,7 +246,7 @@ def rank_main() -> None:
         torch.manual_seed(config.seed)
         tp = _connect_group(config, rank, store_port)
         runtime = RankRuntime(TpModelWorker(config, model_config, MemoryLedger(), tp), tp)
-    except BaseException as e:  # noqa: BLE001 - reported to rank 0, which fails the start
+    except BaseException as e:  # reported to rank 0, which fails the start
         conn.send((False, f"{type(e).__name__}: {e}"))
         raise
     conn.send((True, runtime.max_total_tokens()))
@@ -455,7 +455,7 @@ class TpWorkerGroup(ModelWorker):
                 if ok:
                     results[rank] = value
                 else:
-                    errors[rank] = tuple(value)  # type: ignore[assignment]
+                    errors[rank] = (str(value[0]), str(value[1]))
         if errors:
             raise RankError(errors)
         return results
@@ -551,7 +551,8 @@ class TpWeightUpdater:
     def prepare_named_tensors(self, named: object) -> Callable[[], int]:
         # Rank 0 checks the payload's form and its own part first: nothing is sent for a bad one.
         self.group.local.weight_updater.prepare_named_tensors(named)
-        pairs = [(n, t) for n, t in named]  # type: ignore[union-attr]
+        assert isinstance(named, (list, tuple))  # checked just above
+        pairs = [(n, t) for n, t in named]
         uid = next(self._uids)
         self.group.runtime.outbox = pairs
         metas = [(n, tuple(t.shape), t.dtype) for n, t in pairs]

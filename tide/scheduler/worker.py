@@ -69,7 +69,7 @@ class ModelWorker(ABC):
         reason (`/metrics` reports them per rank); empty for one rank."""
         return []
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - a no-op unless the worker started processes
         """Stop whatever the worker started (rank processes); the in-process worker has none."""
 
 

@@ -123,7 +123,7 @@ def _rank_metrics(name: str, ranks: list[dict[str, Any]]) -> Any:
         tags.update(entry.get("released_bytes") or {})
         for tag, nbytes in sorted(tags.items()):
             released.add_metric([name, rank, tag], float(nbytes))
-        totals = {r: {} for r in KNOWN_RELEASE_REASONS}
+        totals: dict[str, dict[str, float]] = {r: {} for r in KNOWN_RELEASE_REASONS}
         totals.update(entry.get("release_totals") or {})
         for reason, t in sorted(totals.items()):
             releases.add_metric([name, rank, reason], float(t.get("count", 0)))

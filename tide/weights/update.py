@@ -168,6 +168,8 @@ class WeightUpdater:
                 raise ValueError(f"serialized_buckets must hold one payload per rank "
                                  f"({self.tp_size}), got {len(payload)}")
             payload = payload[0]
+        if not isinstance(payload, (str, bytes)):
+            raise ValueError("serialized_buckets must be a serialized payload (str or bytes)")
         holder = [deserialize_named_tensors(payload)]
         write = self.prepare_buckets(holder[0])
 
