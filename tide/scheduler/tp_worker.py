@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +40,7 @@ import torch
 
 from tide.config import EngineConfig
 from tide.executor.forward_batch import ForwardMode
+from tide.executor.model_runner import resolve_device
 from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import device_memory_stats
@@ -234,6 +236,8 @@ def _device_type(config: EngineConfig) -> str:
 def rank_main() -> None:
     """Entry point of child rank `$TIDE_TP_RANK`: connect to rank 0, build this rank's worker, serve
     calls until told to stop (or rank 0 goes away)."""
+    # Ctrl-C reaches the whole process group: rank 0 decides, and this rank ends when it goes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     host, port = os.environ[_ENV_ADDRESS].rsplit(":", 1)
     rank = int(os.environ[_ENV_RANK])
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[_ENV_AUTHKEY]))
@@ -317,6 +321,7 @@ class TpWorkerGroup(ModelWorker):
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  ledger: MemoryLedger) -> None:
         check_tp_size(config.tp_size, model_config)
+        resolve_device(config.device, config.tp_size - 1)  # enough GPUs, before any rank starts
         self.tp_size = config.tp_size
         self.ledger = ledger
         self._conns: list[Connection] = []
