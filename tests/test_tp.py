@@ -213,6 +213,46 @@ def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
         pair.both("destroy_weights_update_group", name)
 
 
+def _rank_parts(path, named, rank: int, size: int):
+    """Rank `rank`'s part of every tensor, as a trainer that shards for tide would send it."""
+    from tide.model_config import ModelConfig
+    from tide.models import get_model_class
+    from tide.parallel import TpGroup, tp_context
+    from tide.weights.mapping import WeightMap, local_part
+
+    config = ModelConfig.from_dir(str(path))
+    with torch.device("meta"), tp_context(TpGroup(rank, size)):
+        model = get_model_class(config.architecture)(config)
+    weight_map = WeightMap(model)
+    out = []
+    for name, t in named:
+        target = weight_map.resolve(name)
+        if target is not None:
+            out.append((name, local_part(target, t).contiguous()))
+    return out
+
+
+def test_sharded_per_rank_payloads_at_tp2_match_full_update_at_tp1(pair, trained, checkpoints):
+    before = pair.assert_same()
+    (a, _), _ = trained
+    path = checkpoints["llama"]
+    res = pair.one.update_weights_from_tensor(serialized_named_tensors=serialize_named_tensors(a))
+    assert res["success"], res["message"]
+    payloads = [serialize_named_tensors(_rank_parts(path, a, r, 2)) for r in range(2)]
+    res = pair.two.update_weights_from_tensor(serialized_named_tensors=payloads,
+                                              load_format="sharded")
+    assert res["success"], res["message"]
+    after = pair.assert_same()
+    assert not _close(after, before)
+    # Full tensors declared as parts are refused on every rank, naming the tensor.
+    full = serialize_named_tensors(a)
+    res = pair.two.update_weights_from_tensor(serialized_named_tensors=[full, full],
+                                              load_format="sharded")
+    assert res["success"] is False and "this rank's part" in res["message"], res["message"]
+    assert _close(pair.assert_same(), after)
+    pair.both("update_weights_from_disk", str(path))
+
+
 def test_update_that_fails_on_one_rank_changes_no_rank(pair, trained):
     """Rank 1's payload has a bad shape: rank 0 validated its own, yet applies nothing."""
     before = pair.assert_same()

@@ -95,8 +95,10 @@ class WeightMap:
         self,
         shapes: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
         require_complete: bool = False,
+        sharded: bool = False,
     ) -> list[WeightTarget]:
-        """Validate (name, shape, dtype) triples; raise ValueError naming the first bad weight."""
+        """Validate (name, shape, dtype) triples; raise ValueError naming the first bad weight.
+        `sharded`: the tensors are this rank's parts already (shapes are `local_shape`s)."""
         targets: list[WeightTarget] = []
         written_by: dict[tuple[str, str | int | None], str] = {}
         for name, shape, dtype in shapes:
@@ -109,9 +111,11 @@ class WeightMap:
                     f"weights {other!r} and {name!r} both map to {target.param_name!r}"
                     + (f" shard {target.shard!r}" if target.shard is not None else "")
                 )
-            if tuple(shape) != target.shape:
+            expected = target.local_shape if sharded else target.shape
+            if tuple(shape) != expected:
                 raise ValueError(
-                    f"weight {name!r} has shape {tuple(shape)}, expected {target.shape}"
+                    f"weight {name!r} has shape {tuple(shape)}, expected {expected}"
+                    + (" (this rank's part)" if sharded and target.split is not None else "")
                 )
             if not dtype.is_floating_point:
                 raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating dtype")
@@ -129,9 +133,11 @@ class WeightMap:
         param = self.params[target.param_name]
         return param.data[target.row_start : target.row_start + target.local_shape[0]]
 
-    def write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
-        """Copy this rank's part of checkpoint tensor `tensor` into the model."""
-        self.rows(target).copy_(local_part(target, tensor), non_blocking=True)
+    def write(self, target: WeightTarget, tensor: torch.Tensor, sharded: bool = False) -> None:
+        """Copy this rank's part of checkpoint tensor `tensor` (with `sharded`: `tensor` is that
+        part) into the model."""
+        part = tensor if sharded else local_part(target, tensor)
+        self.rows(target).copy_(part, non_blocking=True)
 
 
 def local_part(target: WeightTarget, tensor: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,10 @@ from tide.weights.wire import deserialize_named_tensors
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "flattened_bucket")
+# Tensor updates also take per-rank payloads that hold each rank's part already (sglang's per-rank
+# serialized lists, sharded by the trainer).
+SHARDED = "sharded"
+TENSOR_LOAD_FORMATS = (*LOAD_FORMATS, SHARDED)
 # In-process tensors of an update: [(name, tensor), ...], or flattened buckets (one, or one per dtype).
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 TensorPayload = NamedTensors | FlattenedBucket | Sequence[FlattenedBucket]
@@ -72,6 +76,7 @@ class WeightUpdater:
         metas: Iterable[tuple[str, Sequence[int], torch.dtype]],
         exact_dtype: bool,
         require_complete: bool = False,
+        sharded: bool = False,
     ) -> list[WeightTarget]:
         checked = [(name, tuple(shape), dtype) for name, shape, dtype in metas]
         if not checked:
@@ -81,7 +86,7 @@ class WeightUpdater:
             if name in seen:
                 raise ValueError(f"weight {name!r} appears more than once in the update")
             seen.add(name)
-        targets = self.weight_map.plan(checked, require_complete=require_complete)
+        targets = self.weight_map.plan(checked, require_complete=require_complete, sharded=sharded)
         if exact_dtype:
             by_name = {name: dtype for name, _, dtype in checked}
             for t in targets:
@@ -106,8 +111,9 @@ class WeightUpdater:
 
         return apply
 
-    def prepare_named_tensors(self, named: object) -> Callable[[], int]:
-        """`named`: [(name, tensor), ...]; anything else is a ValueError."""
+    def prepare_named_tensors(self, named: object, sharded: bool = False) -> Callable[[], int]:
+        """`named`: [(name, tensor), ...]; anything else is a ValueError. `sharded`: each tensor
+        is this rank's part (its `local_shape`), written as is."""
         if not isinstance(named, (list, tuple)):
             raise ValueError("named_tensors must be a list of (name, tensor) pairs")
         pairs: list[tuple[str, torch.Tensor]] = []
@@ -120,12 +126,13 @@ class WeightUpdater:
             ):
                 raise ValueError("named_tensors must be a list of (name, tensor) pairs")
             pairs.append((item[0], item[1]))
-        targets = self.plan([(n, t.shape, t.dtype) for n, t in pairs], exact_dtype=True)
+        targets = self.plan([(n, t.shape, t.dtype) for n, t in pairs], exact_dtype=True,
+                            sharded=sharded)
         tensors = dict(pairs)
 
         def apply() -> int:
             for target in targets:
-                self.weight_map.write(target, tensors[target.name])
+                self.weight_map.write(target, tensors[target.name], sharded)
             self._sync()
             self._note(targets)
             return len(targets)
@@ -149,7 +156,7 @@ class WeightUpdater:
         obj = deserialize_named_tensors(payload)
         if load_format == "flattened_bucket":
             return self.prepare_buckets(obj)
-        return self.prepare_named_tensors(obj)
+        return self.prepare_named_tensors(obj, sharded=load_format == SHARDED)
 
     def prepare_serialized_per_rank(self, payloads: Sequence[str | bytes],
                                     load_format: str | None) -> Callable[[], int]:
@@ -315,6 +322,8 @@ def _numel(shape: Sequence[int]) -> int:
 __all__ = [
     "FlattenedBucket",
     "LOAD_FORMATS",
+    "SHARDED",
+    "TENSOR_LOAD_FORMATS",
     "NamedTensors",
     "TensorPayload",
     "WeightUpdater",
