@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo): TP=2 against TP=1 on tiny fp32 checkpoints.
 
-Greedy tokens equal and logprobs within 1e-5 for Llama, Qwen3 (tied embeddings), a hybrid-SWA
-Gemma-3, and a GQA model with fewer KV heads than ranks (and a vocabulary the ranks do not divide);
+Greedy tokens equal and logprobs within 1e-5 for Llama, Qwen2 (q/k/v bias), Qwen3 (tied embeddings),
+a hybrid-SWA Gemma-3, and a GQA model with fewer KV heads than ranks (with a vocabulary the ranks do
+not divide and biases on every projection);
 batches mix a cached prefix and a chunked prompt, so the request-table writes reach every rank. Every
 weight-update path at TP=2 gives what the same update gives at TP=1; an update that fails on one rank
 changes no rank; release/resume act on every rank.
@@ -69,12 +70,13 @@ def _parity(path, **options) -> None:
 
 @pytest.fixture(scope="module")
 def gqa_path(tmp_path_factory):
-    """One KV head (replicated on both ranks), an odd vocabulary (padded on the last rank)."""
+    """One KV head (replicated on both ranks), an odd vocabulary (padded on the last rank), and
+    biases on every projection (row-parallel ones are added once, after the all-reduce)."""
     return build_checkpoint(tmp_path_factory.mktemp("gqa") / "m", "llama", num_key_value_heads=1,
-                            vocab_size=509)
+                            vocab_size=509, attention_bias=True, mlp_bias=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tp2_matches_tp1(arch, checkpoints):
     _parity(checkpoints[arch])
 
