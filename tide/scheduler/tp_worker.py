@@ -206,6 +206,15 @@ class RankRuntime:
     def empty_device_cache(self, reason: str) -> None:
         self.worker.empty_device_cache(reason)
 
+    def set_write_block(self, reason: str | None) -> None:
+        self.updater.write_block = reason
+
+    def drop_cpu_backup(self) -> int:
+        return int(self.worker.memory_occupation.drop_cpu_backup())
+
+    def close_occupation(self) -> None:
+        self.worker.memory_occupation.close()
+
     def ledger(self) -> dict[str, Any]:
         return self.worker.ledger.to_dict()
 
@@ -220,17 +229,15 @@ class RankRuntime:
 
 
 def _connect_group(config: EngineConfig, rank: int, port: int) -> TpGroup:
-    backend = "gloo" if _device_type(config) == "cpu" else "nccl"
-    group = init_custom_process_group(backend, "127.0.0.1", port, rank, config.tp_size, "tp",
-                                      timeout_s=_COLLECTIVE_TIMEOUT_S,
-                                      join_timeout_s=_START_TIMEOUT_S)
+    """Join the ranks' group as `rank` (gloo on CPU; NCCL on this rank's GPU, made current)."""
+    device = resolve_device(config.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = init_custom_process_group(
+        "nccl" if device.type == "cuda" else "gloo", "127.0.0.1", port, rank, config.tp_size, "tp",
+        timeout_s=_COLLECTIVE_TIMEOUT_S, join_timeout_s=_START_TIMEOUT_S,
+        device=device if device.type == "cuda" else None)
     return TpGroup(rank, config.tp_size, group.pg)
-
-
-def _device_type(config: EngineConfig) -> str:
-    if config.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(config.device).type
 
 
 def rank_main() -> None:
@@ -501,6 +508,16 @@ class TpWeightUpdater:
     def groups(self) -> dict[str, Any]:
         return self.group.local.weight_updater.groups
 
+    @property
+    def write_block(self) -> str | None:
+        """Set while the weights are released: every rank refuses updates."""
+        return self.group.local.weight_updater.write_block
+
+    @write_block.setter
+    def write_block(self, reason: str | None) -> None:
+        if reason != self.write_block:
+            self.group.call("set_write_block", reason)
+
     def _prepare(self, kind: str, args: Sequence[Any], uid: int | None = None
                  ) -> Callable[[], int]:
         uid = next(self._uids) if uid is None else uid
@@ -666,6 +683,17 @@ class TpMemoryOccupation:
             for tag, n in part.items():
                 total[tag] = total.get(tag, 0) + n
         return total
+
+    def drop_cpu_backup(self) -> int:
+        try:
+            return sum(self.group.call("drop_cpu_backup"))
+        except RankError as e:
+            e.reraise()
+            raise
+
+    def close(self) -> None:
+        """Free every rank's host backup of the weights (engine shutdown)."""
+        self.group.call("close_occupation")
 
     def released_bytes_per_rank(self) -> list[dict[str, int]]:
         return self.group.call("released_bytes")
