@@ -142,13 +142,13 @@ def _trainer(gpu: int, barrier, queue) -> None:
         barrier.wait()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        group.broadcast(flat)
+        group.broadcast_flattened(flat)  # one piece with the default bucket_bytes
         torch.cuda.synchronize()
         queue.put(("raw", time.perf_counter() - t))
     for fmt in ("per_tensor", "per_tensor", "flattened_bucket", "flattened_bucket"):
         barrier.wait()
         if fmt == "flattened_bucket":
-            group.broadcast(flat)
+            group.broadcast_flattened(flat)
         else:
             for t in tensors:
                 group.broadcast(t)

@@ -202,7 +202,7 @@ def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
                     for e in (pair.one, pair.two)]
             if load_format == "flattened_bucket":
                 for bucket in flatten_by_dtype(a):
-                    group.broadcast(bucket.flattened_tensor)
+                    group.broadcast_flattened(bucket.flattened_tensor)
             else:
                 for _, t in a:
                     group.broadcast(t.contiguous())
