@@ -17,7 +17,7 @@ import tide
 LAYERS: list[tuple[str, ...]] = [
     ("tide.config", "tide.model_config", "tide.sampling_params", "tide.io_struct",
      "tide.tokenizer", "tide.detokenizer", "tide.version", "tide.demo_model"),
-    ("tide.memory", "tide.weights"),
+    ("tide.memory", "tide.weights", "tide.parallel"),
     ("tide.executor.forward_batch",),  # what a forward reads: models and backends take it
     ("tide.layers",),
     ("tide.models",),

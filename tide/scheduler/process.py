@@ -249,6 +249,7 @@ def _serve(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: 
         proc.run()
     finally:
         proc.close()
+        scheduler.worker.shutdown()
 
 
 class SchedulerProcess:
@@ -626,6 +627,7 @@ class SchedulerProcess:
             "num_threads": _num_threads(),
             "memory_ledger": sched.ledger.totals(),
             "memory": self.memory_info(),
+            "ranks": sched.worker.rank_memory(),
         }
 
 
