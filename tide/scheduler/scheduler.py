@@ -837,8 +837,9 @@ def _merge(first: list[Req], then: list[Req]) -> list[Req]:
 
 def create_scheduler(config: EngineConfig, weight_version: str | None = None) -> Scheduler:
     """The scheduler side of one engine, built from `config`: model (on an in-process worker, or
-    on `tp_size` rank processes behind a `TpWorkerGroup`), KV pools, tokenizer (for stop strings), memory ledger, handover. Raises ValueError for a bad model
-    directory or an unsupported architecture."""
+    on `tp_size` rank processes behind a `TpWorkerGroup`), KV pools, tokenizer (for stop strings),
+    memory ledger, handover. Raises ValueError for a bad model directory or an unsupported
+    architecture."""
     torch.manual_seed(config.seed)
     model_config = ModelConfig.from_dir(config.model_path)
     get_model_class(model_config.architecture)  # unknown architecture -> ValueError early
