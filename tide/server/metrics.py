@@ -95,6 +95,18 @@ class _HandoverCollector(Collector):
         memory = load.get("memory")
         if memory:
             yield from _memory_metrics(name, memory)
+        replicas = load.get("replicas")
+        if replicas:  # --dp-size N: one entry per replica, dead ones included
+            alive = GaugeMetricFamily("tide:dp_replicas_alive",
+                                      "Data-parallel replicas alive (of dp_size)",
+                                      labels=["model_name"])
+            alive.add_metric([name], float(sum(1 for r in replicas if r.get("alive"))))
+            yield alive
+            up = GaugeMetricFamily("tide:dp_replica_up", "1 while a data-parallel replica lives",
+                                   labels=["model_name", "replica"])
+            for replica in replicas:
+                up.add_metric([name, str(replica.get("index"))], 1.0 if replica.get("alive") else 0.0)
+            yield up
 
 
 def _memory_metrics(name: str, memory: dict[str, Any]) -> Any:

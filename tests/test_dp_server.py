@@ -1,0 +1,227 @@
+"""`tide serve --dp-size 2` end to end on CPU: two scheduler replicas behind one server.
+
+Requests spread over both replicas and match an in-process `tide.Engine`; pause, tensor updates, a
+gloo trainer group (world size 1 + 2 replicas) and continue act on both replicas; a replica killed
+mid-stream fails only its own request, with a message naming it, while the other replica keeps
+serving and `/get_server_info` and `/metrics` report it dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file
+from server_utils import ServerProcess, free_port, running_server, serve_model_path
+
+from tide.weights import init_custom_process_group, serialize_named_tensors
+
+PROMPTS = ["The for statement", "A class definition", "Exceptions are", "Hello there"]
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+NAMES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return serve_model_path(tmp_path_factory.mktemp("serve-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    with running_server(model_path, "--dp-size", "2", "--device", "cpu", "--weight-version", "v0",
+                        log_dir=tmp_path_factory.mktemp("dp-log")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def ref(model_path):
+    import tide
+
+    engine = tide.Engine(str(model_path))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(model_path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        out.update({k: v.float() for k, v in load_file(str(f)).items()})
+    return out
+
+
+def perturbed(base, seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, base[n] + torch.randn(base[n].shape, generator=gen) * base[n].std() * 0.5)
+            for n in NAMES]
+
+
+def info(server: ServerProcess) -> dict:
+    resp = server.get("/get_server_info")
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def ok(resp: httpx.Response) -> dict:
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["success"] is True, body
+    return body
+
+
+def server_greedy(server: ServerProcess) -> tuple[list[list[int]], list[str]]:
+    out = server.post("/generate", {"text": PROMPTS, "sampling_params": GREEDY}).json()
+    return [o["output_ids"] for o in out], [o["meta_info"]["weight_version"] for o in out]
+
+
+def ref_greedy(ref) -> list[list[int]]:
+    return [o["output_ids"] for o in ref.generate(prompt=PROMPTS, sampling_params=GREEDY)]
+
+
+def replica_versions(server: ServerProcess) -> list[str]:
+    return [r["weight_version"] for r in info(server)["replicas"]]
+
+
+def test_requests_spread_over_replicas_and_match_one_engine(server, ref):
+    before = [r["requests_served"] for r in info(server)["replicas"]]
+    ids, versions = server_greedy(server)
+    assert ids == ref_greedy(ref) and versions == ["v0"] * len(PROMPTS)
+    state = info(server)
+    assert state["dp_size"] == 2 and state["num_replicas_alive"] == 2
+    served = [r["requests_served"] - b for r, b in zip(state["replicas"], before)]
+    assert served == [2, 2], served  # four prompts at once: two on each replica
+    assert all(r["alive"] and r["pid"] for r in state["replicas"])
+    assert len({r["pid"] for r in state["replicas"]}) == 2
+    # counters add up over the replicas
+    assert state["max_total_tokens"] == sum(r["max_total_tokens"] for r in state["replicas"])
+
+
+def test_pause_tensor_update_continue_reach_both_replicas(server, ref, base):
+    body = ok(server.post("/pause_generation", {"mode": "in_place"}))
+    assert body["num_paused_requests"] == 0
+    assert [r["paused"] for r in info(server)["replicas"]] == ["in_place", "in_place"]
+    named = perturbed(base, seed=1)
+    ok(server.post("/update_weights_from_tensor", {
+        "serialized_named_tensors": serialize_named_tensors(named), "weight_version": "v1"}))
+    assert replica_versions(server) == ["v1", "v1"]
+    ok(server.post("/continue_generation", {}))
+    assert [r["paused"] for r in info(server)["replicas"]] == [None, None]
+    assert ref.update_weights_from_tensor(named_tensors=named, weight_version="v1")["success"]
+    before = [r["requests_served"] for r in info(server)["replicas"]]
+    ids, versions = server_greedy(server)
+    assert ids == ref_greedy(ref) and versions == ["v1"] * len(PROMPTS)
+    after = [r["requests_served"] for r in info(server)["replicas"]]
+    assert all(a > b for a, b in zip(after, before))  # both replicas served the new weights
+    assert server.get("/get_model_info").json()["weight_version"] == "v1"
+    # a refused update (unknown tensor) changes nothing on any replica
+    bad = [("model.layers.9.mlp.up_proj.weight", base[NAMES[1]])]
+    resp = server.post("/update_weights_from_tensor", {
+        "serialized_named_tensors": serialize_named_tensors(bad), "weight_version": "bad"})
+    assert resp.status_code == 400 and resp.json()["success"] is False
+    assert replica_versions(server) == ["v1", "v1"]
+
+
+def test_one_trainer_group_broadcast_reaches_both_replicas(server, ref, base):
+    port, group = free_port(), "dp-sync"
+    # world size 1 + 2 replicas: the trainer is rank 0, the replicas ranks 1 and 2
+    result: list[httpx.Response] = []
+    join = threading.Thread(target=lambda: result.append(server.post(
+        "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
+                                       "rank_offset": 1, "world_size": 3, "group_name": group,
+                                       "backend": "gloo"}, timeout=120)), daemon=True)
+    join.start()
+    trainer = init_custom_process_group("gloo", "127.0.0.1", port, 0, 3, group, timeout_s=60)
+    join.join(60)
+    ok(result[0])
+    assert group in info(server)["weight_update_groups"]
+    named = perturbed(base, seed=2)
+    result.clear()
+    recv = threading.Thread(target=lambda: result.append(server.post(
+        "/update_weights_from_distributed", {
+            "names": [n for n, _ in named], "dtypes": ["float32"] * len(named),
+            "shapes": [list(t.shape) for _, t in named], "group_name": group,
+            "weight_version": "v2"}, timeout=120)), daemon=True)
+    recv.start()
+    for _, t in named:
+        trainer.broadcast(t.clone())
+    recv.join(60)
+    ok(result[0])
+    assert replica_versions(server) == ["v2", "v2"]
+    assert ref.update_weights_from_tensor(named_tensors=named, weight_version="v2")["success"]
+    ids, versions = server_greedy(server)
+    assert ids == ref_greedy(ref) and versions == ["v2"] * len(PROMPTS)
+    ok(server.post("/destroy_weights_update_group", {"group_name": group}))
+    assert group not in info(server)["weight_update_groups"]
+    # a group too small for both replicas is refused before anyone joins
+    resp = server.post("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+        "world_size": 2, "group_name": "too-small", "backend": "gloo"})
+    assert resp.status_code == 400 and "world_size 2" in resp.json()["message"]
+
+
+def test_a_killed_replica_fails_only_its_requests(server):
+    long = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}
+
+    async def scenario() -> tuple[dict, dict, int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            streams = [asyncio.create_task(_stream(http, p, long)) for p in PROMPTS[:2]]
+            state: dict = {}
+            for _ in range(100):  # until both replicas run one stream each
+                await asyncio.sleep(0.05)
+                state = (await http.get("/get_server_info")).json()
+                if [r["outstanding_requests"] for r in state["replicas"]] == [1, 1]:
+                    break
+            victim = state["replicas"][1]["pid"]
+            os.kill(victim, signal.SIGKILL)
+            a, b = await asyncio.gather(*streams)
+            return a, b, victim
+
+    first, second, victim = asyncio.run(scenario())
+    finishes = sorted([first, second], key=lambda o: o["meta_info"]["finish_reason"]["type"])
+    killed, survived = finishes
+    assert killed["meta_info"]["finish_reason"]["type"] == "abort"
+    message = killed["meta_info"]["finish_reason"]["message"]
+    assert f"replica 1 (scheduler pid {victim})" in message and "exited" in message, message
+    assert survived["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(survived["output_ids"]) == 480
+    # reported, and the other replica keeps serving
+    assert server.get("/health").status_code == 200
+    state = info(server)
+    assert state["num_replicas_alive"] == 1
+    assert [r["alive"] for r in state["replicas"]] == [True, False]
+    assert "exited" in state["replicas"][1]["dead_reason"]
+    metrics = {(s.name, s.labels.get("replica")): s.value
+               for fam in text_string_to_metric_families(server.get("/metrics").text)
+               for s in fam.samples if s.name.startswith("tide:dp_")}
+    assert metrics[("tide:dp_replicas_alive", None)] == 1.0
+    assert metrics[("tide:dp_replica_up", "1")] == 0.0
+    assert metrics[("tide:dp_replica_up", "0")] == 1.0
+    out = server.post("/generate", {"text": PROMPTS, "sampling_params": GREEDY}).json()
+    assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["length"] * len(PROMPTS)
+    # handover calls go on with the survivor (the dead replica is listed, not called)
+    body = ok(server.post("/pause_generation", {"mode": "abort"}))
+    assert body["num_paused_requests"] == 0
+    ok(server.post("/continue_generation", {}))
+    assert server.post("/flush_cache").status_code == 200
+    time.sleep(0.1)
+    assert server.proc.poll() is None
+
+
+async def _stream(http: httpx.AsyncClient, text: str, params: dict) -> dict:
+    last: dict = {}
+    async with http.stream("POST", "/generate", json={"text": text, "sampling_params": params,
+                                                      "stream": True}) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+    return last
