@@ -21,9 +21,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
-from server_utils import ServerProcess, free_port, running_server, serve_model_path
-
 from tide.weights import init_custom_process_group, serialize_named_tensors
+
+from server_utils import ServerProcess, free_port, running_server, serve_model_path
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are", "Hello there"]
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
