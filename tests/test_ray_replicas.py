@@ -9,6 +9,9 @@ keeps serving.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import threading
 import time
 from pathlib import Path
@@ -39,7 +42,18 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def replicas(cluster):
-    engine = RayEngine(DEMO_MODEL_PATH, num_replicas=2, device="cpu", placement_timeout=300)
+    """The replicas docs/parallel.md starts: its Python block, run as written (it prints the
+    outputs of a two-prompt batch)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "parallel.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    assert "RayEngine(num_replicas=2)" in block
+    namespace: dict = {"__name__": "parallel_example"}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, "docs/parallel.md", "exec"), namespace)
+    engine = namespace["engine"]
+    assert isinstance(engine, RayEngine) and engine.router.num_replicas == 2
+    assert printed.getvalue().count("'finish_reason': {'type': 'length'") == 2, printed.getvalue()
     yield engine
     engine.shutdown()
 
