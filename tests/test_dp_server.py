@@ -1,9 +1,10 @@
-"""`tide serve --dp-size 2` end to end on CPU: two scheduler replicas behind one server.
+"""`tide serve --dp-size 3` end to end on CPU: three scheduler replicas behind one server.
 
-Requests spread over both replicas and match an in-process `tide.Engine`; pause, tensor updates, a
-gloo trainer group (world size 1 + 2 replicas) and continue act on both replicas; a replica killed
-mid-stream fails only its own request, with a message naming it, while the other replica keeps
-serving and `/get_server_info` and `/metrics` report it dead.
+Requests spread over the replicas and match an in-process `tide.Engine`; pause, tensor updates, a
+gloo trainer group (world size 1 + 3 replicas) and continue act on every replica; a replica frozen
+mid-stream (SIGSTOP) is killed after `--scheduler-abort-timeout` and one killed mid-stream (SIGKILL)
+fails only its own request, each with a message naming it, while the others keep serving and
+`/get_server_info` and `/metrics` report them dead.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    with running_server(model_path, "--dp-size", "2", "--device", "cpu", "--weight-version", "v0",
+    with running_server(model_path, "--dp-size", "3", "--device", "cpu", "--weight-version", "v0",
+                        "--scheduler-health-timeout", "4", "--scheduler-abort-timeout", "6",
                         log_dir=tmp_path_factory.mktemp("dp-log")) as srv:
         yield srv
 
@@ -96,11 +98,11 @@ def test_requests_spread_over_replicas_and_match_one_engine(server, ref):
     ids, versions = server_greedy(server)
     assert ids == ref_greedy(ref) and versions == ["v0"] * len(PROMPTS)
     state = info(server)
-    assert state["dp_size"] == 2 and state["num_replicas_alive"] == 2
+    assert state["dp_size"] == 3 and state["num_replicas_alive"] == 3
     served = [r["requests_served"] - b for r, b in zip(state["replicas"], before)]
-    assert served == [2, 2], served  # four prompts at once: two on each replica
+    assert sorted(served) == [1, 1, 2], served  # four prompts at once: spread over all three
     assert all(r["alive"] and r["pid"] for r in state["replicas"])
-    assert len({r["pid"] for r in state["replicas"]}) == 2
+    assert len({r["pid"] for r in state["replicas"]}) == 3
     # counters add up over the replicas
     assert state["max_total_tokens"] == sum(r["max_total_tokens"] for r in state["replicas"])
 
@@ -108,38 +110,38 @@ def test_requests_spread_over_replicas_and_match_one_engine(server, ref):
 def test_pause_tensor_update_continue_reach_both_replicas(server, ref, base):
     body = ok(server.post("/pause_generation", {"mode": "in_place"}))
     assert body["num_paused_requests"] == 0
-    assert [r["paused"] for r in info(server)["replicas"]] == ["in_place", "in_place"]
+    assert [r["paused"] for r in info(server)["replicas"]] == ["in_place"] * 3
     named = perturbed(base, seed=1)
     ok(server.post("/update_weights_from_tensor", {
         "serialized_named_tensors": serialize_named_tensors(named), "weight_version": "v1"}))
-    assert replica_versions(server) == ["v1", "v1"]
+    assert replica_versions(server) == ["v1"] * 3
     ok(server.post("/continue_generation", {}))
-    assert [r["paused"] for r in info(server)["replicas"]] == [None, None]
+    assert [r["paused"] for r in info(server)["replicas"]] == [None] * 3
     assert ref.update_weights_from_tensor(named_tensors=named, weight_version="v1")["success"]
     before = [r["requests_served"] for r in info(server)["replicas"]]
     ids, versions = server_greedy(server)
     assert ids == ref_greedy(ref) and versions == ["v1"] * len(PROMPTS)
     after = [r["requests_served"] for r in info(server)["replicas"]]
-    assert all(a > b for a, b in zip(after, before))  # both replicas served the new weights
+    assert sum(a > b for a, b in zip(after, before)) == 3  # every replica served new weights
     assert server.get("/get_model_info").json()["weight_version"] == "v1"
     # a refused update (unknown tensor) changes nothing on any replica
     bad = [("model.layers.9.mlp.up_proj.weight", base[NAMES[1]])]
     resp = server.post("/update_weights_from_tensor", {
         "serialized_named_tensors": serialize_named_tensors(bad), "weight_version": "bad"})
     assert resp.status_code == 400 and resp.json()["success"] is False
-    assert replica_versions(server) == ["v1", "v1"]
+    assert replica_versions(server) == ["v1"] * 3
 
 
-def test_one_trainer_group_broadcast_reaches_both_replicas(server, ref, base):
+def test_one_trainer_group_broadcast_reaches_every_replica(server, ref, base):
     port, group = free_port(), "dp-sync"
-    # world size 1 + 2 replicas: the trainer is rank 0, the replicas ranks 1 and 2
+    # world size 1 + 3 replicas: the trainer is rank 0, the replicas ranks 1, 2 and 3
     result: list[httpx.Response] = []
     join = threading.Thread(target=lambda: result.append(server.post(
         "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                       "rank_offset": 1, "world_size": 3, "group_name": group,
+                                       "rank_offset": 1, "world_size": 4, "group_name": group,
                                        "backend": "gloo"}, timeout=120)), daemon=True)
     join.start()
-    trainer = init_custom_process_group("gloo", "127.0.0.1", port, 0, 3, group, timeout_s=60)
+    trainer = init_custom_process_group("gloo", "127.0.0.1", port, 0, 4, group, timeout_s=60)
     join.join(60)
     ok(result[0])
     assert group in info(server)["weight_update_groups"]
@@ -155,61 +157,91 @@ def test_one_trainer_group_broadcast_reaches_both_replicas(server, ref, base):
         trainer.broadcast(t.clone())
     recv.join(60)
     ok(result[0])
-    assert replica_versions(server) == ["v2", "v2"]
+    assert replica_versions(server) == ["v2"] * 3
     assert ref.update_weights_from_tensor(named_tensors=named, weight_version="v2")["success"]
     ids, versions = server_greedy(server)
     assert ids == ref_greedy(ref) and versions == ["v2"] * len(PROMPTS)
     ok(server.post("/destroy_weights_update_group", {"group_name": group}))
     assert group not in info(server)["weight_update_groups"]
-    # a group too small for both replicas is refused before anyone joins
+    # a group too small for every replica is refused before anyone joins
     resp = server.post("/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
-        "world_size": 2, "group_name": "too-small", "backend": "gloo"})
-    assert resp.status_code == 400 and "world_size 2" in resp.json()["message"]
+        "world_size": 3, "group_name": "too-small", "backend": "gloo"})
+    assert resp.status_code == 400 and "at least 4" in resp.json()["message"]
+
+
+LONG = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}
+
+
+async def _streams_on(http: httpx.AsyncClient, replicas: list[int]) -> tuple[list, dict]:
+    """One long stream per live replica, once each is running on its replica; (tasks, info)."""
+    tasks = [asyncio.create_task(_stream(http, PROMPTS[i], LONG)) for i in range(len(replicas))]
+    state: dict = {}
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        state = (await http.get("/get_server_info")).json()
+        outstanding = [r["outstanding_requests"] for r in state["replicas"]]
+        if all(outstanding[i] == 1 for i in replicas):
+            break
+    return tasks, state
+
+
+def _by_finish(outputs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for o in outputs:
+        out.setdefault(o["meta_info"]["finish_reason"]["type"], []).append(o)
+    return out
+
+
+def test_a_frozen_replica_is_killed_and_fails_only_its_request(server):
+    async def scenario() -> tuple[list[dict], int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            tasks, state = await _streams_on(http, [0, 1, 2])
+            victim = state["replicas"][2]["pid"]
+            os.kill(victim, signal.SIGSTOP)  # frozen: no heartbeat, no tokens
+            return list(await asyncio.gather(*tasks)), victim
+
+    outputs, victim = asyncio.run(scenario())
+    finished = _by_finish(outputs)
+    assert len(finished["length"]) == 2 and len(finished["abort"]) == 1, outputs
+    message = finished["abort"][0]["meta_info"]["finish_reason"]["message"]
+    assert f"replica 2 (scheduler pid {victim}) stopped responding" in message, message
+    state = info(server)
+    assert [r["alive"] for r in state["replicas"]] == [True, True, False]
+    assert "was killed" in state["replicas"][2]["dead_reason"]
+    assert server.get("/health").status_code == 200
 
 
 def test_a_killed_replica_fails_only_its_requests(server):
-    long = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}
-
-    async def scenario() -> tuple[dict, dict, int]:
+    async def scenario() -> tuple[list[dict], int]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-            streams = [asyncio.create_task(_stream(http, p, long)) for p in PROMPTS[:2]]
-            state: dict = {}
-            for _ in range(100):  # until both replicas run one stream each
-                await asyncio.sleep(0.05)
-                state = (await http.get("/get_server_info")).json()
-                if [r["outstanding_requests"] for r in state["replicas"]] == [1, 1]:
-                    break
+            tasks, state = await _streams_on(http, [0, 1])
             victim = state["replicas"][1]["pid"]
             os.kill(victim, signal.SIGKILL)
-            a, b = await asyncio.gather(*streams)
-            return a, b, victim
+            return list(await asyncio.gather(*tasks)), victim
 
-    first, second, victim = asyncio.run(scenario())
-    finishes = sorted([first, second], key=lambda o: o["meta_info"]["finish_reason"]["type"])
-    killed, survived = finishes
-    assert killed["meta_info"]["finish_reason"]["type"] == "abort"
-    message = killed["meta_info"]["finish_reason"]["message"]
-    assert f"replica 1 (scheduler pid {victim})" in message and "exited" in message, message
-    assert survived["meta_info"]["finish_reason"]["type"] == "length"
-    assert len(survived["output_ids"]) == 480
-    # reported, and the other replica keeps serving
+    outputs, victim = asyncio.run(scenario())
+    finished = _by_finish(outputs)
+    assert len(finished["length"]) == 1 and len(finished["abort"]) == 1, outputs
+    message = finished["abort"][0]["meta_info"]["finish_reason"]["message"]
+    assert f"replica 1 (scheduler pid {victim}) exited" in message, message
+    assert len(finished["length"][0]["output_ids"]) == 480
+    # reported, and the last replica keeps serving
     assert server.get("/health").status_code == 200
     state = info(server)
     assert state["num_replicas_alive"] == 1
-    assert [r["alive"] for r in state["replicas"]] == [True, False]
+    assert [r["alive"] for r in state["replicas"]] == [True, False, False]
     assert "exited" in state["replicas"][1]["dead_reason"]
     metrics = {(s.name, s.labels.get("replica")): s.value
                for fam in text_string_to_metric_families(server.get("/metrics").text)
                for s in fam.samples if s.name.startswith("tide:dp_")}
     assert metrics[("tide:dp_replicas_alive", None)] == 1.0
-    assert metrics[("tide:dp_replica_up", "1")] == 0.0
-    assert metrics[("tide:dp_replica_up", "0")] == 1.0
+    assert [metrics[("tide:dp_replica_up", str(i))] for i in range(3)] == [1.0, 0.0, 0.0]
     out = server.post("/generate", {"text": PROMPTS, "sampling_params": GREEDY}).json()
     assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["length"] * len(PROMPTS)
-    # handover calls go on with the survivor (the dead replica is listed, not called)
+    # handover calls go on with the survivor (the dead replicas are listed, not called)
     body = ok(server.post("/pause_generation", {"mode": "abort"}))
-    assert body["num_paused_requests"] == 0
+    assert [r["index"] for r in body["dead_replicas"]] == [1, 2]
     ok(server.post("/continue_generation", {}))
     assert server.post("/flush_cache").status_code == 200
     time.sleep(0.1)

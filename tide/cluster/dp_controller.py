@@ -20,7 +20,8 @@ of `ipc://` sockets.
 - **Liveness**: the controller sends one heartbeat up for each replica heartbeat, whose turn count is
   the sum of the live replicas' (it moves while any replica turns) and whose operation is any
   replica's declared long operation.
-- **A replica that dies** (its process exits) is marked dead and never picked again; its in-flight
+- **A replica that dies** (its process exits, or it shows no progress for the server's
+  `--scheduler-abort-timeout` and is killed) is marked dead and never picked again; its in-flight
   requests finish with reason `abort` and a message naming the replica; control calls waiting on it
   fail with that message; the other replicas keep serving. `/get_server_info` lists every replica
   (`alive`, `dead_reason`), `/metrics` has `tide:dp_replicas_alive`. When the last replica dies the
@@ -77,6 +78,9 @@ from tide.io_struct import (
 logger = logging.getLogger("tide.cluster.dp_controller")
 
 _POLL_MS = 250  # how often the loop checks the replica processes, at most
+# Load and info answer with the replicas that replied within this many seconds (a frozen replica
+# must not make /metrics and /get_server_info wait, nor leave their fan-outs pending forever).
+_INFO_DEADLINE_S = 3.0
 MAX_DP_SIZE = 64
 
 # Load counters that add up over replicas (each counts its own requests, slots and tokens).
@@ -139,6 +143,7 @@ class _FanOut:
     waiting: set[int]
     replies: list[ReplicaReply] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    deadline: float | None = None  # answer with the replies so far at this time (monotonic)
 
 
 @contextmanager
@@ -169,10 +174,12 @@ def run_dp_controller_process(
     ipc_dir: str | None = None,
     dp_size: int = 2,
     startup_timeout: float = 600.0,
+    replica_stall_timeout: float = 120.0,
 ) -> None:
     """Entry point of the spawned controller (the same arguments as `run_scheduler_process`, plus
-    `dp_size`): start the replicas, report readiness once all are ready, route until shutdown.
-    However it exits, it stops its replicas and removes `ipc_dir`."""
+    `dp_size` and `replica_stall_timeout`, the server's `--scheduler-abort-timeout`): start the
+    replicas, report readiness once all are ready, route until shutdown. However it exits, it stops
+    its replicas and removes `ipc_dir`."""
     from tide.scheduler.process import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -189,7 +196,8 @@ def run_dp_controller_process(
             placements = plan_replicas(config, dp_size)
             assert ipc_dir is not None  # the launcher always gives one
             controller = DataParallelController(len(placements), input_addr, output_addr, ipc_dir,
-                                                int(getattr(config, "tp_size", 1)))
+                                                int(getattr(config, "tp_size", 1)),
+                                                replica_stall_timeout)
             procs = _start_replicas(placements, controller, weight_version, heartbeat_interval)
             info = _wait_replicas_ready(procs, startup_timeout)
         except Exception as e:  # noqa: BLE001 - reported to the parent, which prints it and exits
@@ -284,9 +292,10 @@ class DataParallelController:
     docstring). Single-threaded: everything happens in `run`."""
 
     def __init__(self, num_replicas: int, input_addr: str, output_addr: str, ipc_dir: str,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, stall_timeout: float = 120.0) -> None:
         self.router = Router(num_replicas)
         self.tp_size = tp_size
+        self.stall_timeout = stall_timeout
         self.procs: list[Any] = []
         self.ctx = zmq.Context(1)
         self.up_recv = self._socket(zmq.PULL, bind=input_addr)
@@ -305,6 +314,8 @@ class DataParallelController:
         self.pending: dict[str, _FanOut] = {}  # the HTTP side's req_id -> its fan-out
         self.beats: dict[int, SchedulerHeartbeat] = {}
         self.last_beat: dict[int, float] = {}
+        # when each replica last showed progress: a new turn count, a declared operation, an output
+        self.last_progress = {i: time.monotonic() for i in range(num_replicas)}
         self.running = True
 
     def _socket(self, kind: int, bind: str | None = None, connect: str | None = None) -> Any:
@@ -327,6 +338,8 @@ class DataParallelController:
 
     # ---- loop
     def run(self) -> None:
+        start = time.monotonic()
+        self.last_progress = {i: start for i in self.last_progress}
         while self.running:
             events = dict(self.poller.poll(_POLL_MS))
             if self.up_recv in events:
@@ -335,6 +348,18 @@ class DataParallelController:
                 if sock in events:
                     self._drain(sock, lambda data, i=index: self._from_replica(i, data))
             self.check_replicas()
+            self._expire_fan_outs()
+
+    def _expire_fan_outs(self) -> None:
+        now = time.monotonic()
+        for req_id, fan in list(self.pending.items()):
+            if fan.deadline is not None and now >= fan.deadline:
+                for index in sorted(fan.waiting):
+                    fan.replies.append(ReplicaReply(
+                        index, False, f"replica {index} did not answer within "
+                                      f"{_INFO_DEADLINE_S:g} s"))
+                fan.waiting.clear()
+                self._complete_if_done(req_id)
 
     def _drain(self, sock: Any, handle: Any) -> None:
         while True:
@@ -397,6 +422,8 @@ class DataParallelController:
         live = self.router.live_indices()
         skipped = [r for r in self.router.describe() if not r["alive"]]
         fan = _FanOut(msg, set(live), skipped=skipped)
+        if isinstance(msg, (GetLoadReqInput, GetServerInfoReqInput)):
+            fan.deadline = time.monotonic() + _INFO_DEADLINE_S
         self.pending[msg.req_id] = fan
         for index in live:
             self.down_send[index].send(encode_message(copy_for(index)))
@@ -405,11 +432,18 @@ class DataParallelController:
     # ---- from a replica
     def _from_replica(self, index: int, data: bytes) -> None:
         msg = decode_output(data)
+        now = time.monotonic()
         if isinstance(msg, SchedulerHeartbeat):
+            previous = self.beats.get(index)
+            if (previous is None or previous.loop_count != msg.loop_count
+                    or msg.operation is not None):
+                self.last_progress[index] = now
             self.beats[index] = msg
-            self.last_beat[index] = time.monotonic()
+            self.last_beat[index] = now
             self._send_up(self._heartbeat())
-        elif isinstance(msg, BatchTokenIDOut):
+            return
+        self.last_progress[index] = now
+        if isinstance(msg, BatchTokenIDOut):
             for rid, reason in zip(msg.rids, msg.finished_reasons):
                 if reason is not None and self.rid_replica.pop(rid, None) is not None:
                     self.router.finish(index)
@@ -441,6 +475,8 @@ class DataParallelController:
     def _merge_load(self, replies: list[ReplicaReply]) -> dict[str, Any]:
         """Counters summed over the replicas that answered, the rest from the first, and one entry
         per replica (dead ones included) under `replicas`."""
+        missing = {r.index: r.message for r in replies if not r.success}
+        replies = [r for r in replies if r.success]
         if not replies:
             data: dict[str, Any] = {}
         else:
@@ -465,6 +501,8 @@ class DataParallelController:
             entry["seconds_since_heartbeat"] = round(now - beat, 3) if beat is not None else None
             entry.update({k: by_index[index][k] for k in _REPLICA_FIELDS
                           if index in by_index and k in by_index[index]})
+            if index in missing:
+                entry["error"] = missing[index]
             entries.append(entry)
         data["dp_size"] = self.router.num_replicas
         data["num_replicas_alive"] = sum(1 for e in entries if e["alive"])
@@ -481,11 +519,22 @@ class DataParallelController:
 
     # ---- replica deaths
     def check_replicas(self) -> None:
-        """Mark replicas whose process has exited as dead and fail what they held."""
+        """Mark replicas whose process has exited as dead and fail what they held. A replica that
+        has shown no progress for `stall_timeout` seconds (frozen, or its loop stuck outside a
+        declared operation) is killed first: the others must not keep routing to it."""
+        now = time.monotonic()
         for index, proc in enumerate(self.procs):
-            if self.router.is_alive(index) and not proc.is_alive():
+            if not self.router.is_alive(index):
+                continue
+            if not proc.is_alive():
                 self._replica_died(index, f"replica {index} (scheduler pid {proc.pid}) exited "
                                           f"with code {proc.exitcode}")
+            elif now - self.last_progress[index] > self.stall_timeout:
+                stalled = now - self.last_progress[index]
+                proc.kill()
+                self._replica_died(index, f"replica {index} (scheduler pid {proc.pid}) stopped "
+                                          f"responding ({stalled:.0f} s without progress) and "
+                                          "was killed")
         if self.procs and not self.router.live_indices():
             logger.error("every replica has died; the controller exits")
             self.running = False

@@ -99,7 +99,8 @@ def launch_server(args: ServerArgs) -> int:
         from tide.cluster.dp_controller import run_dp_controller_process
 
         target = run_dp_controller_process
-        kwargs.update(dp_size=args.dp_size, startup_timeout=args.startup_timeout)
+        kwargs.update(dp_size=args.dp_size, startup_timeout=args.startup_timeout,
+                      replica_stall_timeout=args.scheduler_abort_timeout)
     proc = ctx.Process(
         target=target,
         args=(engine_config, input_addr, output_addr, os.getpid(), ready_send, args.weight_version),
