@@ -240,6 +240,7 @@ def bench_model(name: str, model_dir: str, args: argparse.Namespace) -> dict[str
                            "weights_bytes": weights, "batch": {}}
     print(f"{name}: {out['shape']} {args.size}x{args.size}, {args.steps} steps, "
           f"{weights / 1e9:.2f} GB weights on {device}", flush=True)
+    tide_peak: list[int] = []
     for bs in args.batch_sizes:
         prompts = (PROMPTS * bs)[:bs]
 
@@ -250,6 +251,7 @@ def bench_model(name: str, model_dir: str, args: argparse.Namespace) -> dict[str
                                   output_type="np")
             end = clock.mark()
             clock.sync()
+            tide_peak.append(res["meta_info"]["peak_memory_bytes"])
             return np.stack(res["images"]), res["meta_info"]["stage_timings_ms"], clock.ms(start, end)
 
         def run_diffusers(prompts: list[str] = prompts) -> tuple[np.ndarray, dict[str, float], float]:
@@ -268,7 +270,9 @@ def bench_model(name: str, model_dir: str, args: argparse.Namespace) -> dict[str
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 runs[system].append(fn())
-                peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+                # tide: its profiler's peak (it resets the allocator's peak at every stage).
+                peak = (tide_peak[-1] if system == "tide" else torch.cuda.max_memory_allocated(device)) \
+                    if device.type == "cuda" else None
                 peaks[system] = max(peaks.get(system) or 0, peak) if peak is not None else None
         row: dict[str, Any] = {}
         for system, rs in runs.items():
@@ -294,12 +298,330 @@ def _fmt(stages: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
 
 
+# ---------------------------------------------------------------------------------------------------
+# Component residency: tide's strategies and diffusers' own offloading, same run
+
+
+def residency_spec(strategy: str, kind: str) -> str:
+    """The `component_residency` of a benchmark strategy: `resident` (everything on the GPU),
+    `offload` (every model component offloaded), `layerwise` (the denoiser and the large text encoder
+    streamed block by block, the small components offloaded)."""
+    denoiser = "transformer" if kind == "flux" else "unet"
+    comps = ("text_encoder", "text_encoder_2", denoiser, "vae")
+    if strategy == "resident":
+        return ""
+    if strategy == "offload":
+        return ",".join(f"{c}=offload" for c in comps)
+    if strategy == "layerwise":
+        return (f"text_encoder=offload,text_encoder_2=layerwise,{denoiser}=layerwise,vae=offload")
+    raise SystemExit(f"--residency: unknown strategy {strategy!r}; choose from {RESIDENCY_CHOICES}")
+
+
+RESIDENCY_CHOICES = ("resident", "offload", "layerwise")
+PEER_CHOICES = ("model_cpu_offload", "group_offload")
+
+
+def _host_rss() -> int:
+    from tide.memory.observe import process_rss
+
+    return process_rss()
+
+
+def _teardown(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        from tide.memory import empty_device_cache
+
+        empty_device_cache(reason="benchmark_teardown", ledger=None)
+
+
+class _DelayedStage:
+    """A stage that sleeps `ms` before running (the `--inject-stage-delay` test hook of --check)."""
+
+    def __init__(self, stage: Any, ms: float) -> None:
+        self.stage, self.ms = stage, ms
+        self.name, self.components = stage.name, stage.components
+
+    def __call__(self, batch: Any) -> None:
+        time.sleep(self.ms / 1e3)
+        self.stage(batch)
+
+
+def _inject_delays(engine: Any, delays: dict[str, float]) -> None:
+    executor = engine.pipeline.executor
+    executor.stages = tuple(_DelayedStage(s, delays[s.name]) if s.name in delays else s
+                            for s in executor.stages)
+
+
+def _timed(fn: Callable[[], Any], clock: _Clock) -> tuple[Any, float]:
+    start = clock.mark()
+    out = fn()
+    end = clock.mark()
+    clock.sync()
+    return out, clock.ms(start, end)
+
+
+def bench_residency(name: str, model_dir: str, args: argparse.Namespace,
+                    save: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+    """tide under each `--residency` strategy, then diffusers' `--peers`, one after the other in
+    this process (each with fresh modules and the same dummy weights): latency, per-stage ms, peak
+    allocated device memory, host RSS, release points, and the max abs difference of the images
+    from tide's first strategy's. `save(partial)` is called after each system."""
+    import tide
+
+    out: dict[str, Any] = {"shape": SHAPES[name][0] if not args.quick else f"tiny-{name}",
+                           "height": args.size, "width": args.size, "steps": args.steps,
+                           "batch_sizes": args.batch_sizes, "strategies": {}, "peers": {}}
+    ref: dict[int, np.ndarray] = {}
+
+    def engine_for(strategy: str) -> Any:
+        kind = "flux" if name == "flux" else "sdxl"
+        kwargs: dict[str, Any] = {}
+        if args.residency_budget_gb is not None:
+            kwargs["residency_budget_gb"] = args.residency_budget_gb
+        if args.layerwise_blocks is not None:
+            kwargs["layerwise_blocks"] = args.layerwise_blocks
+        return tide.DiffusionEngine(model_dir, load_format="dummy", dtype=args.dtype,
+                                    device=args.device, max_batch_images=max(args.batch_sizes),
+                                    seed=0, component_residency=residency_spec(strategy, kind),
+                                    **kwargs)
+
+    for strategy in args.residency:
+        engine = engine_for(strategy)
+        device = engine.device
+        clock = _Clock(device)
+        if args.inject_stage_delay:
+            _inject_delays(engine, args.inject_stage_delay)
+        guidance = engine.default_guidance_scale
+        row: dict[str, Any] = {"component_residency": dict(engine.pipeline.strategies),
+                               "weights_bytes": sum(i.num_bytes for i in engine.pipeline.component_infos),
+                               "host_copy_bytes": engine.residency.host_bytes(), "batch": {}}
+        for bs in args.batch_sizes:
+            prompts = (PROMPTS * bs)[:bs]
+
+            def run(prompts: list[str] = prompts, engine: Any = engine, guidance: float = guidance
+                    ) -> dict[str, Any]:
+                return engine.generate(prompts, height=args.size, width=args.size,
+                                       num_inference_steps=args.steps, guidance_scale=guidance,
+                                       seed=0, output_type="np")
+
+            _timed(run, clock)  # warm-up
+            runs = [_timed(run, clock) for _ in range(args.repeats)]
+            images = np.stack(runs[0][0]["images"])
+            ref.setdefault(bs, images)
+            metas = [r[0]["meta_info"] for r in runs]
+            latency = statistics.median(r[1] for r in runs)
+            row["batch"][str(bs)] = {
+                "latency_ms": latency, "runs_ms": [r[1] for r in runs],
+                "stage_ms": _median_dict([m["stage_timings_ms"] for m in metas]),
+                "peak_memory_bytes": max(m["peak_memory_bytes"] for m in metas),
+                "memory_source": metas[0]["memory_source"],
+                "max_abs_diff": float(np.abs(images - ref[bs]).max()),
+            }
+            b = row["batch"][str(bs)]
+            print(f"  {strategy:<10} bs{bs}: {latency:.0f} ms, peak {b['peak_memory_bytes'] / 1e9:.2f} GB "
+                  f"({b['memory_source']}), max|diff| {b['max_abs_diff']:.1e}; {_fmt(b['stage_ms'])}",
+                  flush=True)
+        row["host_rss_bytes"] = _host_rss()
+        row["releases"] = engine.memory_ledger.totals()
+        if args.flat_requests:
+            row["flat"] = _flatness(engine, args)
+        out["strategies"][strategy] = row
+        save(out)
+        engine.shutdown()
+        del engine
+        _teardown(device)
+
+    for peer in args.peers:
+        out["peers"][peer] = _bench_peer(peer, model_dir, args, ref)
+        save(out)
+        if torch.cuda.is_available():
+            _teardown(torch.device("cuda"))
+    return out
+
+
+def _flatness(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """`--flat-requests` requests back to back: reserved device memory and host RSS after the 2nd and
+    the last, and the release points taken (none at stage boundaries)."""
+    device = engine.device
+    readings = []
+    before = {r: t["count"] for r, t in engine.memory_ledger.totals().items()}
+    for i in range(args.flat_requests):
+        engine.generate(PROMPTS[0], height=args.size, width=args.size,
+                        num_inference_steps=args.steps, seed=i, output_type="np")
+        reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        readings.append({"reserved": reserved, "rss": _host_rss(),
+                         "host_copies": engine.residency.host_bytes()})
+    after = {r: t["count"] for r, t in engine.memory_ledger.totals().items()}
+    second, last = readings[1], readings[-1]
+    res = {"requests": args.flat_requests, "after_2": second, "after_last": last,
+           "reserved_growth": (last["reserved"] - second["reserved"]) / max(second["reserved"], 1),
+           "rss_growth": (last["rss"] - second["rss"]) / max(second["rss"], 1),
+           "releases": {r: after[r] - before.get(r, 0) for r in after}}
+    print(f"    {args.flat_requests} requests: reserved {second['reserved'] / 1e9:.2f} -> "
+          f"{last['reserved'] / 1e9:.2f} GB, RSS {second['rss'] / 1e9:.2f} -> {last['rss'] / 1e9:.2f} GB, "
+          f"releases {res['releases']}", flush=True)
+    return res
+
+
+def _bench_peer(peer: str, model_dir: str, args: argparse.Namespace,
+                ref: dict[int, np.ndarray]) -> dict[str, Any]:
+    """diffusers' pipeline over fresh modules (same dummy weights) with its own offloading."""
+    import tide
+
+    if not (torch.cuda.is_available() and args.device != "cpu"):
+        print(f"  {peer}: skipped (diffusers' offloading needs a CUDA device)", flush=True)
+        return {"skipped": "needs a CUDA device"}
+    engine = tide.DiffusionEngine(model_dir, load_format="dummy", dtype=args.dtype, device=args.device,
+                                  max_batch_images=max(args.batch_sizes), seed=0)
+    device = engine.device
+    pipe = diffusers_pipeline(engine)
+    guidance = engine.default_guidance_scale
+    denoiser = engine.pipeline.kind.denoiser
+    del engine
+    if peer == "model_cpu_offload":
+        pipe.enable_model_cpu_offload(device=device)
+    else:
+        pipe.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                  offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+    _teardown(device)
+    clock = _Clock(device)
+    spans = StageSpans(pipe, denoiser, clock)
+    row: dict[str, Any] = {"batch": {}}
+    for bs in args.batch_sizes:
+        prompts = (PROMPTS * bs)[:bs]
+
+        def run(prompts: list[str] = prompts) -> tuple[np.ndarray, dict[str, float], float, int]:
+            torch.cuda.reset_peak_memory_stats(device)
+            gen = torch.Generator(device=device).manual_seed(0)
+            images, stages, total = spans.run(lambda: pipe(
+                prompt=prompts, height=args.size, width=args.size, num_inference_steps=args.steps,
+                guidance_scale=guidance, generator=gen, output_type="np").images)
+            return images, stages, total, torch.cuda.max_memory_allocated(device)
+
+        run()
+        runs = [run() for _ in range(args.repeats)]
+        latency = statistics.median(r[2] for r in runs)
+        images = runs[0][0]
+        row["batch"][str(bs)] = {
+            "latency_ms": latency, "runs_ms": [r[2] for r in runs],
+            "stage_ms": _median_dict([r[1] for r in runs]),
+            "peak_memory_bytes": max(r[3] for r in runs),
+            "max_abs_diff": float(np.abs(images - ref[bs]).max()) if bs in ref else None,
+        }
+        b = row["batch"][str(bs)]
+        print(f"  {peer:<17} bs{bs}: {latency:.0f} ms, peak {b['peak_memory_bytes'] / 1e9:.2f} GB, "
+              f"max|diff| {b['max_abs_diff']}; {_fmt(b['stage_ms'])}", flush=True)
+    row["host_rss_bytes"] = _host_rss()
+    pipe.remove_all_hooks()
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-stage baselines: --update writes them, --check compares a run with them
+
+BASELINES_FORMAT = "tide.diffusion_baselines/1"
+DEFAULT_BASELINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "diffusion_baselines.json")
+# Tolerance rules by stage. Absolute by default (`abs_ms`, at least `abs_frac` of the baseline);
+# relative with an absolute floor (`rel`, `floor_ms`) for the decode, whose time also holds device
+# work its neighbours queued (the events see it when the decode's host copy waits for it).
+# The 25 ms floor covers what short stages varied by across three H200 runs: host-launch jitter
+# (resident text encoding 29-40 ms) and the 9.5 GB text-encoder copy of `offload` (211-229 ms);
+# long stages varied by < 1%.
+GPU_RULES: dict[str, dict[str, float]] = {
+    "default": {"abs_ms": 25.0, "abs_frac": 0.03},
+    "decoding": {"rel": 0.10, "floor_ms": 10.0},
+}
+# A shared 2-core CPU runner is noisy: wide enough never to flake, narrow enough to see 0.3 s.
+CPU_RULES: dict[str, dict[str, float]] = {
+    "default": {"abs_ms": 150.0, "abs_frac": 0.5},
+    "decoding": {"rel": 1.0, "floor_ms": 150.0},
+}
+# The run settings a baseline file records and --check reuses unless given on the command line.
+_RUN_ARGS = ("models", "batch_sizes", "size", "steps", "repeats", "dtype", "device", "quick",
+             "residency", "layerwise_blocks", "residency_budget_gb")
+
+
+def baseline_key(model: dict[str, Any], strategy: str, bs: str) -> str:
+    return f"{model['shape']}/{model['width']}x{model['height']}/{model['steps']}steps/bs{bs}/{strategy}"
+
+
+def tolerance(rule: dict[str, float], ms: float) -> float:
+    """How far (ms) a measurement may be from baseline `ms` under `rule`."""
+    if "rel" in rule:
+        return max(rule["rel"] * ms, rule.get("floor_ms", 0.0))
+    return max(rule["abs_ms"], rule.get("abs_frac", 0.0) * ms)
+
+
+def check_results(res: dict[str, Any], baselines: dict[str, Any]) -> list[str]:
+    """One line per stage outside its tolerance (and per run without a baseline)."""
+    failures: list[str] = []
+    entries = baselines.get("entries", {})
+    for model in res["results"].values():
+        for strategy, row in model["strategies"].items():
+            for bs, b in row["batch"].items():
+                key = baseline_key(model, strategy, bs)
+                entry = entries.get(key)
+                if entry is None:
+                    failures.append(f"{key}: no baseline (run --update on the reference device)")
+                    continue
+                for stage, base in entry["stages"].items():
+                    got = b["stage_ms"].get(stage)
+                    if got is None:
+                        failures.append(f"{key}: stage {stage} was not measured")
+                        continue
+                    allowed = tolerance(base["rule"], base["ms"])
+                    if abs(got - base["ms"]) > allowed:
+                        word = "slower" if got > base["ms"] else "faster"
+                        failures.append(f"{key}: stage {stage} {got:.1f} ms is {word} than its "
+                                        f"baseline {base['ms']:.1f} ms by {abs(got - base['ms']):.1f} ms "
+                                        f"(tolerance {allowed:.1f} ms)")
+    return failures
+
+
+def update_baselines(res: dict[str, Any], baselines: dict[str, Any],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """`baselines` with the entries of this run replaced (rules kept where an entry had them)."""
+    rules = CPU_RULES if res["device"] == "cpu" else GPU_RULES
+    entries = dict(baselines.get("entries", {}))
+    for model in res["results"].values():
+        for strategy, row in model["strategies"].items():
+            for bs, b in row["batch"].items():
+                key = baseline_key(model, strategy, bs)
+                old = entries.get(key, {}).get("stages", {})
+                stages = {}
+                for stage, ms in b["stage_ms"].items():
+                    rule = old.get(stage, {}).get("rule") or dict(rules.get(stage, rules["default"]))
+                    stages[stage] = {"ms": round(ms, 3), "rule": rule}
+                entries[key] = {"device": res["device"], "date": res["date"], "stages": stages,
+                                "latency_ms": round(b["latency_ms"], 3),
+                                "peak_memory_bytes": b["peak_memory_bytes"]}
+    return {"format": BASELINES_FORMAT, "reference_device": res["device"],
+            "torch": res["torch"], "args": {k: getattr(args, k) for k in _RUN_ARGS},
+            "rules": {"gpu": GPU_RULES, "cpu": CPU_RULES}, "entries": entries}
+
+
+def load_baselines(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {"format": BASELINES_FORMAT, "entries": {}}
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or data.get("format") != BASELINES_FORMAT:
+        raise SystemExit(f"{path}: not a tide diffusion baselines file ({BASELINES_FORMAT})")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
 def markdown(res: dict[str, Any]) -> str:
-    header = ("| model | batch | system | latency ms | ms/image | images/s | text enc | denoise | "
-              "decode | peak GB |")
     lines = [f"Device: {res['device']}; torch {res['torch']}, diffusers {res['diffusers']}; "
-             f"{res['date']}", "", header, "|---|---|---|---|---|---|---|---|---|---|"]
-    for m in res["results"].values():
+             f"{res['date']}", ""]
+    plain = {n: m for n, m in res["results"].items() if "batch" in m}
+    if plain:
+        lines += ["| model | batch | system | latency ms | ms/image | images/s | text enc | denoise | "
+                  "decode | peak GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in plain.values():
         for bs, row in m["batch"].items():
             for system in ("tide", "diffusers"):
                 r = row[system]
@@ -309,53 +631,154 @@ def markdown(res: dict[str, Any]) -> str:
                              f"{system} | {r['latency_ms']:.0f} | {r['latency_per_image_ms']:.0f} | "
                              f"{r['images_per_s']:.3f} | {s['text_encoding']:.0f} | "
                              f"{s['denoising']:.0f} | {s['decoding']:.0f} | {peak} |")
+    residency = {n: m for n, m in res["results"].items() if "strategies" in m}
+    if residency:
+        lines += ["", "| model | batch | system | latency ms | text enc | denoise | decode | peak GB | "
+                      "max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for m in residency.values():
+        systems = [(f"tide {k}", v) for k, v in m["strategies"].items()]
+        systems += [(f"diffusers {k}", v) for k, v in m["peers"].items() if "batch" in v]
+        for bs in map(str, m["batch_sizes"]):
+            for label, row in systems:
+                b = row["batch"][bs]
+                s = b["stage_ms"]
+                diff = "-" if b["max_abs_diff"] is None else f"{b['max_abs_diff']:.1e}"
+                lines.append(f"| {m['shape']} {m['height']}x{m['width']} {m['steps']} steps | {bs} | "
+                             f"{label} | {b['latency_ms']:.0f} | {s.get('text_encoding', 0):.0f} | "
+                             f"{s.get('denoising', 0):.0f} | {s.get('decoding', 0):.0f} | "
+                             f"{b['peak_memory_bytes'] / 1e9:.3g} | {diff} |")
     return "\n".join(lines)
 
 
+def _csv(value: str | None) -> list[str]:
+    return [v for v in (value or "").split(",") if v]
+
+
+def _delays(value: str) -> dict[str, float]:
+    out = {}
+    for item in _csv(value):
+        stage, sep, ms = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--inject-stage-delay: {item!r} is not STAGE=MS")
+        out[stage] = float(ms)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    import diffusers
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--quick", action="store_true",
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument("--quick", action="store_true", default=None,
                     help="tiny random models, small images, few steps (runs on a CPU)")
-    ap.add_argument("--models", default="flux,sdxl")
+    ap.add_argument("--models", default=None, help="comma-separated: flux,sdxl (default both)")
     ap.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,4; quick 1,2)")
     ap.add_argument("--size", type=int, default=None, help="image side (default 1024; quick 32)")
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default 28; quick 2)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs (default 3; quick 1)")
     ap.add_argument("--dtype", default=None, help="default bfloat16; quick: auto")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default=None, help="default auto")
+    ap.add_argument("--residency", default=None,
+                    help=f"tide strategies to compare ({','.join(RESIDENCY_CHOICES)}); with it the "
+                         "run measures residency (and --peers) instead of tide vs diffusers")
+    ap.add_argument("--peers", default=None,
+                    help=f"diffusers' offloading to measure with --residency ({','.join(PEER_CHOICES)}; "
+                         "default both on CUDA)")
+    ap.add_argument("--layerwise-blocks", type=int, default=None)
+    ap.add_argument("--residency-budget-gb", type=float, default=None)
+    ap.add_argument("--flat-requests", type=int, default=0,
+                    help="also run this many requests back to back per strategy (memory flatness)")
+    ap.add_argument("--baselines", default=DEFAULT_BASELINES, help="per-stage baselines JSON")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true",
+                      help="run and fail naming every stage outside its baseline's tolerance")
+    mode.add_argument("--update", action="store_true", help="run and rewrite the baselines")
+    ap.add_argument("--inject-stage-delay", type=_delays, default=None, metavar="STAGE=MS,...",
+                    help="sleep this long inside these stages (to see --check fail)")
     args = ap.parse_args(argv)
-    q = args.quick
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,2" if q else "1,4")).split(",")]
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    baselines = load_baselines(args.baselines) if (args.check or args.update) else {}
+    if args.check:  # settings not given take the ones the baselines were written with
+        for key, value in baselines.get("args", {}).items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+    q = bool(args.quick)
+    args.quick = q
+    args.models = args.models if isinstance(args.models, list) else _csv(args.models or "flux,sdxl")
+    if not isinstance(args.batch_sizes, list):
+        args.batch_sizes = [int(b) for b in _csv(args.batch_sizes or ("1,2" if q else "1,4"))]
     args.size = args.size or (32 if q else 1024)
     args.steps = args.steps or (2 if q else 28)
     args.repeats = args.repeats or (1 if q else 3)
     args.dtype = args.dtype or ("auto" if q else "bfloat16")
-    torch.set_grad_enabled(False)
+    args.device = args.device or "auto"
+    if args.residency is None and (args.check or args.update):
+        args.residency = ["resident"]
+    if args.residency is not None and not isinstance(args.residency, list):
+        args.residency = _csv(args.residency)
+    for strategy in args.residency or ():
+        if strategy not in RESIDENCY_CHOICES:
+            raise SystemExit(f"--residency: unknown strategy {strategy!r}; choose from "
+                             f"{list(RESIDENCY_CHOICES)}")
+    args.peers = _csv(args.peers) if args.peers is not None else (
+        list(PEER_CHOICES) if args.residency and not (args.check or args.update) else [])
+    for peer in args.peers:
+        if peer not in PEER_CHOICES:
+            raise SystemExit(f"--peers: unknown peer {peer!r}; choose from {list(PEER_CHOICES)}")
+    with torch.no_grad():  # not set_grad_enabled(False): main() also runs inside test processes
+        return _run(args, baselines)
+
+
+def _run(args: argparse.Namespace, baselines: dict[str, Any]) -> int:
+    import diffusers
+
+    q = args.quick
     root = tempfile.gettempdir()
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu"
         else "cpu",
         "torch": torch.__version__, "diffusers": diffusers.__version__, "quick": q,
-        "command": "python -m benchmarks.diffusion " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.diffusion " + " ".join(args.argv),
         "results": {},
     }
-    for name in args.models.split(","):
+    for name in args.models:
         if name not in SHAPES:
             raise SystemExit(f"--models: unknown model {name!r}; choose from {sorted(SHAPES)}")
         model_dir = write_quick_dir(name, root) if q else write_shape_dir(name, root)
-        res["results"][name] = bench_model(name, model_dir, args)
-        gc.collect()  # the model's engine and pipeline are gone with bench_model's frame
+        if args.residency:
+            print(f"{name}: {'tiny-' + name if q else SHAPES[name][0]} {args.size}x{args.size}, "
+                  f"{args.steps} steps", flush=True)
+            def save(partial: dict[str, Any], name: str = name) -> None:
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump({**res, "results": {**res["results"], name: partial}}, f, indent=2)
+
+            res["results"][name] = bench_residency(name, model_dir, args, save)
+        else:
+            res["results"][name] = bench_model(name, model_dir, args)
+        gc.collect()  # the model's engine and pipeline are gone with the bench function's frame
         if torch.cuda.is_available():
             from tide.memory import empty_device_cache
 
             empty_device_cache(reason="benchmark_teardown", ledger=None)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
     print(markdown(res))
+    if args.update:
+        updated = update_baselines(res, baselines, args)
+        with open(args.baselines, "w") as f:
+            json.dump(updated, f, indent=2, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {len(updated['entries'])} baseline entries to {args.baselines}")
+    if args.check:
+        failures = check_results(res, baselines)
+        for line in failures:
+            print("FAIL " + line)
+        if failures:
+            print(f"--check: {len(failures)} stage(s) outside tolerance")
+            return 1
+        print("--check: every stage within tolerance")
     return 0
 
 

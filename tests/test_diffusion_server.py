@@ -148,6 +148,8 @@ def test_auth_models_health_and_metrics(server, client):
 class _GateEngine:
     """Records the batches it is given; the first one waits for `release`."""
 
+    released_tags: list[str] = []
+
     def __init__(self):
         self.batches = []
         self.release = threading.Event()

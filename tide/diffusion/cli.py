@@ -15,7 +15,7 @@ from typing import Any
 # are an error rather than silently ignored.
 _LLM_ONLY = ("max_total_tokens", "context_length", "chunked_prefill_size", "disable_radix_cache",
              "attention_backend", "max_running_requests", "mem_fraction_static", "tokenizer_path",
-             "enable_memory_saver", "enable_cpu_backup", "allowed_weight_roots", "chat")
+             "enable_memory_saver", "enable_cpu_backup", "chat")
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +46,21 @@ def _add_engine_limits(g: Any) -> None:
                    help="images per batch and per request (default 16)")
     g.add_argument("--max-sequence-length", type=int, default=None, metavar="N",
                    help="T5 tokens per prompt for FLUX (default 512)")
+    g.add_argument("--component-residency", default=None, metavar="SPEC",
+                   help="where each model component lives: COMPONENT=STRATEGY,... with strategy "
+                        "resident, offload, layerwise or auto (e.g. text_encoder_2=offload,"
+                        "transformer=layerwise), or 'auto' (default: every component resident)")
+    g.add_argument("--residency-budget-gb", type=float, default=None,
+                   help="most GB of component weights on the device at once (auto fits it; "
+                        "prefetches wait for room under it; default: no limit)")
+    g.add_argument("--layerwise-blocks", type=int, default=None,
+                   help="blocks of a layerwise component on the device at once (default 2)")
+    g.add_argument("--preferred-resident", default=None, metavar="COMPONENTS",
+                   help="offloaded components that stay on the device after a request, "
+                        "comma-separated (default: none)")
+    g.add_argument("--memory-intensive", default=None, metavar="COMPONENTS",
+                   help="components whose release empties the allocator cache, comma-separated "
+                        "(default: the denoiser and text encoders of 1 GiB or more)")
 
 
 def _check_llm_only(args: argparse.Namespace) -> None:
@@ -58,9 +73,13 @@ def _check_llm_only(args: argparse.Namespace) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     _check_llm_only(args)
     kwargs: dict[str, Any] = {"model_path": args.model_path}
-    for key in ("device", "dtype", "load_format", "max_batch_images", "max_sequence_length"):
+    for key in ("device", "dtype", "load_format", "max_batch_images", "max_sequence_length",
+                "component_residency", "residency_budget_gb", "layerwise_blocks",
+                "preferred_resident", "memory_intensive"):
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
+    if getattr(args, "weight_version", None) not in (None, "default"):
+        kwargs["weight_version"] = args.weight_version
     return kwargs
 
 
@@ -118,12 +137,16 @@ def serve(args: argparse.Namespace) -> int:
     from tide.diffusion.server import DiffusionServerArgs, launch_diffusion_server
 
     log_level = args.log_level or "info"
-    extra = {}
+    extra: dict[str, Any] = {}
     if args.max_queued_requests is not None:
         extra["max_queued_requests"] = args.max_queued_requests
+    if args.allowed_weight_roots:
+        extra["allowed_weight_roots"] = tuple(args.allowed_weight_roots)
     server_args = DiffusionServerArgs(
         engine=DiffusionConfig.from_kwargs(**engine_kwargs(args), log_level=log_level),
         host=args.host, port=args.port, admin_api_key=args.admin_api_key,
         api_key=",".join(args.api_key) if args.api_key else None,
-        served_model_name=args.served_model_name, log_level=log_level, **extra)
+        served_model_name=args.served_model_name, log_level=log_level,
+        allow_unauthenticated_admin=bool(getattr(args, "allow_unauthenticated_admin", False)),
+        **extra)
     return launch_diffusion_server(server_args)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,9 @@ PIPELINE_KINDS = {"FluxPipeline": "flux", "StableDiffusionXLPipeline": "sdxl"}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Component residency strategies (`tide.diffusion.residency`); "auto" picks one per component.
+RESIDENCY_STRATEGIES = ("resident", "offload", "layerwise")
+AUTO_RESIDENCY = "auto"
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -79,6 +84,23 @@ class DiffusionConfig:
     - `default_size`: image side of a request that gives none; None takes the model's (FLUX: 128
       latent tokens a side, 1024 px for FLUX.1; SDXL: the UNet's sample size, 1024 px), and 64 for
       the demo model.
+    - `component_residency`: where each model component lives (`tide.diffusion.residency`):
+      `((name, strategy), ...)`, strategy one of resident / offload / layerwise / auto; components not
+      named are resident. `from_kwargs` also takes "text_encoder_2=offload,transformer=layerwise",
+      "auto" (every component auto) or a dict. Names are checked against the model's components
+      when the pipeline loads.
+    - `residency_budget_gb`: the most component weights (GB, 1e9 bytes) the device holds at once,
+      prefetches included: `auto` picks strategies to fit it, prefetches wait for room under it,
+      preferred components leave when a placement needs their room, and a layerwise component keeps
+      as many of its first blocks as fit for the rest of its stage. None: no limit (auto on CUDA
+      then takes 80% of the device's memory; on CPU everything stays resident).
+    - `layerwise_blocks`: blocks of a layerwise component on the device at once (>= 1; 2 overlaps
+      one block's copy with the previous block's compute).
+    - `preferred_resident`: offloaded components that stay on the device after their stage and
+      after a request, until the budget needs their room.
+    - `memory_intensive`: components whose release empties the allocator cache; None: the denoiser
+      and every text encoder of at least 1 GiB.
+    - `weight_version`: the version outputs report until a weight update sets another.
     """
 
     model_path: str = DEMO_DIFFUSION_PATH
@@ -93,6 +115,12 @@ class DiffusionConfig:
     max_prompt_chars: int = 16384
     default_size: int | None = None
     log_level: str = "warning"
+    component_residency: tuple[tuple[str, str], ...] = ()
+    residency_budget_gb: float | None = None
+    layerwise_blocks: int = 2
+    preferred_resident: tuple[str, ...] = ()
+    memory_intensive: tuple[str, ...] | None = None
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         if self.load_format not in _LOAD_FORMATS:
@@ -114,6 +142,25 @@ class DiffusionConfig:
             raise ValueError(f"max_sequence_length must be at most 512, got {self.max_sequence_length}")
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        object.__setattr__(self, "component_residency",
+                           parse_component_residency(self.component_residency))
+        budget = self.residency_budget_gb
+        if budget is not None and (not isinstance(budget, (int, float)) or isinstance(budget, bool)
+                                   or not math.isfinite(budget) or budget <= 0):
+            raise ValueError(f"residency_budget_gb must be a positive number of GB, got {budget!r}")
+        _positive("layerwise_blocks", self.layerwise_blocks)
+        object.__setattr__(self, "preferred_resident",
+                           _names("preferred_resident", self.preferred_resident))
+        if self.memory_intensive is not None:
+            object.__setattr__(self, "memory_intensive",
+                               _names("memory_intensive", self.memory_intensive))
+        if not isinstance(self.weight_version, str) or not self.weight_version:
+            raise ValueError(f"weight_version must be a non-empty string, got {self.weight_version!r}")
+        strategies = dict(self.component_residency)
+        for name in self.preferred_resident:
+            if strategies.get(name) == "layerwise":
+                raise ValueError(f"preferred_resident: component {name!r} is layerwise; only offloaded "
+                                 "(or auto) components can stay on the device after their stage")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> DiffusionConfig:
@@ -129,6 +176,63 @@ class DiffusionConfig:
 
     def replace(self, **changes: Any) -> DiffusionConfig:
         return dataclasses.replace(self, **changes)
+
+
+def parse_component_residency(spec: Any) -> tuple[tuple[str, str], ...]:
+    """Normalise a residency spec to sorted `(component, strategy)` pairs.
+
+    Accepts "name=strategy,name=strategy", "auto" (every model component auto; may be combined with
+    explicit entries, which win), a dict, or pairs. ValueError naming the entry, component or
+    strategy that is wrong; components are checked against the model when the pipeline loads."""
+    if spec is None or spec == "" or spec == ():
+        return ()
+    pairs: list[tuple[str, str]] = []
+    if isinstance(spec, str):
+        for raw in spec.split(","):
+            entry = raw.strip()
+            if not entry:
+                raise ValueError(f"component_residency: empty entry in {spec!r}")
+            if entry == AUTO_RESIDENCY:
+                pairs.append(("*", AUTO_RESIDENCY))
+                continue
+            name, sep, strategy = entry.partition("=")
+            if not sep:
+                raise ValueError(f"component_residency: entry {entry!r} must be COMPONENT=STRATEGY "
+                                 f"(strategies: {[*RESIDENCY_STRATEGIES, AUTO_RESIDENCY]}) or 'auto'")
+            pairs.append((name.strip(), strategy.strip()))
+    elif isinstance(spec, dict):
+        pairs = list(spec.items())
+    elif isinstance(spec, (list, tuple)):
+        for item in spec:
+            if not (isinstance(item, (list, tuple)) and len(item) == 2):
+                raise ValueError(f"component_residency: {item!r} is not a (component, strategy) pair")
+            pairs.append((item[0], item[1]))
+    else:
+        raise ValueError(f"component_residency must be a string, a dict or (component, strategy) "
+                         f"pairs, got {type(spec).__name__}")
+    out: dict[str, str] = {}
+    for name, strategy in pairs:
+        if not isinstance(name, str) or not re.fullmatch(r"\*|[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"component_residency: {name!r} is not a component name")
+        if strategy not in (*RESIDENCY_STRATEGIES, AUTO_RESIDENCY):
+            raise ValueError(f"component_residency: component {name!r} has unknown strategy "
+                             f"{strategy!r}; choose from {[*RESIDENCY_STRATEGIES, AUTO_RESIDENCY]}")
+        if name in out:
+            raise ValueError(f"component_residency: component {name!r} is given twice")
+        out[name] = strategy
+    return tuple(sorted(out.items()))
+
+
+def _names(field_name: str, value: Any) -> tuple[str, ...]:
+    """A tuple of component names from a tuple/list or a comma-separated string."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) for v in value):
+        raise ValueError(f"{field_name} must be a list of component names, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{field_name}: a component is named twice in {list(value)}")
+    return tuple(value)
 
 
 def _positive(name: str, value: Any) -> None:

@@ -19,34 +19,70 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+import torch
 
 from tide.diffusion.config import DiffusionConfig
-from tide.diffusion.io_struct import ImageRequest, ImageResult
+from tide.diffusion.io_struct import (
+    DiffusionOutOfMemoryError,
+    ImageRequest,
+    ImageResult,
+    MemoryReleasedError,
+)
 from tide.diffusion.pipeline import ImagePipeline
+from tide.diffusion.residency import ComponentManager
 from tide.diffusion.stages import MAX_SEED
+from tide.diffusion.weights import DenoiserWeights
+from tide.io_struct import WeightUpdateOptions
 from tide.memory.ledger import MemoryLedger
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_INFERENCE_STEPS = 28
+MEMORY_TAGS = ("weights", "activations")
+
+
+def parse_memory_tags(tags: Iterable[str] | str | None) -> list[str]:
+    """None means every tag; otherwise known tags (ValueError naming `tags`), in `MEMORY_TAGS` order."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    if isinstance(tags, str):
+        tags = [tags]
+    tags = list(tags)
+    if not tags or not all(isinstance(t, str) for t in tags):
+        raise ValueError(f"tags must be null or a non-empty list of {list(MEMORY_TAGS)}")
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"tags {unknown} are not known; allowed tags: {list(MEMORY_TAGS)}")
+    return [t for t in MEMORY_TAGS if t in tags]
 
 
 class DiffusionEngine:
     """Load a diffusers-format text-to-image model and generate images.
 
     `DiffusionEngine(model_path=None, **options)`: options are `DiffusionConfig` fields (`device`,
-    `dtype`, `load_format`, ...); unknown ones raise `ValueError`. With no `model_path`, or
-    `"demo-diffusion"`, the built-in tiny model is used. Thread-safe: batches run one at a time.
+    `dtype`, `load_format`, `component_residency`, ...); unknown ones raise `ValueError`. With no
+    `model_path`, or `"demo-diffusion"`, the built-in tiny model is used. Thread-safe: batches, weight
+    updates and memory release/resume run one at a time (a lock), so an update lands between batches.
+
+    RL handover (the LLM `Engine`'s names and replies): `update_weights_from_tensor` /
+    `update_weights_from_disk` write the denoiser (validated first; a refused update changes nothing),
+    `weight_version` is on every result's `meta_info`; `release_memory_occupation` /
+    `resume_memory_occupation` by tag (`weights`, `activations`). Each returns `{"success",
+    "message", ...}` rather than raising.
     """
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.config = DiffusionConfig.from_kwargs(model_path=model_path, **kwargs)
         logging.getLogger("tide").setLevel(self.config.log_level.upper())
         self.memory_ledger = MemoryLedger()  # this engine's release points and lifecycle marks
-        self.pipeline = ImagePipeline(self.config)
+        self.pipeline = ImagePipeline(self.config, self.memory_ledger)
+        self.weights = DenoiserWeights(self.pipeline.residency, self.pipeline.kind.denoiser)
+        self.weight_version = self.config.weight_version
+        self._released: set[str] = set()  # memory tags released by release_memory_occupation
         self._lock = threading.Lock()
         self.memory_ledger.mark("engine_ready", f"{self.kind} diffusion pipeline on {self.device}")
 
@@ -72,6 +108,16 @@ class DiffusionEngine:
     @property
     def default_guidance_scale(self) -> float:
         return self.pipeline.kind.default_guidance_scale
+
+    @property
+    def residency(self) -> ComponentManager:
+        """The component manager: placement, host copies, release points."""
+        return self.pipeline.residency
+
+    @property
+    def released_tags(self) -> list[str]:
+        """Memory tags released and not yet resumed (generation waits for none of them)."""
+        return [t for t in MEMORY_TAGS if t in self._released]
 
     # ---- requests
     def make_request(
@@ -150,12 +196,35 @@ class DiffusionEngine:
         return self.run_batch([req])[0].to_dict()
 
     def run_batch(self, requests: list[ImageRequest]) -> list[ImageResult]:
-        """Run requests that share a `batch_key` as one batch; one result per request, in order."""
+        """Run requests that share a `batch_key` as one batch; one result per request, in order.
+
+        Out of device memory: the batch fails with `DiffusionOutOfMemoryError` (naming the stage)
+        after its components left the device and the allocator cache was emptied (release point
+        `oom`); the engine goes on serving. While memory is released: `MemoryReleasedError`."""
         with self._lock:
+            if self._released:
+                raise MemoryReleasedError(f"memory is released ({self.released_tags}); call "
+                                          "resume_memory_occupation before generating")
+            version = self.weight_version
             start = time.perf_counter()
-            batch = self.pipeline.run(requests)
+            oom: str | None = None
+            try:
+                batch = self.pipeline.run(requests)
+            except torch.OutOfMemoryError as e:
+                oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+            # Out of the except block: the traceback and the failed batch's tensors are gone.
+            if oom is not None:
+                stage = self.pipeline.executor.current_stage
+                self.residency.release_point("oom")
+                self.memory_ledger.mark("oom", f"stage {stage}: {oom}")
+                raise DiffusionOutOfMemoryError(
+                    f"out of device memory in stage {stage!r} for a batch of "
+                    f"{sum(r.num_images for r in requests)} image(s) at "
+                    f"{requests[0].width}x{requests[0].height}: {oom}. The request failed; the "
+                    "engine freed its cache and goes on serving (fewer images, a smaller size, or "
+                    "component_residency offload/layerwise use less memory)")
             run_s = time.perf_counter() - start
-        assert batch.images is not None  # the decoding stage fills them
+        assert batch.images is not None and batch.profile is not None  # filled by the stages
         results, offset = [], 0
         for req in requests:
             arrays = batch.images[offset:offset + req.num_images]
@@ -165,6 +234,10 @@ class DiffusionEngine:
                 "rid": req.rid,
                 "seed": req.seed,
                 "stage_timings_ms": dict(batch.stage_timings_ms),
+                "stage_memory": batch.profile.memory(),
+                "peak_memory_bytes": batch.profile.peak_bytes,
+                "memory_source": batch.profile.memory_source,
+                "weight_version": version,
                 "e2e_latency": time.perf_counter() - req.created,
                 "run_latency": run_s,
                 "batch_num_images": batch.num_images,
@@ -178,9 +251,120 @@ class DiffusionEngine:
             results.append(ImageResult(req.rid, images, meta))
         return results
 
+    # ---- RL handover
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Any = None,
+        serialized_named_tensors: str | bytes | list[str] | None = None,
+        load_format: str | None = None,
+        **options: bool | str | None,
+    ) -> dict[str, Any]:
+        """Write denoiser parameters: `named_tensors` as [(name, tensor), ...] (or with
+        `load_format="flattened_bucket"` `FlattenedBucket`s), or `serialized_named_tensors` made by
+        `tide.weights.serialize_named_tensors`. Any subset of the parameters, in their exact dtype.
+        `options`: `weight_version` (set on success), `torch_empty_cache` (empty the allocator cache
+        afterwards, release point `weight_update`); `flush_cache` and `abort_all_requests` are
+        accepted for sglang compatibility (a diffusion engine holds no cache, and runs no request
+        while updating)."""
+        return self._update(lambda: self.weights.prepare_tensors(
+            named_tensors, serialized_named_tensors, load_format), options)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 **options: bool | str | None) -> dict[str, Any]:
+        """Load the denoiser from a diffusers component directory of safetensors (or a pipeline
+        directory holding one under the denoiser's name): every parameter, cast to its dtype."""
+        return self._update(lambda: self.weights.prepare_disk(model_path, load_format), options)
+
+    def _update(self, prepare: Callable[[], Callable[[], int]],
+                options: dict[str, bool | str | None]) -> dict[str, Any]:
+        try:
+            opts = WeightUpdateOptions.from_kwargs(options)
+        except ValueError as e:
+            return {"success": False, "message": str(e)}
+        with self._lock:
+            try:
+                apply = prepare()
+            except ValueError as e:  # validated before any write: nothing changed
+                return {"success": False, "message": str(e)}
+            try:
+                count = apply()
+            except Exception as e:  # reported to the caller; serving goes on
+                logger.exception("weight update failed while writing")
+                return {"success": False, "message": f"weight update failed while writing "
+                                                     f"({type(e).__name__}: {e}); the {self.weights.name} "
+                                                     "may be partly updated"}
+            if opts.weight_version is not None:
+                self.weight_version = opts.weight_version
+            if opts.torch_empty_cache:
+                self.residency.release_point("weight_update")
+            self.memory_ledger.mark("weight_update", f"{count} tensors, version {self.weight_version}")
+        return {"success": True, "weight_version": self.weight_version,
+                "message": f"updated {count} tensor(s) of the {self.weights.name}; weight_version "
+                           f"{self.weight_version}"}
+
+    def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        """Set the version reported on outputs without touching the weights."""
+        if not isinstance(new_version, str) or not new_version:
+            return {"success": False, "message": "new_version must be a non-empty string"}
+        with self._lock:
+            self.weight_version = new_version
+        return {"success": True, "message": f"weight_version {new_version}",
+                "new_version": new_version}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` values of denoiser parameter `name`, flattened."""
+        with self._lock:
+            return self.weights.get(name, truncate_size)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Give the device's memory back (None: every tag). `weights`: every component's device
+        copy (resident ones go to a pinned host copy, kept for the next release); `activations`: the
+        allocator's cached blocks. One release point (`release_memory`); generation waits until
+        `resume_memory_occupation`. Releasing a released tag again is a no-op."""
+        try:
+            wanted = parse_memory_tags(tags)
+        except ValueError as e:
+            return {"success": False, "message": str(e)}
+        with self._lock:
+            new = [t for t in wanted if t not in self._released]
+            weights = self.residency.release_weights() if "weights" in new else 0
+            self._released.update(new)
+            if new:
+                self.residency.release_point("release_memory")
+                self.memory_ledger.mark("release", ",".join(new))
+        return {"success": True, "message": f"released {new or 'nothing new'}; released now: "
+                                            f"{self.released_tags}",
+                "released_bytes": {"weights": weights}, "released_tags": self.released_tags}
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Take the memory of `tags` again (`weights`: resident components back on the device from
+        their host copies; offloaded ones come back at their stages)."""
+        try:
+            wanted = parse_memory_tags(tags)
+        except ValueError as e:
+            return {"success": False, "message": str(e)}
+        with self._lock:
+            back = [t for t in wanted if t in self._released]
+            restored = self.residency.resume_weights() if "weights" in back else 0
+            self._released.difference_update(back)
+            if back:
+                self.memory_ledger.mark("resume", ",".join(back))
+        return {"success": True, "message": f"resumed {back or 'nothing'}; released now: "
+                                            f"{self.released_tags}",
+                "resumed_bytes": {"weights": restored}, "released_tags": self.released_tags}
+
+    def dump_memory_timeline(self, path: str) -> None:
+        """Write this engine's memory ledger as JSON for `tide memory-plot`."""
+        self.memory_ledger.dump_json(path)
+
     def shutdown(self) -> None:
-        """Drop the components (their memory returns to the allocator's cache)."""
-        self.pipeline = None  # type: ignore[assignment]
+        """Drop the components (their memory returns to the allocator's cache) and unpin the host
+        copies."""
+        if self.pipeline is not None:
+            with self._lock:
+                self.pipeline.residency.close()
+                self.pipeline = None  # type: ignore[assignment]
+                self.weights = None  # type: ignore[assignment]
 
     def __enter__(self) -> DiffusionEngine:
         return self

@@ -223,6 +223,12 @@ class FluxDecoding(DecodingStage):
         return latents / self.scaling + self.shift
 
 
+# The stage classes in run order (`build_stages` builds them); their `components` are what the
+# residency manager plans with before anything is loaded.
+STAGE_TYPES: tuple[type[Stage], ...] = (FluxInputValidation, FluxTextEncoding, FluxTimestepPreparation,
+                                        FluxLatentPreparation, FluxDenoising, FluxDecoding)
+
+
 def build_stages(c: dict[str, Any], config: Any, device: torch.device) -> list[Stage]:
     """The FLUX stage list over loaded components `c`."""
     factor = vae_scale_factor(c["vae"])

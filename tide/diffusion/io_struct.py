@@ -14,7 +14,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from tide.diffusion.profiler import BatchProfile
+
 OUTPUT_TYPES = ("pil", "np")
+
+
+class DiffusionOutOfMemoryError(RuntimeError):
+    """A batch ran out of device memory; the engine released its cache and keeps serving."""
+
+
+class MemoryReleasedError(RuntimeError):
+    """Generation was asked for while memory is released (`release_memory_occupation`)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class DiffusionBatch:
     # Decoding: float32 images in [0, 1], (num_images, height, width, 3), on the host.
     images: np.ndarray | None = None
     stage_timings_ms: dict[str, float] = field(default_factory=dict)
+    profile: BatchProfile | None = None  # per-stage time and memory (the executor's profiler)
 
     @property
     def num_images(self) -> int:

@@ -13,10 +13,23 @@ from typing import Any
 import torch
 
 from tide.diffusion import flux, sdxl
-from tide.diffusion.components import load_components
+from tide.diffusion.components import load_components, meta_models, model_component_names
 from tide.diffusion.config import DiffusionConfig, pipeline_kind, read_model_index
 from tide.diffusion.io_struct import DiffusionBatch, ImageRequest
+from tide.diffusion.profiler import CudaMemoryObserver, MemoryObserver, PlacedWeightsObserver
+from tide.diffusion.residency import (
+    AUTO,
+    AUTO_BUDGET_FRACTION,
+    MEMORY_INTENSIVE_MIN_BYTES,
+    OFFLOAD,
+    RESIDENT,
+    ComponentManager,
+    ComponentPolicy,
+    module_size,
+    plan_strategies,
+)
 from tide.diffusion.stages import InputValidationStage, Stage, StageExecutor
+from tide.memory import MemoryLedger
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +44,19 @@ class PipelineKind:
     components: dict[str, tuple[str, ...]]
     denoiser: str
     default_guidance_scale: float
+    stage_types: tuple[type[Stage], ...]
+
+    @property
+    def stage_components(self) -> list[tuple[str, ...]]:
+        """The components each stage runs, in stage order."""
+        return [cls.components for cls in self.stage_types]
 
 
 KINDS = {
-    "flux": PipelineKind("flux", flux.COMPONENTS, "transformer", flux.DEFAULT_GUIDANCE_SCALE),
-    "sdxl": PipelineKind("sdxl", sdxl.COMPONENTS, "unet", sdxl.DEFAULT_GUIDANCE_SCALE),
+    "flux": PipelineKind("flux", flux.COMPONENTS, "transformer", flux.DEFAULT_GUIDANCE_SCALE,
+                         flux.STAGE_TYPES),
+    "sdxl": PipelineKind("sdxl", sdxl.COMPONENTS, "unet", sdxl.DEFAULT_GUIDANCE_SCALE,
+                         sdxl.STAGE_TYPES),
 }
 
 
@@ -61,17 +82,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ImagePipeline:
-    """Loaded components + stages of one diffusers-format model directory."""
+    """Loaded components + stages of one diffusers-format model directory, and the residency
+    manager that places its model components (`residency`). `ledger`: the engine's memory ledger,
+    where the manager records its release points."""
 
-    def __init__(self, config: DiffusionConfig) -> None:
+    def __init__(self, config: DiffusionConfig, ledger: MemoryLedger | None = None) -> None:
         self.config = config
         index = read_model_index(config.model_path)
         self.kind = KINDS[pipeline_kind(index)]
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.strategies, budget = self._plan_residency(config, index)
+        self.residency = ComponentManager(self.device, {}, config.layerwise_blocks, budget,
+                                          self.ledger)
+        non_resident = frozenset(n for n, s in self.strategies.items() if s != RESIDENT)
         self.components, self.component_infos = load_components(
             config.model_path, index, self.kind.components, self.device, self.dtype,
-            config.load_format, config.seed)
+            config.load_format, config.seed, host_components=non_resident,
+            on_loaded=self._adopt)
         if self.kind.name == "flux":
             stages = flux.build_stages(self.components, config, self.device)
             self.default_size = flux.default_size(self.components)
@@ -88,10 +117,62 @@ class ImagePipeline:
                 raise ValueError(f"default_size must be a multiple of {self.size_multiple}, got "
                                  f"{config.default_size}")
             self.default_size = config.default_size
-        self.executor = StageExecutor(stages, self.device)
+        if [s.components for s in stages] != self.kind.stage_components:
+            raise RuntimeError("the built stages do not match the pipeline kind's stage_types")
+        self.residency.bind(stages)
+        observer: MemoryObserver = (CudaMemoryObserver(self.device) if self.device.type == "cuda"
+                                    else PlacedWeightsObserver(self.residency))
+        self.executor = StageExecutor(stages, self.device, hooks=[self.residency], observer=observer)
         logger.info("loaded %s pipeline from %s on %s (%s): %s", self.kind.name, config.model_path,
                     self.device, self.dtype,
                     ", ".join(f"{c.name}={c.class_name}" for c in self.component_infos))
+        logger.info("component residency: %s (budget %s)",
+                    ", ".join(f"{n}={p.strategy}{'*' if p.memory_intensive else ''}"
+                              f"{' preferred' if p.preferred else ''}"
+                              for n, p in self.residency.policies.items()),
+                    "none" if budget is None else f"{budget / 1e9:.2f} GB")
+
+    # ---- residency
+    def _plan_residency(self, config: DiffusionConfig, index: dict[str, Any]
+                        ) -> tuple[dict[str, str], int | None]:
+        """Each model component's strategy (auto resolved) and the weights budget in bytes.
+        ValueError naming a component the model does not have."""
+        models = model_component_names(self.kind.components)
+        spec = dict(config.component_residency)
+        for field_name, names in (("component_residency", [n for n in spec if n != "*"]),
+                                  ("preferred_resident", config.preferred_resident),
+                                  ("memory_intensive", config.memory_intensive or ())):
+            for name in names:
+                if name not in models:
+                    raise ValueError(f"{field_name}: {self.kind.name} pipelines have no model "
+                                     f"component {name!r}; model components: {models}")
+        requested = {n: spec.get(n, spec.get("*", RESIDENT)) for n in models}
+        budget = (None if config.residency_budget_gb is None
+                  else int(config.residency_budget_gb * 1e9))
+        if AUTO not in requested.values():
+            return requested, budget
+        if budget is None and self.device.type == "cuda":
+            budget = int(torch.cuda.get_device_properties(self.device).total_memory
+                         * AUTO_BUDGET_FRACTION)
+        sizes = {n: module_size(m) for n, m in
+                 meta_models(config.model_path, index, self.kind.components, self.dtype).items()}
+        mi = {n for n in models if self._memory_intensive(n, sizes[n].total)}
+        return plan_strategies(requested, sizes, self.kind.stage_components, self.kind.denoiser, mi,
+                               budget, config.layerwise_blocks), budget
+
+    def _memory_intensive(self, name: str, nbytes: int) -> bool:
+        if self.config.memory_intensive is not None:
+            return name in self.config.memory_intensive
+        return name == self.kind.denoiser or (name.startswith("text_encoder")
+                                              and nbytes >= MEMORY_INTENSIVE_MIN_BYTES)
+
+    def _adopt(self, name: str, module: Any) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in module.parameters())
+        strategy = self.strategies[name]
+        preferred = name in self.config.preferred_resident and strategy == OFFLOAD
+        self.residency.policies[name] = ComponentPolicy(
+            name, strategy, self._memory_intensive(name, nbytes), preferred)
+        self.residency.adopt(name, module)
 
     @property
     def denoiser(self) -> Any:

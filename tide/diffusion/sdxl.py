@@ -200,6 +200,11 @@ def check_components(c: dict[str, Any]) -> None:
                          f"size ids give {passed}")
 
 
+# The stage classes in run order (`build_stages` builds them); see flux.STAGE_TYPES.
+STAGE_TYPES: tuple[type[Stage], ...] = (SDXLInputValidation, SDXLTextEncoding, SDXLTimestepPreparation,
+                                        SDXLLatentPreparation, SDXLDenoising, SDXLDecoding)
+
+
 def build_stages(c: dict[str, Any], config: Any, device: torch.device,
                  force_zeros_for_empty_prompt: bool = True) -> list[Stage]:
     """The SDXL stage list over loaded components `c`."""

@@ -1,15 +1,21 @@
 """`tide serve --model <diffusers dir>`: the OpenAI images API in front of a `DiffusionEngine`.
 
 Routes: `POST /v1/images/generations`, `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`,
-`GET /metrics`, `GET /get_model_info`. Auth (`--api-key`, `--admin-api-key`), error bodies and 400s
-naming the field are the LLM server's (`tide.server`).
+`GET /metrics`, `GET /get_model_info`, and the admin routes of the RL handover with sglang's paths and
+bodies (`POST /update_weights_from_tensor`, `/update_weights_from_disk`, `/update_weight_version`,
+`/release_memory_occupation`, `/resume_memory_occupation`, `GET|POST /get_weights_by_name`,
+`GET /dump_memory_timeline`). Auth (`--api-key`, `--admin-api-key`: admin routes need the admin key),
+body limits, error bodies and 400s naming the field are the LLM server's (`tide.server`); a failed
+handover call is a 400 with sglang's `{success: false, message}` next to the OpenAI-style `error`.
 
 Process layout: one process. The HTTP side (uvicorn + FastAPI) validates a request, builds an
 `ImageRequest` with the engine's own checks, and queues it; one worker thread takes the oldest
 request plus every queued request with the same `batch_key` (size, step count, guidance) up to
 `max_batch_images` images, runs them as one batch, and hands each request its images; PNG encoding
 happens off the worker thread. A failing batch fails only its own requests (500); the server keeps
-serving. The queue is bounded (`max_queued_requests`; beyond it, 503).
+serving. The queue is bounded (`max_queued_requests`; beyond it, 503). While memory is released
+(`/release_memory_occupation`) queued requests wait; `/resume_memory_occupation` lets them run. A
+weight update waits for the running batch (the engine's lock) and applies before the next one.
 """
 
 from __future__ import annotations
@@ -49,12 +55,29 @@ from tide.diffusion.config import (
     DEMO_DIFFUSION_PATH,
     DiffusionConfig,
 )
-from tide.diffusion.io_struct import ImageRequest, ImageResult
+from tide.diffusion.io_struct import (
+    DiffusionOutOfMemoryError,
+    ImageRequest,
+    ImageResult,
+    MemoryReleasedError,
+)
+from tide.diffusion.weights import resolve_component_dir
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import device_memory_stats
+from tide.server.admin_api import AdminAPIError, resolve_weight_path
 from tide.server.errors import APIError, from_validation_error
 from tide.server.http_server import Auth, AuthMiddleware
+from tide.server.limits import BodyLimitMiddleware, RequestLimits
 from tide.server.metrics import CONTENT_TYPE
+from tide.server.protocol import (
+    GetWeightsByNameInput,
+    MemoryOccupationInput,
+    UpdateWeightFromDiskInput,
+    UpdateWeightsFromTensorInput,
+    UpdateWeightVersionInput,
+)
+from tide.server.security import is_loopback_host
+from tide.server.utils import parse_body
 from tide.version import __version__
 
 logger = logging.getLogger("tide.server")
@@ -64,6 +87,7 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0,
                     300.0)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                   10.0, 30.0, 60.0, 120.0)
+_MEMORY_BUCKETS = tuple(float(1 << s) for s in range(20, 39, 2))  # 1 MiB .. 256 GiB
 MAX_BODY_BYTES = 1 << 20  # prompts are bounded by max_prompt_chars; nothing else is large
 # Engine field -> the request field a client sent.
 _PARAMS = {"height": "size", "width": "size", "num_images_per_prompt": "n"}
@@ -81,10 +105,27 @@ class DiffusionServerArgs:
     served_model_name: str | None = None
     log_level: str = "info"
     max_queued_requests: int = 256
+    # Directories `/update_weights_from_disk` may read from (default: the model's parent dir).
+    allowed_weight_roots: tuple[str, ...] | None = None
+    # Serve the admin routes without an admin key on a non-loopback host.
+    allow_unauthenticated_admin: bool = False
+    # Bodies of /update_weights_from_tensor (serialized tensors); other bodies: MAX_BODY_BYTES.
+    max_weight_update_body_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.allowed_weight_roots is not None:
+            if isinstance(self.allowed_weight_roots, str) or not self.allowed_weight_roots:
+                raise ValueError("allowed_weight_roots must be a non-empty list of directories")
+            for root in self.allowed_weight_roots:
+                if not os.path.isdir(root):
+                    raise ValueError(f"allowed_weight_roots: {root!r} is not a directory")
+        if (not is_loopback_host(self.host) and self.admin_api_key is None
+                and not self.allow_unauthenticated_admin):
+            raise ValueError(f"host {self.host!r} is not loopback: set admin_api_key "
+                             "(--admin-api-key) to guard the weight-update and memory routes, or "
+                             "allow_unauthenticated_admin (--allow-unauthenticated-admin)")
         for name in ("api_key", "admin_api_key"):
             value = getattr(self, name)
             if value is not None and not value:
@@ -99,6 +140,19 @@ class DiffusionServerArgs:
         if self.api_key is None:
             return ()
         return tuple(dict.fromkeys(k.strip() for k in self.api_key.split(",") if k.strip()))
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(max_request_body_bytes=MAX_BODY_BYTES,
+                             max_weight_update_body_bytes=self.max_weight_update_body_bytes)
+
+    @property
+    def weight_roots(self) -> list[str]:
+        """The resolved directories `/update_weights_from_disk` may read under."""
+        roots = self.allowed_weight_roots
+        if roots is None:
+            roots = (os.path.dirname(os.path.realpath(self.engine.model_path)),)
+        return list(dict.fromkeys(os.path.realpath(r) for r in roots))
 
     @property
     def model_names(self) -> list[str]:
@@ -137,8 +191,9 @@ class ImageGenerationRequest(BaseModel):
 class DiffusionMetrics:
     """Prometheus metrics of the image server, in a registry of their own."""
 
-    def __init__(self, model_name: str, ledger: MemoryLedger) -> None:
-        """`ledger`: the engine's memory ledger, whose release totals are exported."""
+    def __init__(self, model_name: str, ledger: MemoryLedger, residency: Any = None) -> None:
+        """`ledger`: the engine's memory ledger, whose release totals are exported; `residency`:
+        the engine's component manager, whose placement is exported."""
         self.registry = r = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         self.requests = Counter("tide:image_requests", "Finished image requests by status",
@@ -153,17 +208,24 @@ class DiffusionMetrics:
         self.stage = Histogram("tide:image_stage_latency_seconds",
                                "Latency of each pipeline stage, per batch", labels + ["stage"],
                                buckets=_STAGE_BUCKETS, registry=r)
+        self.stage_peak = Histogram("tide:image_stage_peak_memory_bytes",
+                                    "Peak device memory of each pipeline stage, per batch (the "
+                                    "allocator's on CUDA, placed component weights elsewhere)",
+                                    labels + ["stage"], buckets=_MEMORY_BUCKETS, registry=r)
         self.batch_images = Histogram("tide:image_batch_images", "Images per batch run", labels,
                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.queued = Gauge("tide:image_queue_reqs", "Image requests waiting for a batch", labels,
                             registry=r)
-        r.register(_MemoryCollector(model_name, ledger))
+        r.register(_MemoryCollector(model_name, ledger, residency))
         self.label = {"model_name": model_name}
 
     def on_batch(self, stage_ms: dict[str, float], num_images: int,
-                 queue_times: list[float]) -> None:
+                 queue_times: list[float], stage_memory: dict[str, dict[str, int]] | None = None
+                 ) -> None:
         for stage, ms in stage_ms.items():
             self.stage.labels(stage=stage, **self.label).observe(ms / 1000.0)
+        for stage, mem in (stage_memory or {}).items():
+            self.stage_peak.labels(stage=stage, **self.label).observe(mem["peak_bytes"])
         self.batch_images.labels(**self.label).observe(num_images)
         for q in queue_times:
             self.queue_time.labels(**self.label).observe(q)
@@ -180,11 +242,13 @@ class DiffusionMetrics:
 
 
 class _MemoryCollector(Collector):
-    """The memory ledger's release totals by reason and this process's device memory."""
+    """The memory ledger's release totals by reason, this process's device memory, and where each
+    component is (the residency manager's counters)."""
 
-    def __init__(self, model_name: str, ledger: MemoryLedger) -> None:
+    def __init__(self, model_name: str, ledger: MemoryLedger, residency: Any = None) -> None:
         self.model_name = model_name
         self.ledger = ledger
+        self.residency = residency
 
     def collect(self) -> Any:
         name, labels = self.model_name, ["model_name", "reason"]
@@ -205,6 +269,29 @@ class _MemoryCollector(Collector):
                                       labels=["model_name"])
             gauge.add_metric([name], float(stats[key]))
             yield gauge
+        if self.residency is not None:
+            yield from self._components(name)
+
+    def _components(self, name: str) -> Any:
+        stats = self.residency.stats()
+        labels = ["model_name", "component", "strategy"]
+        device = GaugeMetricFamily("tide:component_device_bytes",
+                                   "Bytes of a component's weights on the compute device", labels=labels)
+        moved = CounterMetricFamily("tide:component_h2d_bytes",
+                                    "Bytes of a component's weights copied host -> device", labels=labels)
+        placements = CounterMetricFamily("tide:component_placements",
+                                         "Copies of a component (or of one of its blocks) to the device",
+                                         labels=labels)
+        for comp, c in sorted(stats["components"].items()):
+            values = [name, comp, c["strategy"]]
+            device.add_metric(values, float(c["device_bytes"]))
+            moved.add_metric(values, float(c["h2d_bytes"]))
+            placements.add_metric(values, float(c["placements"]))
+        host = GaugeMetricFamily("tide:component_host_bytes",
+                                 "Bytes of the components' host copies (pinned on CUDA)",
+                                 labels=["model_name"])
+        host.add_metric([name], float(stats["host_bytes"]))
+        yield from (device, moved, placements, host)
 
 
 @dataclass
@@ -252,6 +339,22 @@ class ImageBatcher:
                 pass
         self._worker.shutdown(wait=True, cancel_futures=True)
 
+    def wake(self) -> None:
+        """Look at the queue again (memory was resumed)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def abort_queued(self, message: str) -> int:
+        """Fail every queued request (503 `aborted`); returns how many."""
+        aborted = 0
+        for p in self._pending:
+            if not p.future.done():
+                p.future.set_exception(APIError(message, 503, code="aborted"))
+                aborted += 1
+        self._pending.clear()
+        self.metrics.queued.labels(**self.metrics.label).set(0)
+        return aborted
+
     async def submit(self, req: ImageRequest) -> ImageResult:
         if self.closed:
             raise APIError("The server is shutting down", 503, code="server_shutting_down")
@@ -286,26 +389,39 @@ class ImageBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while batch := self._take_batch():
+            # While memory is released the queue waits; resume wakes it.
+            while not self.engine.released_tags and (batch := self._take_batch()):
                 self.metrics.queued.labels(**self.metrics.label).set(len(self._pending))
                 start = time.perf_counter()
                 reqs = [p.req for p in batch]
                 try:
                     results = await loop.run_in_executor(self._worker, self.engine.run_batch, reqs)
                 except Exception as e:  # one batch failing never takes the server down
-                    logger.exception("image batch of %d request(s) failed", len(batch))
-                    err = APIError(f"Image generation failed: {type(e).__name__}: {e}", 500,
-                                   code="generation_failed")
+                    err = _batch_error(e)
+                    if err.status_code == 500:
+                        logger.error("image batch of %d request(s) failed: %s", len(batch), e,
+                                     exc_info=not isinstance(e, DiffusionOutOfMemoryError))
                     for p in batch:
                         if not p.future.done():
                             p.future.set_exception(err)
                     continue
                 self.metrics.on_batch(results[0].meta_info["stage_timings_ms"],
                                       sum(r.num_images for r in reqs),
-                                      [start - p.arrived for p in batch])
+                                      [start - p.arrived for p in batch],
+                                      results[0].meta_info.get("stage_memory"))
                 for p, res in zip(batch, results):
                     if not p.future.done():
                         p.future.set_result(res)
+
+
+def _batch_error(e: Exception) -> APIError:
+    """The HTTP error a failed batch gives each of its requests."""
+    if isinstance(e, DiffusionOutOfMemoryError):
+        return APIError(str(e), 500, code="out_of_memory")
+    if isinstance(e, MemoryReleasedError):
+        return APIError(str(e), 503, code="memory_released")
+    return APIError(f"Image generation failed: {type(e).__name__}: {e}", 500,
+                    code="generation_failed")
 
 
 async def read_request(request: Request) -> ImageGenerationRequest:
@@ -420,7 +536,8 @@ class ImageServing:
 
 def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
     """The app for one diffusion server; the batcher starts and stops with the app's lifespan."""
-    metrics = DiffusionMetrics(args.model_names[0], engine.memory_ledger)
+    metrics = DiffusionMetrics(args.model_names[0], engine.memory_ledger,
+                               getattr(engine, "residency", None))
     batcher = ImageBatcher(engine, metrics, engine.config.max_batch_images, args.max_queued_requests)
     serving = ImageServing(engine, batcher, metrics, args.model_names)
     started = int(time.time())
@@ -438,7 +555,9 @@ def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
     app = FastAPI(title="tide", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.add_middleware(AuthMiddleware, auth=Auth(args.api_keys, args.admin_api_key))
+    app.add_middleware(BodyLimitMiddleware, limits=args.limits)
     app.state.batcher = batcher
+    app.state.limits = args.limits
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -491,14 +610,106 @@ def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
         return {"model_path": args.engine.model_path, "kind": engine.kind,
                 "default_size": engine.default_size, "size_multiple": engine.pipeline.size_multiple,
                 "max_batch_images": engine.config.max_batch_images, "device": str(engine.device),
-                "dtype": str(engine.dtype).removeprefix("torch."), "is_generation": False}
+                "dtype": str(engine.dtype).removeprefix("torch."), "is_generation": False,
+                "weight_version": engine.weight_version,
+                "component_residency": dict(engine.pipeline.strategies)}
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
         metrics.queued.labels(**metrics.label).set(len(batcher._pending))
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    add_handover_routes(app, engine, batcher, args.weight_roots)
     return app
+
+
+async def _admin_body(request: Request, model: Any, allow_empty: bool = False) -> Any:
+    try:
+        return await parse_body(request, model, allow_empty=allow_empty)
+    except APIError as e:
+        raise AdminAPIError.wrap(e) from None
+
+
+def _reply(out: dict[str, Any], param: str | None = None, code: str = "update_failed") -> JSONResponse:
+    """The engine's `{success, message, ...}` as 200, or a 400 with the OpenAI-style error too."""
+    if not out.get("success"):
+        raise AdminAPIError(str(out.get("message") or "failed"), param=param, code=code)
+    return JSONResponse({"num_paused_requests": 0, **out})
+
+
+def add_handover_routes(app: FastAPI, engine: Any, batcher: ImageBatcher,
+                        weight_roots: list[str]) -> None:
+    """The RL handover's admin routes (auth: the app's middleware, admin paths of `tide.server`)."""
+
+    async def update(call: Any, options: dict[str, Any], param: str) -> JSONResponse:
+        if options.get("abort_all_requests"):
+            batcher.abort_queued("aborted by a weight update (abort_all_requests)")
+        out = await asyncio.to_thread(call)
+        return _reply(out, param=param)
+
+    def options(body: Any) -> dict[str, Any]:
+        return {k: getattr(body, k) for k in ("flush_cache", "abort_all_requests", "weight_version",
+                                              "torch_empty_cache")}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> Response:
+        body = await _admin_body(request, UpdateWeightsFromTensorInput)
+        opts = options(body)
+        return await update(lambda: engine.update_weights_from_tensor(
+            serialized_named_tensors=body.serialized_named_tensors, load_format=body.load_format,
+            **opts), opts, "serialized_named_tensors")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await _admin_body(request, UpdateWeightFromDiskInput)
+        try:
+            component_dir = resolve_component_dir(body.model_path, engine.weights.name)
+        except ValueError as e:
+            raise AdminAPIError(str(e), param="model_path", code="invalid_value") from None
+        path = resolve_weight_path(component_dir, weight_roots)
+        opts = options(body)
+        return await update(lambda: engine.update_weights_from_disk(
+            path, load_format=body.load_format, **opts), opts, "model_path")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        body = await _admin_body(request, UpdateWeightVersionInput)
+        if body.abort_all_requests:
+            batcher.abort_queued("aborted by update_weight_version (abort_all_requests)")
+        return _reply(engine.update_weight_version(body.new_version), param="new_version")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> Response:
+        if request.method == "GET":
+            try:
+                body = GetWeightsByNameInput.model_validate(dict(request.query_params))
+            except ValidationError as e:
+                raise AdminAPIError.wrap(from_validation_error(e)) from None
+        else:
+            body = await _admin_body(request, GetWeightsByNameInput)
+        try:
+            values = await asyncio.to_thread(engine.get_weights_by_name, body.name,
+                                             max(1, body.truncate_size))
+        except ValueError as e:
+            raise AdminAPIError(str(e), param="name", code="invalid_value") from None
+        return JSONResponse(values)
+
+    def memory_route(path: str, method: str) -> None:
+        async def route(request: Request) -> Response:
+            body = await _admin_body(request, MemoryOccupationInput, allow_empty=True)
+            out = await asyncio.to_thread(getattr(engine, method), body.tags)
+            if method == "resume_memory_occupation":
+                batcher.wake()
+            return _reply(out, param="tags", code="memory_occupation_failed")
+
+        app.post(path, name=method)(route)
+
+    memory_route("/release_memory_occupation", "release_memory_occupation")
+    memory_route("/resume_memory_occupation", "resume_memory_occupation")
+
+    @app.get("/dump_memory_timeline")
+    async def dump_memory_timeline() -> Response:
+        return JSONResponse(engine.memory_ledger.to_dict())
 
 
 def launch_diffusion_server(args: DiffusionServerArgs) -> int:

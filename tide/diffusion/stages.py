@@ -2,9 +2,9 @@
 
 A stage is a small object with a `name`, the `components` it runs (names from `model_index.json`), and
 one `__call__(batch)` that reads the fields earlier stages wrote into the `DiffusionBatch` and writes
-its own. The `StageExecutor` runs the stages in order for one batch and times each one; `StageHook`s
-see every stage boundary (the place a component manager moves components and a profiler observes
-memory). Stages never empty the allocator cache.
+its own. The `StageExecutor` runs the stages in order for one batch and profiles each one (time and
+memory, `tide.diffusion.profiler`); `StageHook`s see every stage boundary (the residency manager,
+`tide.diffusion.residency`, places components there). Stages never empty the allocator cache.
 
 Order: input validation -> text encoding -> timestep preparation -> latent preparation -> denoising
 -> decoding. Timesteps come before latents because SDXL scales the initial noise by the schedule's
@@ -14,14 +14,14 @@ Order: input validation -> text encoding -> timestep preparation -> latent prepa
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
 from tide.diffusion.config import DiffusionConfig
 from tide.diffusion.io_struct import OUTPUT_TYPES, DiffusionBatch, ImageRequest
+from tide.diffusion.profiler import MemoryObserver, StageProfiler
 
 MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
@@ -37,74 +37,62 @@ class Stage:
         raise NotImplementedError
 
 
-class StageHook(Protocol):
-    """Called around every stage of a batch, in registration order before and reverse order after."""
+class StageHook:
+    """Called around every stage of a batch: `before_stage` in registration order, `after_stage` in
+    reverse order, then `after_batch` once the batch is done or has failed (`failed`). A hook's
+    work counts in the stage's time (the profiler's span encloses the hooks)."""
 
-    def before_stage(self, stage: Stage, batch: DiffusionBatch) -> None: ...
+    def before_stage(self, stage: Stage, batch: DiffusionBatch) -> None:
+        """Before `stage` runs (e.g. put its components on the device)."""
 
-    def after_stage(self, stage: Stage, batch: DiffusionBatch) -> None: ...
+    def after_stage(self, stage: Stage, batch: DiffusionBatch) -> None:
+        """After `stage` returned."""
 
-
-class StageTimer:
-    """Per-stage wall time of one batch. On CUDA, events recorded on the current stream at every
-    boundary, read once the batch is done (its decode copied the images to the host, so reading them
-    adds no synchronisation); elsewhere the host clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._spans: list[tuple[str, Any, Any]] = []
-
-    def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def begin(self) -> Any:
-        return self._now()
-
-    def end(self, name: str, start: Any) -> None:
-        self._spans.append((name, start, self._now()))
-
-    def result_ms(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        if self.cuda and self._spans:
-            self._spans[-1][2].synchronize()
-        for name, start, end in self._spans:
-            ms = start.elapsed_time(end) if self.cuda else (end - start) * 1000.0
-            out[name] = out.get(name, 0.0) + float(ms)
-        self._spans.clear()
-        return out
+    def after_batch(self, batch: DiffusionBatch, failed: bool) -> None:
+        """After the last stage, or after any stage or hook raised (`failed`)."""
 
 
 class StageExecutor:
-    """Runs a pipeline's stages, in order, over one batch at a time."""
+    """Runs a pipeline's stages, in order, over one batch at a time, profiling each stage
+    (`tide.diffusion.profiler`: time and memory into `batch.profile` and `batch.stage_timings_ms`).
+    `current_stage` names the stage running now; after a failure, the one that raised."""
 
     def __init__(self, stages: Sequence[Stage], device: torch.device,
-                 hooks: Sequence[StageHook] = ()) -> None:
+                 hooks: Sequence[StageHook] = (), observer: MemoryObserver | None = None) -> None:
         names = [s.name for s in stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         self.stages = tuple(stages)
         self.device = device
         self.hooks: list[StageHook] = list(hooks)
+        self.observer = observer
+        self.current_stage: str | None = None
 
     def add_hook(self, hook: StageHook) -> None:
         self.hooks.append(hook)
 
     def run(self, batch: DiffusionBatch) -> DiffusionBatch:
-        timer = StageTimer(self.device)
-        with torch.inference_mode():
-            for stage in self.stages:
-                for hook in self.hooks:
-                    hook.before_stage(stage, batch)
-                start = timer.begin()
-                stage(batch)
-                timer.end(stage.name, start)
-                for hook in reversed(self.hooks):
-                    hook.after_stage(stage, batch)
-        batch.stage_timings_ms = timer.result_ms()
+        profiler = StageProfiler(self.device, self.observer)
+        self.current_stage = None
+        failed = True
+        try:
+            with torch.inference_mode():
+                for stage in self.stages:
+                    self.current_stage = stage.name
+                    profiler.begin(stage.name)
+                    for hook in self.hooks:
+                        hook.before_stage(stage, batch)
+                    stage(batch)
+                    for hook in reversed(self.hooks):
+                        hook.after_stage(stage, batch)
+                    profiler.end(stage.name)
+            failed = False
+            self.current_stage = None
+        finally:
+            for hook in self.hooks:
+                hook.after_batch(batch, failed)
+        batch.profile = profiler.finish()
+        batch.stage_timings_ms = batch.profile.timings_ms
         return batch
 
 

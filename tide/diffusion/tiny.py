@@ -99,8 +99,10 @@ def _save(path: str, kind: str, components: dict[str, Any], extra: dict[str, Any
 
 
 def build_tiny_flux(path: str, seed: int = 0, dim: int = 32, weight_std: float | None = 0.2,
-                    dtype: torch.dtype = torch.float32) -> str:
-    """A FLUX.1-style pipeline (guidance embedding, CLIP + T5, 2-block VAE) saved at `path`."""
+                    dtype: torch.dtype = torch.float32, layers: int = 1,
+                    single_layers: int = 1) -> str:
+    """A FLUX.1-style pipeline (guidance embedding, CLIP + T5, 2-block VAE) saved at `path`, with
+    `layers` dual-stream and `single_layers` single-stream transformer blocks."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -118,7 +120,7 @@ def build_tiny_flux(path: str, seed: int = 0, dim: int = 32, weight_std: float |
     t5 = T5EncoderModel(T5Config(**t5_options))
     heads = 2
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+        patch_size=1, in_channels=16, num_layers=layers, num_single_layers=single_layers,
         attention_head_dim=dim // heads, num_attention_heads=heads, joint_attention_dim=32,
         pooled_projection_dim=32, guidance_embeds=True,
         axes_dims_rope=(dim // heads // 4, dim // heads // 4, dim // heads // 2))
