@@ -205,6 +205,7 @@ def run_dp_controller_process(
             ready.close()
             return
         controller.procs = [proc for proc, _ in procs]
+        controller.devices = [(p.config.device, p.visible_devices) for p in placements]
         ready.send_bytes(encode_message(SchedulerReady(info=info)))
         ready.close()
         controller.run()
@@ -297,6 +298,7 @@ class DataParallelController:
         self.tp_size = tp_size
         self.stall_timeout = stall_timeout
         self.procs: list[Any] = []
+        self.devices: list[tuple[str, str | None]] = []  # (device, CUDA_VISIBLE_DEVICES) per replica
         self.ctx = zmq.Context(1)
         self.up_recv = self._socket(zmq.PULL, bind=input_addr)
         self.up_send = self._socket(zmq.PUSH, connect=output_addr)
@@ -497,6 +499,8 @@ class DataParallelController:
             index = entry["index"]
             proc = self.procs[index] if index < len(self.procs) else None
             entry["pid"] = proc.pid if proc is not None else None
+            if index < len(self.devices):
+                entry["device"], entry["cuda_visible_devices"] = self.devices[index]
             beat = self.last_beat.get(index)
             entry["seconds_since_heartbeat"] = round(now - beat, 3) if beat is not None else None
             entry.update({k: by_index[index][k] for k in _REPLICA_FIELDS
