@@ -194,7 +194,8 @@ def run_dp_controller_process(
     try:
         try:
             placements = plan_replicas(config, dp_size)
-            assert ipc_dir is not None  # the launcher always gives one
+            if ipc_dir is None:
+                raise ValueError("ipc_dir: the controller needs a directory for its sockets")
             controller = DataParallelController(len(placements), input_addr, output_addr, ipc_dir,
                                                 int(getattr(config, "tp_size", 1)),
                                                 replica_stall_timeout)

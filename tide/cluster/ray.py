@@ -217,8 +217,13 @@ class RayEngine:
                 raise ValueError(f"{name} has {len(value)} entries but there are {len(items)} "
                                  "prompts")
         assigned: dict[int, list[int]] = {}
-        for item in range(len(items)):
-            assigned.setdefault(self.router.pick(), []).append(item)
+        try:
+            for item in range(len(items)):
+                assigned.setdefault(self.router.pick(), []).append(item)
+        except NoLiveReplicaError:
+            for index, members in assigned.items():
+                self.router.finish(index, len(members))
+            raise
         refs = {}
         for index, members in assigned.items():
             kwargs = {name: [value[i] for i in members] if isinstance(value, list) else value
