@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     args = ap.parse_args()
     counts = [int(c) for c in args.replicas.split(",")]
-    ray.init(num_gpus=torch.cuda.device_count(), include_dashboard=False)
+    ray.init(address="local", num_gpus=torch.cuda.device_count(), include_dashboard=False)
     res: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                            "num_gpus": torch.cuda.device_count(), "shape": args.shape, "runs": []}
     reqs = workload(args.num_requests)

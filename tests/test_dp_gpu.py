@@ -56,7 +56,7 @@ def test_ray_engine_places_each_replica_on_its_own_gpu():
     ray = pytest.importorskip("ray")
     from tide.cluster.ray import RayEngine
 
-    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False)
     try:
         engine = RayEngine(num_replicas=2)
         try:

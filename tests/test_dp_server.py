@@ -130,6 +130,9 @@ def test_pause_tensor_update_continue_reach_both_replicas(server, ref, base):
         "serialized_named_tensors": serialize_named_tensors(bad), "weight_version": "bad"})
     assert resp.status_code == 400 and resp.json()["success"] is False
     assert replica_versions(server) == ["v1"] * 3
+    # memory release is fanned out too (these replicas have no memory saver: each refuses)
+    resp = server.post("/release_memory_occupation", {})
+    assert resp.status_code == 400 and "enable_memory_saver" in resp.json()["message"]
 
 
 def test_one_trainer_group_broadcast_reaches_every_replica(server, ref, base):
@@ -244,6 +247,30 @@ def test_a_killed_replica_fails_only_its_requests(server):
     assert [r["index"] for r in body["dead_replicas"]] == [1, 2]
     ok(server.post("/continue_generation", {}))
     assert server.post("/flush_cache").status_code == 200
+    # a new trainer group spans the trainer and the survivor: world size 1 + 1 live replica
+    port, group = free_port(), "after-deaths"
+    result: list[httpx.Response] = []
+    join = threading.Thread(target=lambda: result.append(server.post(
+        "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
+                                       "rank_offset": 1, "world_size": 2, "group_name": group,
+                                       "backend": "gloo"}, timeout=120)), daemon=True)
+    join.start()
+    trainer = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, group, timeout_s=60)
+    join.join(60)
+    ok(result[0])
+    probe = "model.norm.weight"
+    new = torch.tensor(server.post("/get_weights_by_name", {"name": probe,
+                                                             "truncate_size": 10**6}).json()) * 2
+    result.clear()
+    recv = threading.Thread(target=lambda: result.append(server.post(
+        "/update_weights_from_distributed", {"names": [probe], "dtypes": ["float32"],
+                                             "shapes": [list(new.shape)], "group_name": group,
+                                             "weight_version": "v3"}, timeout=120)), daemon=True)
+    recv.start()
+    trainer.broadcast(new)
+    recv.join(60)
+    ok(result[0])
+    assert server.get("/get_model_info").json()["weight_version"] == "v3"
     time.sleep(0.1)
     assert server.proc.poll() is None
 

@@ -35,7 +35,7 @@ NAMES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight")
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -122,6 +122,11 @@ def test_pause_tensor_update_continue_reach_both(replicas, ref, base):
     reply = replicas.update_weights_from_tensor(named_tensors=bad, weight_version="bad")
     assert not reply["success"] and "model.layers.9.mlp.up_proj.weight" in reply["message"]
     assert replicas.weight_versions() == ["v1", "v1"]
+    # flush and memory release reach every replica too (these replicas have no memory saver)
+    assert replicas.flush_cache() is True
+    reply = replicas.release_memory_occupation()
+    assert not reply["success"] and "enable_memory_saver" in reply["message"], reply
+    assert greedy(replicas)[1] == ["v1"] * len(PROMPTS)  # nothing was released: still serving
 
 
 def test_trainer_group_broadcast_reaches_both_replicas(replicas, ref, base):
@@ -183,3 +188,24 @@ def test_a_killed_replica_fails_only_its_items(replicas):
     assert reply["success"] and [r["index"] for r in reply["dead_replicas"]] == [1]
     assert replicas.continue_generation()["success"]
     assert replicas.weight_versions()[1] is None
+    # a new trainer group spans the trainer and the survivor: world size 1 + 1 live replica
+    port, group = free_port(), "after-death"
+    result: list[dict] = []
+    join = threading.Thread(target=lambda: result.append(replicas.init_weights_update_group(
+        "127.0.0.1", port, 1, 2, group, "gloo", timeout=60)), daemon=True)
+    join.start()
+    trainer = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, group, timeout_s=60)
+    join.join(60)
+    assert result and result[0]["success"], result
+    probe = "model.norm.weight"
+    new = torch.tensor(replicas.get_weights_by_name(probe, truncate_size=10**6)) * 2
+    result.clear()
+    recv = threading.Thread(target=lambda: result.append(replicas.update_weights_from_distributed(
+        [probe], ["float32"], [list(new.shape)], group_name=group, weight_version="v3")),
+        daemon=True)
+    recv.start()
+    trainer.broadcast(new)
+    recv.join(60)
+    assert result and result[0]["success"], result
+    assert replicas.weight_version == "v3"
+    assert torch.equal(torch.tensor(replicas.get_weights_by_name(probe, 10**6)), new)

@@ -16,7 +16,7 @@ of `ipc://` sockets.
   versions, release/resume, memory timeline, shutdown) go to every live replica, each copy with its
   own `req_id`; once all have answered, one merged reply goes up (`merge_replies`; load and info
   counters add up and carry a per-replica list under `replicas`). `init_weights_update_group` gives
-  replica `i` the rank offset `rank_offset + i * tp_size` (`group_rank_offsets`).
+  the `k`-th live replica the rank offset `rank_offset + k * tp_size` (`group_rank_offsets`).
 - **Liveness**: the controller sends one heartbeat up for each replica heartbeat, whose turn count is
   the sum of the live replicas' (it moves while any replica turns) and whose operation is any
   replica's declared long operation.
@@ -389,9 +389,10 @@ class DataParallelController:
         elif isinstance(msg, AbortReq):
             self._route_abort(msg)
         elif isinstance(msg, InitWeightsUpdateGroupReqInput):
+            live = self.router.live_indices()  # ranks go to the live replicas, densely
             try:
-                offsets = group_rank_offsets(msg.rank_offset, msg.world_size,
-                                             self.router.num_replicas, self.tp_size)
+                offsets = dict(zip(live, group_rank_offsets(msg.rank_offset, msg.world_size,
+                                                            len(live), self.tp_size)))
             except ValueError as e:
                 self._send_up(ControlReqOutput(req_id=msg.req_id, success=False, message=str(e)))
                 return

@@ -14,8 +14,8 @@ bundle of `num_cpus_per_replica` CPUs. It has `tide.Engine`'s methods:
   release/resume) runs on every live replica at once and returns one merged reply
   (`merge_replies`): `success` only if every replica succeeded;
 - `init_weights_update_group(master_address, master_port, rank_offset, world_size, ...)` gives
-  replica `i` the rank offset `rank_offset + i * tp_size`, so one broadcast group spans the trainer
-  (rank 0) and every replica: `world_size = 1 + num_replicas * tp_size`.
+  the `k`-th live replica the rank offset `rank_offset + k * tp_size`, so one broadcast group spans
+  the trainer (rank 0) and every replica: `world_size = 1 + live replicas * tp_size`.
 
 A replica whose actor dies (node lost, process killed, `ray.kill`) is marked dead and never picked
 again; the items it was running come back with finish reason `abort` and a message naming the
@@ -349,11 +349,12 @@ class RayEngine:
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "nccl", timeout: float = 120.0
                                   ) -> dict[str, Any]:
-        """Every replica joins the trainer's group: replica `i` as ranks from
-        `rank_offset + i * tp_size` (`world_size` must be at least
-        `rank_offset + num_replicas * tp_size`)."""
-        offsets = group_rank_offsets(rank_offset, world_size, self.router.num_replicas,
-                                     self.tp_size)
+        """Every live replica joins the trainer's group: the `k`-th as ranks from
+        `rank_offset + k * tp_size` (`world_size` must be at least
+        `rank_offset + live replicas * tp_size`)."""
+        live = self.router.live_indices()  # ranks go to the live replicas, densely
+        offsets = dict(zip(live, group_rank_offsets(rank_offset, world_size, len(live),
+                                                    self.tp_size)))
         replies, skipped = self._fan_out("init_weights_update_group", lambda i: (
             (master_address, master_port, offsets[i], world_size, group_name, backend, timeout),
             {}))
