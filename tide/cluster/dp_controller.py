@@ -213,7 +213,9 @@ def run_dp_controller_process(
     finally:
         if controller is not None:
             controller.close()
+        start = time.monotonic()
         _stop_replicas([proc for proc, _ in procs])
+        logger.info("replicas stopped in %.1f s; the controller exits", time.monotonic() - start)
         if ipc_dir is not None:
             shutil.rmtree(ipc_dir, ignore_errors=True)
 
@@ -474,6 +476,7 @@ class DataParallelController:
         self._send_up(ControlReqOutput(req_id=req_id, success=merged.success,
                                        message=merged.message, data=merged.data))
         if isinstance(fan.msg, ShutdownReq):
+            logger.info("shutdown: every replica has stopped serving")
             self.running = False
 
     def _merge_load(self, replies: list[ReplicaReply]) -> dict[str, Any]:

@@ -149,7 +149,8 @@ def launch_server(args: ServerArgs) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous_term)
-        _stop_process(proc)
+        # A data-parallel controller first waits (up to 5 s) for its replicas to exit.
+        _stop_process(proc, timeout=5.0 if args.dp_size == 1 else 10.0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
