@@ -46,14 +46,15 @@ def main() -> None:
                         q, k, v, table, req, seq, mid_o, mid_l, q.stride(0), q.stride(1), k.stride(0),
                         k.stride(1), v.stride(0), v.stride(1), table.stride(0), mid_o.stride(0),
                         mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), D**-0.5,
-                        GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D, HEAD_DIM=D,
-                        NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, USE_PDL=True,
-                        num_warps=warps, num_stages=stages, launch_pdl=True)
+                        0, 1.0, GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D, HEAD_DIM=D,
+                        NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
+                        SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=True, num_warps=warps,
+                        num_stages=stages, launch_pdl=True)
                     tk._decode_stage2[(1, HQ)](
                         mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-                        mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), BLOCK_D=D,
-                        HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, USE_PDL=True,
-                        num_warps=4, launch_pdl=True)
+                        mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), 0,
+                        BLOCK_D=D, HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN,
+                        SLIDING=False, USE_PDL=True, num_warps=4, launch_pdl=True)
 
             run()
             graph = torch.cuda.CUDAGraph()

@@ -120,27 +120,110 @@ def test_staged_resume_with_weight_update_and_no_backup_matches_hf(checkpoints):
         assert out["meta_info"]["weight_version"] == "trained"
 
 
-def test_cpu_backup_buffers_are_reused_and_refreshed(checkpoints):
-    """The host copy of the weights is allocated once and refreshed on every release: after a weight
-    update, release -> resume brings back the updated weights, not the first backup."""
+def _weights(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model_runner.model.named_parameters()}
+
+
+def _same_weights(engine, snapshot: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, snapshot[n]) for n, p in engine.model_runner.model.named_parameters())
+
+
+def test_cpu_backup_buffer_is_allocated_once_and_refreshed(checkpoints):
+    """One host buffer backs the weights up on every release: allocated by the first, the same
+    memory on every later one. After a weight update between cycles, release -> resume brings back
+    the updated weights, not the first backup."""
     path = checkpoints["qwen3"]
     engine = _engine(path, backup=True)
+    backup = engine.worker.memory_occupation.backup
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     before = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+    assert backup.host_bytes == 0 and backup.allocations == 0  # nothing before the first release
     assert engine.release_memory_occupation(["weights"])["success"]
-    first = {name: t.data_ptr() for name, t in engine.worker.memory_occupation._host.items()}
+    host_ptr = backup.buffer.tensor.data_ptr()
+    assert backup.allocations == 1 and backup.host_bytes >= _weight_bytes_of(hf)
     assert engine.resume_memory_occupation(["weights"])["success"]
     sgd_steps(hf, steps=2, lr=0.5, seed=4)
     hf.eval()
     assert engine.update_weights_from_tensor(named_tensors=named_weights(hf))["success"]
-    assert engine.release_memory_occupation(["weights"])["success"]
-    assert {name: t.data_ptr() for name, t in engine.worker.memory_occupation._host.items()} == first
-    assert engine.resume_memory_occupation(["weights"])["success"]
+    updated = _weights(engine)
+    for _ in range(3):
+        assert engine.release_memory_occupation(["weights"])["success"]
+        assert _weight_bytes(engine) == 0
+        assert engine.resume_memory_occupation(["weights"])["success"]
+        assert _same_weights(engine, updated)
+    assert backup.allocations == 1 and backup.buffer.tensor.data_ptr() == host_ptr
     out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
     tokens, _ = hf_greedy_logprobs(hf, PROMPTS[0], GREEDY["max_new_tokens"])
     assert out["output_ids"] == tokens
     assert tokens != before  # the update changed the output, so a stale backup would show
+    engine.shutdown()
+    assert backup.host_bytes == 0  # shutdown gives the host memory back
+
+
+def _weight_bytes_of(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_update_while_weights_are_released_is_refused_and_the_backup_comes_back(checkpoints):
+    """An update pushed while the weights are released is refused (naming the cause) for every
+    path, and resume brings back exactly the weights of the release: no stale or partial write."""
+    path = checkpoints["qwen3"]
+    engine = _engine(path, backup=True)
+    reference = _greedy(engine)
+    snapshot = _weights(engine)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sgd_steps(hf, steps=1, lr=0.5, seed=5)
+    assert engine.release_memory_occupation(["weights"])["success"]
+    res = engine.update_weights_from_tensor(named_tensors=named_weights(hf))
+    assert not res["success"] and "weights are released" in res["message"]
+    res = engine.update_weights_from_disk(str(path))
+    assert not res["success"] and "weights are released" in res["message"]
+    assert engine.resume_memory_occupation(["weights"])["success"]
+    assert _same_weights(engine, snapshot)
+    assert _greedy(engine) == reference
+    engine.shutdown()
+
+
+def test_a_backup_is_restored_once_and_never_over_newer_weights(checkpoints):
+    """The backup is consumed by its resume: resuming again (not released) or restoring by hand
+    leaves weights written after the resume alone."""
+    path = checkpoints["qwen3"]
+    engine = _engine(path, backup=True)
+    occupation = engine.worker.memory_occupation
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sgd_steps(hf, steps=1, lr=0.5, seed=6)
+    assert engine.release_memory_occupation(["weights"])["success"]
+    assert engine.resume_memory_occupation(["weights"])["success"]
+    assert not occupation.backup.valid
+    assert engine.update_weights_from_tensor(named_tensors=named_weights(hf))["success"]
+    updated = _weights(engine)
+    assert engine.resume_memory_occupation(["weights"])["success"]  # not released: nothing to do
+    assert occupation.backup.restore() is False
+    assert _same_weights(engine, updated)
+    engine.shutdown()
+
+
+def test_drop_cpu_backup_frees_the_host_buffer_and_the_next_release_takes_a_new_one(checkpoints):
+    path = checkpoints["qwen3"]
+    engine = _engine(path, backup=True)
+    backup = engine.worker.memory_occupation.backup
+    reference = _greedy(engine)
+    assert engine.drop_cpu_backup()["success"]  # nothing held yet: frees 0 bytes
+    assert engine.release_memory_occupation(["weights"])["success"]
+    held = backup.host_bytes
+    res = engine.drop_cpu_backup()
+    assert not res["success"] and "only copy" in res["message"]
+    assert backup.host_bytes == held and backup.valid  # refused: the backup is intact
+    assert engine.resume_memory_occupation(["weights"])["success"]
+    res = engine.drop_cpu_backup()
+    assert res["success"] and f"{held / 2**20:.1f} MiB" in res["message"]
+    assert backup.host_bytes == 0 and backup.buffer is None
+    assert engine.release_memory_occupation()["success"]
+    assert backup.allocations == 2 and backup.host_bytes == held
+    assert engine.resume_memory_occupation()["success"]
+    assert _greedy(engine) == reference
+    engine.shutdown()
 
 
 def test_release_while_requests_run_is_refused_and_changes_nothing(backed_up):

@@ -617,7 +617,7 @@ def test_distributed_update_with_a_gloo_trainer(server, ref, base):
                 for _, t in named:
                     trainer.broadcast(t.clone())
             else:
-                trainer.broadcast(torch.cat([t.reshape(-1) for _, t in named]))
+                trainer.broadcast_flattened(torch.cat([t.reshape(-1) for _, t in named]))
             thread.join(60)
             ok(result[0])
             ref.update_weights_from_tensor(named_tensors=named, weight_version=version)

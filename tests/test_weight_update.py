@@ -77,12 +77,7 @@ def _perturbed(named, seed: int, scale: float = 0.05) -> list[tuple[str, torch.T
 
 
 def _broadcast_all(group, named, load_format) -> int:
-    if load_format == "flattened_bucket":
-        for bucket in flatten_by_dtype(named):
-            group.broadcast(bucket.flattened_tensor)
-    else:
-        for _, t in named:
-            group.broadcast(t.contiguous())
+    group.broadcast_weights(named, load_format)
     return len(named)
 
 

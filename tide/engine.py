@@ -263,6 +263,13 @@ class Engine:
         with self._control():
             return self.handover.resume_memory_occupation(tags).to_dict()
 
+    def drop_cpu_backup(self) -> HandoverReply:
+        """Free the host memory that `enable_cpu_backup` keeps for the weights from the first release
+        on (as large as the weights); the next release allocates it again. Refused while the
+        weights are released."""
+        with self._control():
+            return self.handover.drop_cpu_backup().to_dict()
+
     def dump_memory_timeline(self, path: str) -> None:
         """Write this engine's memory ledger as JSON for `tide memory-plot`."""
         self.memory_ledger.dump_json(path)

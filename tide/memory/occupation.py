@@ -12,20 +12,23 @@ without that API) release frees a tag's storages in place (`untyped_storage().re
 stays the same Python object), resume allocates them again, and a CUDA-graph runner drops its graphs
 and re-captures. Either way, freed blocks go back to the driver through
 `empty_device_cache(reason="release_memory")`. Weights come back from a host copy when
-`enable_cpu_backup` (pinned buffers allocated on the first release and refreshed on each); otherwise
-they come back zeroed and the engine refuses to generate until a weight update has covered every
-parameter.
+`enable_cpu_backup` (`WeightsBackup`: one host buffer as large as the weights, pinned on CUDA,
+allocated on the first release and reused by every later one until `close()`); otherwise they come
+back zeroed and the engine refuses to generate until a weight update has covered every parameter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
+from tide.memory.host import HostBuffer
 from tide.memory.ledger import MemoryLedger
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
 from tide.memory.release import empty_device_cache
@@ -90,6 +93,128 @@ def parse_tags(tags: Iterable[str] | str | None) -> list[str]:
         raise ValueError(f"tags {unknown} are not known; allowed tags: {list(TAGS)}")
     return [t for t in TAGS if t in tags]
 
+_SPAN_ALIGN = 256
+
+
+class WeightsBackup:
+    """The host copy of the weights while their device memory is released (`enable_cpu_backup`).
+
+    Layout: one `HostBuffer` (pinned on CUDA) holds every weight byte as a few large spans: with the
+    address-stable weights region, its used bytes as one span; otherwise each parameter storage's
+    bytes, one span each. The buffer is allocated by the first `save()` and reused by every later
+    one; it is freed only by `close()` (engine shutdown, or `Engine.drop_cpu_backup()`), so it costs
+    as much host memory as the weights (16 GB for an 8B bf16 model) from the first release on.
+
+    Copies run on a side stream ordered after the work already queued on the current stream, split
+    at the buffer's pinned chunks; on the first save, the copy into a chunk starts as soon as that
+    chunk is pinned, while the next ones are being pinned. The host then waits for that stream
+    only, never for the whole device.
+
+    Invariant: `valid` is True exactly from a `save()` to the `restore()` that consumes it, so a
+    backup is restored at most once, and never over weights written after it was taken.
+    """
+
+    def __init__(self, runner: OccupationTarget) -> None:
+        self.runner = runner
+        self.buffer: HostBuffer | None = None
+        self.valid = False
+        self.allocations = 0  # host buffers allocated so far (1 after any number of cycles)
+        self.last_save_s = 0.0  # seconds of the last save (pinning a new buffer's chunks included)
+        self.last_restore_s = 0.0
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held for the backup now (0 before the first release and after close)."""
+        return self.buffer.nbytes if self.buffer is not None else 0
+
+    def _spans(self) -> list[torch.Tensor]:
+        """The weights' device bytes, as uint8 tensors, in a fixed order."""
+        region = self.runner.weights_region
+        if region is not None:
+            return [region.used_bytes()]
+        seen: dict[int, torch.Tensor] = {}
+        for p in self.runner.model.parameters():
+            storage = p.data.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen[storage.data_ptr()] = torch.empty(
+                    0, dtype=torch.uint8, device=storage.device).set_(storage)
+        return list(seen.values())
+
+    @staticmethod
+    def _layout(spans: list[torch.Tensor]) -> tuple[list[int], int]:
+        offsets, end = [], 0
+        for span in spans:
+            start = -(-end // _SPAN_ALIGN) * _SPAN_ALIGN
+            offsets.append(start)
+            end = start + span.numel()
+        return offsets, end
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.runner.device)
+        return self._stream
+
+    def _transfer(self, spans: list[torch.Tensor], offsets: list[int], to_host: bool) -> None:
+        """Copy between the spans and the host buffer, chunk by chunk of the buffer (a copy never
+        straddles two of its pinned chunks). On CUDA the copies run on the side stream, ordered
+        after the current stream's queued work, and the copy into a chunk is queued as soon as
+        that chunk is pinned (the first save pins while earlier chunks copy); returns once done."""
+        assert self.buffer is not None and self.buffer.tensor is not None  # open
+        host = self.buffer.tensor
+        cuda = self.runner.device.type == "cuda"
+        stream = self._side_stream() if cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        for lo, hi in self.buffer.pin_chunks():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for offset, span in zip(offsets, spans):
+                    a, b = max(lo, offset), min(hi, offset + span.numel())
+                    if b <= a:
+                        continue
+                    dev, cpu = span[a - offset : b - offset], host[a:b]
+                    (cpu if to_host else dev).copy_(dev if to_host else cpu, non_blocking=cuda)
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
+
+    def save(self) -> None:
+        """Copy every weight byte to the host buffer (allocated on the first call)."""
+        spans = self._spans()
+        offsets, total = self._layout(spans)
+        if self.buffer is None or self.buffer.nbytes < total:
+            self.close()
+            self.buffer = HostBuffer(total, pin=self.runner.device.type == "cuda")
+            self.allocations += 1
+        self.valid = False
+        start = time.perf_counter()
+        self._transfer(spans, offsets, to_host=True)
+        self.last_save_s = time.perf_counter() - start
+        self.valid = True
+
+    def restore(self) -> bool:
+        """Copy the backup into the (re-taken) weights memory; False, and nothing written, when no
+        valid backup exists. A backup is consumed by its restore."""
+        if not self.valid or self.buffer is None or self.buffer.tensor is None:
+            return False
+        spans = self._spans()
+        offsets, total = self._layout(spans)
+        if total > self.buffer.nbytes:
+            raise RuntimeError("the weights' layout changed while they were released")
+        start = time.perf_counter()
+        self._transfer(spans, offsets, to_host=False)
+        self.last_restore_s = time.perf_counter() - start
+        self.valid = False
+        return True
+
+    def close(self) -> None:
+        """Free the host buffer (a valid backup is lost: callers refuse while weights are released)."""
+        self.valid = False
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
 
 class MemoryOccupation:
     """Which tags are released, how many bytes each gave back, and the weights' host copy."""
@@ -100,8 +225,8 @@ class MemoryOccupation:
         self.ledger = ledger
         self.enable_cpu_backup = enable_cpu_backup
         self._released: dict[str, int] = {}
-        self._backup: dict[str, torch.Tensor] = {}  # filled while weights are released
-        self._host: dict[str, torch.Tensor] = {}  # pinned host buffers, kept for the next release
+        self._freed_sizes: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
+        self.backup = WeightsBackup(runner)
         self.weights_need_refill = False
 
     def released_bytes(self) -> dict[str, int]:
@@ -146,7 +271,7 @@ class MemoryOccupation:
             nbytes = 0
             region = self._region(tag)
             if tag == "weights" and self.enable_cpu_backup:
-                self._backup_weights()
+                self.backup.save()
             if tag == "cuda_graph" and self.runner.cuda_graph_runner is not None:
                 self.runner.cuda_graph_runner.suspended = True  # decode runs eager meanwhile
             if region is not None:
@@ -162,7 +287,9 @@ class MemoryOccupation:
                     empty_device_cache(reason="release_memory", ledger=self.ledger)
                     nbytes = max(0, before - torch.cuda.memory_reserved(self.runner.device))
             else:
-                for storage in self._storages(tag):
+                storages = self._storages(tag)
+                self._freed_sizes[tag] = [(st, st.nbytes()) for st in storages]
+                for storage in storages:
                     nbytes += storage.nbytes()
                     storage.resize_(0)
             self._released[tag] = nbytes
@@ -196,49 +323,36 @@ class MemoryOccupation:
                         graphs.capture()
                     graphs.suspended = False
                 continue
-            tensors = (
-                [p.data for p in self.runner.model.parameters()]
-                if tag == "weights"
-                else self._kv_tensors()
-            )
-            for t in tensors:
-                storage = t.untyped_storage()
-                if storage.nbytes() == 0:
-                    storage.resize_(int(t.numel() + t.storage_offset()) * t.element_size())
+            for storage, size in self._freed_sizes.pop(tag, []):
+                storage.resize_(size)  # each storage at its size before release (shared ones too)
             if tag == "weights":
                 self._restore_weights()
             else:
-                for t in tensors:
+                for t in self._kv_tensors():
                     t.zero_()
             logger.info("resumed %s (%.1f MiB)", tag, nbytes / 2**20)
 
-    def _backup_weights(self) -> None:
-        """Copy every parameter to host memory. The (pinned, on CUDA) host buffers are allocated on
-        the first release and reused by every later one: pinning 16 GB takes seconds, the copy alone
-        a fraction of that."""
-        cuda = self.runner.device.type == "cuda"
-        for name, p in self.runner.model.named_parameters():
-            host = self._host.get(name)
-            if host is None or host.shape != p.shape or host.dtype != p.dtype:
-                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=cuda)
-                self._host[name] = host
-            host.copy_(p.data, non_blocking=cuda)
-            self._backup[name] = host
-        if cuda:
-            torch.cuda.current_stream(self.runner.device).synchronize()
+    def drop_cpu_backup(self) -> int:
+        """Free the host buffer of the weights backup; returns the bytes given back. ValueError while
+        the weights are released (their only copy is in it)."""
+        if self.is_released("weights"):
+            raise ValueError("the weights are released and their CPU backup is their only copy; "
+                             "resume_memory_occupation(['weights']) first")
+        freed = self.backup.host_bytes
+        self.backup.close()
+        return freed
+
+    def close(self) -> None:
+        """Free the host backup (engine shutdown)."""
+        self.backup.close()
 
     def _restore_weights(self) -> None:
-        params = dict(self.runner.model.named_parameters())
-        if self._backup:
-            for name, host in self._backup.items():
-                params[name].data.copy_(host, non_blocking=True)
-            self._backup = {}
+        if self.backup.restore():
             self.weights_need_refill = False
-        else:
-            for p in params.values():
-                p.data.zero_()
-            self.weights_need_refill = True
+            return
+        params = list(self.runner.model.parameters())
+        for p in params:
+            p.data.zero_()
+        self.weights_need_refill = True
         if self.runner.device.type == "cuda":
             torch.cuda.current_stream(self.runner.device).synchronize()
-
-

@@ -71,6 +71,15 @@ class VmmRegion:
     def mapped(self) -> bool:
         return self._handle is not None
 
+    @property
+    def used(self) -> int:
+        """Bytes handed out by `tensor()` so far (alignment gaps included)."""
+        return self._offset
+
+    def used_bytes(self) -> torch.Tensor:
+        """The used part of the region as one uint8 tensor (valid while mapped)."""
+        return self._bytes[: self._offset]
+
     def remap(self) -> None:
         """Back the address range with new physical memory (contents undefined)."""
         from cuda.bindings import driver as cu

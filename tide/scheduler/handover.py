@@ -390,6 +390,16 @@ class Handover:
         self.ledger.mark("resume", str(tags))
         return HandoverResult(True, f"resumed {tags}")
 
+    def drop_cpu_backup(self) -> HandoverResult:
+        """Free the host memory of the weights' CPU backup (the next release allocates it again);
+        refused while the weights are released."""
+        try:
+            freed = self.worker.memory_occupation.drop_cpu_backup()
+        except ValueError as e:
+            return HandoverResult(False, str(e))
+        self.ledger.mark("drop_cpu_backup", f"{freed / 2**20:.1f} MiB of host memory")
+        return HandoverResult(True, f"freed {freed / 2**20:.1f} MiB of host memory")
+
     def released_bytes(self) -> dict[str, int]:
         return {tag: int(n) for tag, n in self.worker.memory_occupation.released_bytes().items()}
 
@@ -400,6 +410,9 @@ class Handover:
 
     def _refresh_memory_block(self) -> None:
         occupation = self.worker.memory_occupation
+        self.worker.weight_updater.write_block = (
+            "the weights are released; resume_memory_occupation(['weights']) before updating them"
+            if occupation.is_released("weights") else None)
         released = [t for t in ("kv_cache", "weights") if occupation.is_released(t)]
         if released:
             self.memory_block_reason = (f"memory of {released} is released; call "
@@ -417,3 +430,4 @@ class Handover:
         self.cancel_pending_updates(message)
         for name in self.group_names():
             self.worker.weight_updater.destroy_group(name)
+        self.worker.memory_occupation.close()  # the host backup of the weights

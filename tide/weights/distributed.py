@@ -8,13 +8,27 @@ IP literal (IPv6 included; no port, whitespace or control characters), the port 
 group name short and plain. The join is bounded by `join_timeout_s`: past it the call raises
 `RuntimeError` and drops whatever it had built (store connection, half-made group), so a failed join
 leaves no thread or socket behind.
+
+The handshake: once the group exists, `init_custom_process_group` runs two broadcasts from rank 0 on
+every rank before it returns, so both sides must make their group with it (it is a collective). The
+first carries `[HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes]` (rank 0's `bucket_bytes`; the other
+ranks check magic and version and adopt it); with NCCL a second one of `WARMUP_BYTES` follows. NCCL
+builds its communicator and connects its channels on a group's first collectives (about 200 ms), so
+the group is warm when init returns and the first weight update runs at full speed.
+
+`bucket_bytes` is how a `flattened_bucket` update travels: each dtype's flat buffer is broadcast as
+consecutive pieces of at most `bucket_bytes` bytes (`WeightUpdateGroup.broadcast_flattened` does the
+split on the trainer side), so the engine receives piece i+1 while it copies piece i into the
+parameters, in two buffers of that size; 0 sends each dtype's buffer in one broadcast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -22,6 +36,12 @@ import torch
 import torch.distributed as dist
 
 MAX_GROUP_NAME_LEN = 128
+HANDSHAKE_MAGIC = 0x7469_6465_5747  # "tideWG"
+PROTOCOL_VERSION = 1
+DEFAULT_BUCKET_BYTES = 256 << 20
+MAX_BUCKET_BYTES = 4 << 30
+MIN_BUCKET_BYTES = 4096
+WARMUP_BYTES = 32 << 20  # large enough for NCCL's large-message protocol: that path is set up too
 MAX_WORLD_SIZE = 65536
 MAX_JOIN_TIMEOUT_S = 600.0
 DEFAULT_JOIN_TIMEOUT_S = 120.0
@@ -60,9 +80,21 @@ def check_group_name(value: str, param: str = "group_name") -> str:
     return value
 
 
+def check_bucket_bytes(value: int, param: str = "bucket_bytes") -> int:
+    """`value` if it is 0 or in [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES], else ValueError naming `param`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            value == 0 or MIN_BUCKET_BYTES <= value <= MAX_BUCKET_BYTES):
+        raise ValueError(f"{param} must be 0 (one broadcast per dtype) or in [{MIN_BUCKET_BYTES}, "
+                         f"{MAX_BUCKET_BYTES}] bytes, got {value!r}")
+    return value
+
+
 @dataclass
 class WeightUpdateGroup:
-    """A process group plus the store it was built on (the store must outlive the group)."""
+    """A process group plus the store it was built on (the store must outlive the group).
+
+    `bucket_bytes`: the largest piece of a flattened buffer one broadcast carries (0: no split),
+    agreed at the handshake. `device`: where this rank's broadcast tensors live (CPU for gloo)."""
 
     name: str
     backend: str
@@ -71,13 +103,76 @@ class WeightUpdateGroup:
     pg: Any  # a ProcessGroupGloo/NCCL backend (torch's stubs lack its `broadcast`)
     store: dist.Store
     timeout: timedelta = timedelta(seconds=300)  # of each broadcast
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0,
+                  timeout: timedelta | None = None) -> None:
+        """Broadcast `tensor` (contiguous) from rank `src`. With NCCL the call returns once queued:
+        the current stream waits for it, the host does not."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        opts.timeout = self.timeout
+        opts.timeout = self.timeout if timeout is None else timeout
         self.pg.broadcast([tensor], opts).wait()
+
+    def pieces(self, numel: int, element_size: int) -> list[tuple[int, int]]:
+        """The [start, end) element ranges a flat buffer of `numel` elements travels in."""
+        step = max(1, numel if self.bucket_bytes == 0 else self.bucket_bytes // element_size)
+        return [(start, min(numel, start + step)) for start in range(0, max(numel, 1), step)]
+
+    def broadcast_flattened(self, flat: torch.Tensor) -> None:
+        """Trainer side of a flattened update: broadcast one dtype's 1-D buffer in the pieces the
+        engine expects (see `pieces`)."""
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError("broadcast_flattened needs a contiguous 1-D tensor")
+        for start, end in self.pieces(flat.numel(), flat.element_size()):
+            self.broadcast(flat[start:end])
+
+    def broadcast_weights(self, named: Sequence[tuple[str, torch.Tensor]],
+                          load_format: str | None = None) -> None:
+        """Trainer side of `update_weights_from_distributed(names, dtypes, shapes, load_format)`
+        for these tensors, in this order: one broadcast per tensor, or with
+        `load_format="flattened_bucket"` each dtype's tensors concatenated (first-seen dtype order)
+        and sent with `broadcast_flattened`. Concatenating copies each dtype's tensors once on this
+        rank; a trainer that keeps its weights in one flat buffer calls `broadcast_flattened` on it
+        instead."""
+        if load_format == "flattened_bucket":
+            groups: dict[torch.dtype, list[torch.Tensor]] = {}
+            for _, t in named:
+                groups.setdefault(t.dtype, []).append(t.reshape(-1))
+            for tensors in groups.values():
+                self.broadcast_flattened(torch.cat(tensors))
+        elif load_format is None:
+            for _, t in named:
+                self.broadcast(t.contiguous())
+        else:
+            raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
+
+    def handshake(self, bucket_bytes: int, timeout: timedelta) -> None:
+        """The group's first collectives (module docstring); sets `bucket_bytes` from rank 0's."""
+        on_cuda = self.device.type == "cuda"
+        # Allocated on the current stream (their blocks return to its pool), broadcast on a side
+        # stream, so nothing queued for serving waits on the handshake.
+        header = torch.zeros(3, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            header.copy_(torch.tensor([HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes]))
+        warm = torch.empty(WARMUP_BYTES, dtype=torch.uint8, device=self.device) if on_cuda else None
+        stream = torch.cuda.Stream(self.device) if on_cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.broadcast(header, timeout=timeout)
+            if warm is not None:
+                self.broadcast(warm, timeout=timeout)
+            magic, version, agreed = (int(v) for v in header.tolist())  # waits for this stream
+        if magic != HANDSHAKE_MAGIC:
+            raise RuntimeError("rank 0 did not make its side of the group with "
+                               "tide.weights.init_custom_process_group (no handshake)")
+        if version != PROTOCOL_VERSION:
+            raise RuntimeError(f"rank 0 speaks weight-update protocol {version}, this side "
+                               f"{PROTOCOL_VERSION}")
+        self.bucket_bytes = check_bucket_bytes(agreed, "rank 0's bucket_bytes")
 
 
 def init_custom_process_group(
@@ -89,11 +184,26 @@ def init_custom_process_group(
     group_name: str = "weight_update_group",
     timeout_s: float = 300.0,
     join_timeout_s: float | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    device: torch.device | str | None = None,
 ) -> WeightUpdateGroup:
-    """Join (rank > 0) or host (rank 0) the group. `join_timeout_s` (default `timeout_s`) bounds the
-    rendezvous; `timeout_s` bounds each later broadcast."""
+    """Join (rank > 0) or host (rank 0) the group and run the handshake (module docstring) with the
+    other ranks. `join_timeout_s` (default `timeout_s`) bounds the rendezvous and the handshake;
+    `timeout_s` bounds each later broadcast. `bucket_bytes` (rank 0's counts): the piece size of
+    flattened updates. `device`: the CUDA device of this rank's NCCL broadcasts (default: the current
+    one); gloo groups broadcast CPU tensors."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    check_bucket_bytes(bucket_bytes)
+    comm_device = torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
+        comm_device = torch.device("cuda" if device is None else device)
+        if comm_device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device for an nccl group, got {device!r}")
+        if comm_device.index is None:
+            comm_device = torch.device("cuda", torch.cuda.current_device())
     check_master_address(master_address)
     if isinstance(master_port, bool) or not isinstance(master_port, int) or not (
             1 <= master_port <= 65535):
@@ -109,6 +219,7 @@ def init_custom_process_group(
             raise ValueError(f"{name} must be in (0, 86400] seconds, got {value}")
     join_timeout = timedelta(seconds=join_s)
     store: dist.Store | None = None
+    group: WeightUpdateGroup | None = None
     pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None
     prefixed: dist.PrefixStore | None = None
     try:
@@ -123,16 +234,17 @@ def init_custom_process_group(
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timedelta(seconds=timeout_s)
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        store.set_timeout(timedelta(seconds=timeout_s))  # NCCL's lazy set-up reads it later
+        group = WeightUpdateGroup(group_name, backend, rank, world_size, pg, prefixed,
+                                  timedelta(seconds=timeout_s), bucket_bytes, comm_device)
+        group.handshake(bucket_bytes, join_timeout)  # bounded by the join timeout, store included
+        store.set_timeout(timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - reported as one clear error; nothing is kept
         if pg is not None and hasattr(pg, "shutdown"):
             pg.shutdown()
         # Drop the references now (not when the traceback goes): the store's socket closes.
-        pg = store = prefixed = None
+        pg = store = prefixed = group = None
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(
             f"could not join group {group_name!r} at {master_address}:{master_port} as rank "
             f"{rank} of {world_size} within {join_s:g} s: {detail}") from None
-    assert pg is not None and prefixed is not None  # set by the try block, or it raised
-    return WeightUpdateGroup(group_name, backend, rank, world_size, pg, prefixed,
-                             timedelta(seconds=timeout_s))
+    return group

@@ -23,6 +23,7 @@ from tide.weights.distributed import (
 )
 from tide.weights.loader import PinnedStaging, read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
+from tide.weights.receive import BroadcastReceiver
 from tide.weights.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class WeightUpdater:
         self._staging: PinnedStaging | None = None
         # (param, shard) pairs written since `reset_coverage()`: tells when a refill is complete.
         self.written: set[tuple[str, str | int | None]] = set()
+        # Set (to the reason) while the parameters' memory is released: every update is refused.
+        self.write_block: str | None = None
+        self._last_plan: tuple[object, list[WeightTarget]] | None = None  # an RL loop repeats one
+        self._receive_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
 
     def reset_coverage(self) -> None:
         self.written = set()
@@ -72,9 +77,14 @@ class WeightUpdater:
         exact_dtype: bool,
         require_complete: bool = False,
     ) -> list[WeightTarget]:
+        if self.write_block is not None:
+            raise ValueError(self.write_block)
         checked = [(name, tuple(shape), dtype) for name, shape, dtype in metas]
         if not checked:
             raise ValueError("the update names no weights")
+        key = (tuple(checked), exact_dtype, require_complete)
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return list(self._last_plan[1])  # the same request as last time: same (valid) plan
         seen: set[str] = set()
         for name, _, _ in checked:
             if name in seen:
@@ -89,7 +99,8 @@ class WeightUpdater:
                     raise ValueError(
                         f"weight {t.name!r} has dtype {by_name[t.name]}, the model's is {want}"
                     )
-        return targets
+        self._last_plan = (key, targets)
+        return list(targets)
 
     # ---- paths: each `prepare_*` validates everything and returns the function that writes
     def prepare_from_disk(self, model_path: str) -> Callable[[], int]:
@@ -177,7 +188,7 @@ class WeightUpdater:
             raise ValueError(f"timeout must be in (0, {MAX_JOIN_TIMEOUT_S:g}] seconds, got {timeout}")
         self.groups[group_name] = init_custom_process_group(
             backend, master_address, master_port, rank_offset, world_size, group_name,
-            join_timeout_s=timeout,
+            join_timeout_s=timeout, device=self.device if backend == "nccl" else None,
         )
 
     def destroy_group(self, group_name: str) -> None:
@@ -196,58 +207,50 @@ class WeightUpdater:
         group_name: str,
         load_format: str | None,
     ) -> int:
-        """Receive broadcasts from rank 0 (one per tensor, or one per dtype for flattened_bucket,
-        grouped in first-seen dtype order). A request that fails validation still receives every
-        broadcast (into scratch memory) so the trainer never hangs, then raises ValueError."""
+        """Receive broadcasts from rank 0: one per tensor, or with `load_format="flattened_bucket"`
+        each dtype's tensors as one flat buffer (first-seen dtype order) in the group's pieces
+        (`tide.weights.receive`). A request that fails validation still receives every broadcast
+        (into scratch memory) so the trainer never hangs, then raises ValueError; a valid one is
+        validated completely before the first broadcast is received."""
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"group_name {group_name!r} is not an open weight update group")
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise ValueError("names, dtypes and shapes must be non-empty lists of equal length")
-        metas = [(n, tuple(s), parse_dtype(d)) for n, s, d in zip(names, shapes, dtypes)]
+        metas = [(n, tuple(int(d) for d in s), parse_dtype(d))
+                 for n, s, d in zip(names, shapes, dtypes)]
         error: ValueError | None = None
         targets: dict[str, WeightTarget] = {}
         try:
             targets = {t.name: t for t in self.plan(metas, exact_dtype=True)}
         except ValueError as e:
             error = e
-        comm_device = self.device if group.backend == "nccl" else torch.device("cpu")
-        if load_format == "flattened_bucket":
-            order: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
-            for name, shape, dtype in metas:
-                order.setdefault(dtype, []).append((name, shape))
-            for dtype, items in order.items():
-                numel = sum(_numel(s) for _, s in items)
-                flat = torch.empty(numel, dtype=dtype, device=comm_device)
-                group.broadcast(flat)
-                if error is None:
-                    offset = 0
-                    for name, shape in items:
-                        n = _numel(shape)
-                        target = targets.get(name)
-                        if target is not None:
-                            self.weight_map.write(target, flat[offset : offset + n].view(shape))
-                        offset += n
-        else:
-            for name, shape, dtype in metas:
-                target = targets.get(name)
-                dest = self._direct_view(target) if error is None and target is not None else None
-                if dest is not None and dest.device == comm_device:
-                    group.broadcast(dest)  # straight into the parameter's rows
-                    continue
-                buf = torch.empty(shape, dtype=dtype, device=comm_device)
-                group.broadcast(buf)
-                if error is None and target is not None:
-                    self.weight_map.write(target, buf)
+
+        def dest(name: str) -> torch.Tensor | None:
+            target = targets.get(name) if error is None else None
+            return self.weight_map.rows(target) if target is not None else None
+
+        if group.device.type == "cuda" and self._receive_streams is None:
+            self._receive_streams = (torch.cuda.Stream(group.device), torch.cuda.Stream(group.device))
+        receiver = BroadcastReceiver(group, self._receive_streams)
+        try:
+            if load_format == "flattened_bucket":
+                order: dict[torch.dtype, list[tuple[torch.Tensor | None, int]]] = {}
+                for name, shape, dtype in metas:
+                    order.setdefault(dtype, []).append((dest(name), _numel(shape)))
+                for dtype, items in order.items():
+                    receiver.receive_flattened(dtype, items)
+            else:
+                for name, shape, dtype in metas:
+                    receiver.receive_tensor(shape, dtype, dest(name))
+        finally:
+            receiver.finish()
         if error is not None:
             raise error
-        self._sync()
+        if group.device.type != "cuda":
+            self._sync()  # a gloo group's copies into CUDA parameters
         self._note(targets.values())
         return len(targets)
-
-    def _direct_view(self, target: WeightTarget) -> torch.Tensor | None:
-        rows = self.weight_map.rows(target)
-        return rows if rows.is_contiguous() else None
 
     # ---- inspection
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:

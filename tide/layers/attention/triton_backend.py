@@ -22,11 +22,10 @@ class TritonAttnBackend(AttentionBackend):
     pointing at the same memory; extend metadata is built per batch."""
 
     supports_cuda_graph = True
-    # The kernels do not take a sliding window or a soft-cap yet: while these are False,
-    # `select_attention_backend` keeps models that use them off this backend (auto -> torch_native).
-    # Set them when the kernels skip out-of-window blocks and cap scores.
-    supports_sliding_window = False
-    supports_logit_cap = False
+    # Sliding layers read only the keys in their window (splits sized by the visible length, key
+    # loops starting at the first visible block); scores are soft-capped in the kernels.
+    supports_sliding_window = True
+    supports_logit_cap = True
 
     @classmethod
     def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":
@@ -101,6 +100,8 @@ class TritonAttnBackend(AttentionBackend):
             mid_o,
             mid_lse,
             layer.scaling,
+            sliding_window=layer.sliding_window,
+            logit_cap=layer.logit_cap,
         )
         return out.view(bs, -1)
 
@@ -121,5 +122,7 @@ class TritonAttnBackend(AttentionBackend):
             starts,
             max_len,
             layer.scaling,
+            sliding_window=layer.sliding_window,
+            logit_cap=layer.logit_cap,
         )
         return out.view(q.shape[0], -1)

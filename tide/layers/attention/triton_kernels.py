@@ -1,11 +1,25 @@
 """Triton kernels for paged attention over `req_to_token`.
 
-- Decode: split-KV. Stage 1 runs one program per (request, kv head, split) over a slice of the sequence
-  for all q heads of that kv head's group (GQA-aware: the group rides the M dim of `tl.dot`), writing a
-  partial output and its log-sum-exp; stage 2 merges the splits. The grid depends only on the batch
-  size, so the pair can be captured in a CUDA graph; sequence lengths are read on the device.
-- Extend: one program per (request, q head, block of new tokens), streaming the cached prefix and the
-  new tokens (already stored in the pool) through `req_to_token` with a causal mask on the new part.
+- Decode: split-KV. Stage 1 runs one program per (request, kv head, split) over a slice of the keys the
+  query sees, for all q heads of that kv head's group (GQA-aware: the group rides the M dim of
+  `tl.dot`), writing a partial output and its log-sum-exp; stage 2 merges the splits. The grid depends
+  only on the batch size, so the pair can be captured in a CUDA graph; sequence lengths are read on the
+  device.
+- Extend: one program per (request, q head, block of new tokens), streaming the keys the block's
+  queries see (cached prefix, then the new tokens, already stored in the pool) through `req_to_token`
+  with a causal mask on the new part.
+
+Sliding-window layers (`sliding_window`: the query at position p sees keys p - window + 1 .. p, its own
+token counts, as in transformers) start every key loop at the first key some query of the program
+sees: decode reads exactly the last `window` keys and sizes its splits by that visible length, extend
+starts at the window of the block's first query. A sliding layer therefore costs O(window) per token at
+any context length, and no kernel ever loads a key slot that no query of the program may see (a pool
+may have freed and reused, or never filled, the slots of keys that fell out of the window).
+`logit_cap` (Gemma-2's soft-capping) maps the scaled scores through cap * tanh(score / cap) before
+the causal/window mask and the softmax.
+
+Block sizes and the key ranges the kernels visit live in `split_kv` (plain Python, the same
+arithmetic), so tests and cost estimates can check them without a GPU.
 """
 
 from __future__ import annotations
@@ -15,29 +29,72 @@ import triton
 import triton.language as tl
 
 from tide.layers import pdl
+from tide.layers.attention.split_kv import (
+    DECODE_BLOCK_N,
+    EXTEND_BLOCK_M,
+    EXTEND_BLOCK_N,
+    MIN_SPLIT_LEN,
+    num_kv_splits,
+)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap) in fp32. tanh|x| = (1 - e^-2|x|) / (1 + e^-2|x|) is finite everywhere;
+    below |x| = 1/8, where 1 - e^-2|x| loses digits, its odd series to x^7 (error < 1e-9)."""
+    x = s / cap
+    ax = tl.abs(x)
+    t = tl.exp(-2.0 * ax)
+    x2 = ax * ax
+    series = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    th = tl.where(ax < 0.125, series, (1.0 - t) / (1.0 + t))
+    return cap * tl.where(x < 0, -th, th)
 
 
 @triton.jit
 def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                  offs_d, mask_d, sm_scale, m_i, l_i, acc):
-    """One block of keys and values (pool rows `slots`) through online softmax for the query rows of
-    `q`; `keep` [rows, BLOCK_N] says which scores count. Returns the updated (max, sum, output)."""
+                  offs_d, mask_d, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """One block of keys and values (pool rows `slots`, loaded where `mask_n`) through online softmax
+    for the query rows of `q`; `keep` [rows, BLOCK_N] says which scores count. Returns the updated
+    (max, sum, output). A row that has kept no score yet stays at max -inf, sum 0, output 0."""
     k = tl.load(
         K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
     )
-    qk = tl.where(keep, tl.dot(q, k) * sm_scale, float("-inf"))
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
+    if SOFT_CAP:
+        s = _soft_cap(s, logit_cap)
+    qk = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp(qk - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    # Rows with no kept score yet (extend rows past the new tokens; rows whose window starts after
+    # this block if BLOCK_M > BLOCK_N) subtract 0, not -inf: exp(-inf) = 0 there, never NaN.
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(qk - m_sub[:, None])
+    alpha = tl.exp(m_i - m_sub)
     v = tl.load(
         V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
         mask=mask_n[:, None] & mask_d[None, :],
         other=0.0,
     )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _decode_visible_start(seq_len, sliding_window, SLIDING: tl.constexpr):
+    """Position of the first key the decode query (at position seq_len - 1) sees."""
+    start = seq_len * 0
+    if SLIDING:
+        start = tl.maximum(seq_len - sliding_window, 0)
+    return start
+
+
+@triton.jit
+def _decode_split_len(visible_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
+    """Keys per split: short visible ranges use fewer, longer splits."""
+    return tl.maximum(tl.cdiv(visible_len, NUM_SPLITS), MIN_SPLIT_LEN)
 
 
 @triton.jit
@@ -45,10 +102,11 @@ def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-    sm_scale,
+    sm_scale, sliding_window, logit_cap,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr, USE_PDL: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -58,9 +116,10 @@ def _decode_stage1(
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPoolIdx + b)
-    # Short sequences use fewer, longer splits; programs past the last one exit at once.
-    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT_LEN)
-    start = split * per_split
+    # The splits cover only the visible keys; programs past the last split exit at once.
+    kv_start = _decode_visible_start(seq_len, sliding_window, SLIDING)
+    per_split = _decode_split_len(seq_len - kv_start, NUM_SPLITS, MIN_SPLIT_LEN)
+    start = kv_start + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     if start >= end:
         return  # stage 2 only reads the splits that hold tokens
@@ -84,7 +143,7 @@ def _decode_stage1(
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, mask_n[None, :], kvh, stride_kt,
                                       stride_kh, stride_vt, stride_vh, offs_d, mask_d, sm_scale,
-                                      m_i, l_i, acc)
+                                      logit_cap, m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
     out = acc / l_i[:, None]
     lse = m_i + tl.log(l_i)
     tl.store(
@@ -99,8 +158,9 @@ def _decode_stage1(
 def _decode_stage2(
     MidO, MidLse, Out, SeqLens,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh,
+    sliding_window,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_LEN: tl.constexpr, USE_PDL: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr, SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -108,8 +168,8 @@ def _decode_stage2(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
-    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT_LEN)
-    active = tl.cdiv(seq_len, per_split)
+    visible = seq_len - _decode_visible_start(seq_len, sliding_window, SLIDING)
+    active = tl.cdiv(visible, _decode_split_len(visible, NUM_SPLITS, MIN_SPLIT_LEN))
     offs_s = tl.arange(0, NUM_SPLITS)
     mask_s = offs_s < active
     offs_d = tl.arange(0, BLOCK_D)
@@ -126,18 +186,9 @@ def _decode_stage2(
     tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
-MIN_SPLIT_LEN = 64
-# Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
-# H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
-DECODE_BLOCK_N = 32
-
-
-def num_kv_splits(parallel_rows: int, max_splits: int) -> int:
-    """Splits per (request, kv head): enough programs to fill the GPU when the batch is small."""
-    splits = 1
-    while splits < max_splits and parallel_rows * splits < 1024:
-        splits *= 2
-    return splits
+def _dot_precision(q: torch.Tensor) -> str:
+    """fp32 models get fp32 products (as torch's matmul by default), not TF32."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def decode_attention(
@@ -151,29 +202,36 @@ def decode_attention(
     mid_o: torch.Tensor,  # [B, Hq, NUM_SPLITS, D] fp32
     mid_lse: torch.Tensor,  # [B, Hq, NUM_SPLITS] fp32
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> None:
+    """One decode query per request over its keys (the last `sliding_window` of them for a sliding
+    layer), scores soft-capped at `logit_cap` when given."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
     num_splits = num_kv_splits(batch * num_kv_heads, mid_lse.shape[2])
     block_d = triton.next_power_of_2(head_dim)
+    sliding = sliding_window is not None
+    window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        sm_scale,
+        sm_scale, window, logit_cap if logit_cap is not None else 1.0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
+        SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
     )
     _decode_stage2[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), window,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
-        USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        SLIDING=sliding, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
 
@@ -181,9 +239,10 @@ def decode_attention(
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStarts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_r2t, sm_scale,
+    stride_r2t, sm_scale, sliding_window, logit_cap,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -209,17 +268,25 @@ def _extend_kernel(
     )
     q_pos = prefix + offs_m
     kv_end = prefix + tl.minimum((mblk + 1) * BLOCK_M, ext_len)
+    # Every key from kv_start on is seen by some query of the block (the first query sees back to
+    # kv_start, each new token sees itself): nothing outside the window is loaded.
+    kv_start = prefix * 0
+    if SLIDING:
+        kv_start = tl.maximum(prefix + mblk * BLOCK_M - sliding_window + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
         keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal over the new tokens
+        if SLIDING:
+            keep = keep & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh,
-                                      stride_vt, stride_vh, offs_d, mask_d, sm_scale, m_i, l_i, acc)
-    out = acc / l_i[:, None]
+                                      stride_vt, stride_vh, offs_d, mask_d, sm_scale, logit_cap,
+                                      m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows past ext_len keep nothing
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -239,19 +306,25 @@ def extend_attention(
     extend_starts: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
 ) -> None:
+    """Causal attention of each request's new tokens over its cached prefix and themselves (within
+    `sliding_window` for a sliding layer), scores soft-capped at `logit_cap` when given."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_buffer.shape[1]
-    block_m = 64
+    sliding = sliding_window is not None
     use_pdl = pdl.enabled(q)
-    grid = (req_pool_indices.shape[0], num_heads, triton.cdiv(max_extend_len, block_m))
+    grid = (req_pool_indices.shape[0], num_heads, triton.cdiv(max_extend_len, EXTEND_BLOCK_M))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_starts,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0), sm_scale,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=64,
+        req_to_token.stride(0), sm_scale, sliding_window if sliding else 0,
+        logit_cap if logit_cap is not None else 1.0,
+        GROUP=group, BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
         BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM=head_dim,
+        SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
     )

@@ -1,0 +1,172 @@
+"""`update_weights_from_distributed` over gloo, on CPU: the group handshake (warm-up collective and
+the agreed piece size), flattened updates in pieces that split tensors across two receive buffers,
+per-tensor updates, and the refusals (no handshake, bad piece size, weights released) that must still
+leave the trainer in step."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import tide
+from conftest import InThread, free_port, named_weights, sgd_steps
+from tide.weights import init_custom_process_group
+from tide.weights.distributed import HANDSHAKE_MAGIC, MIN_BUCKET_BYTES, PROTOCOL_VERSION
+from tide.weights.receive import BroadcastReceiver, piece_copies
+
+JOIN_S = 60.0
+
+
+def _pair(bucket_bytes: int, name: str = "g"):
+    """A trainer (rank 0, in a thread) and an engine-side (rank 1) group joined at once."""
+    port = free_port()
+    trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, name,
+                       timeout_s=JOIN_S, bucket_bytes=bucket_bytes, name="trainer-join")
+    engine_side = init_custom_process_group("gloo", "127.0.0.1", port, 1, 2, name, timeout_s=JOIN_S)
+    return trainer.result(JOIN_S), engine_side
+
+
+def test_piece_copies_cover_every_element_exactly_once():
+    rng = random.Random(0)
+    for _ in range(200):
+        numels = [rng.choice([0, 1, 2, 7, 64, 100, 333]) for _ in range(rng.randint(1, 9))]
+        total = sum(numels)
+        step = rng.randint(1, max(1, total + 3))
+        pieces = [(s, min(total, s + step)) for s in range(0, max(total, 1), step)]
+        flat = torch.arange(total)
+        out = [torch.full((n,), -1) for n in numels]
+        for (start, end), copies in zip(pieces, piece_copies(numels, pieces)):
+            for c in copies:
+                target = out[c.index][c.dst_start : c.dst_start + c.src_end - c.src_start]
+                assert (target == -1).all(), "an element was written twice"
+                target.copy_(flat[start:end][c.src_start : c.src_end])
+        assert torch.equal(torch.cat(out), flat), (numels, step)
+
+
+def test_handshake_agrees_on_rank_0s_piece_size():
+    trainer, engine_side = _pair(bucket_bytes=64 << 10)
+    assert trainer.bucket_bytes == engine_side.bucket_bytes == 64 << 10
+    assert engine_side.pieces(40_000, 4) == [(0, 16384), (16384, 32768), (32768, 40000)]
+    trainer, engine_side = _pair(bucket_bytes=0)
+    assert engine_side.bucket_bytes == 0 and engine_side.pieces(40_000, 4) == [(0, 40_000)]
+
+
+@pytest.mark.parametrize("bad", [1, MIN_BUCKET_BYTES - 1, -5, True, 1.5, (4 << 30) + 1])
+def test_bad_bucket_bytes_is_refused_before_joining(bad):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        init_custom_process_group("gloo", "127.0.0.1", free_port(), 0, 2, "g", timeout_s=5,
+                                  bucket_bytes=bad)
+
+
+@pytest.mark.parametrize("header,needle", [
+    ([0, 0, 0], "no handshake"),
+    ([HANDSHAKE_MAGIC, PROTOCOL_VERSION + 1, 1 << 20], "protocol"),
+    ([HANDSHAKE_MAGIC, PROTOCOL_VERSION, 3], "bucket_bytes"),
+])
+def test_a_rank_0_without_tides_handshake_is_refused(header, needle):
+    """A trainer that made its side by hand (no handshake, another protocol, a bad piece size) is
+    told so at init, instead of the first update reading a tiny broadcast as weights."""
+    port = free_port()
+
+    def foreign_rank_0():
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=JOIN_S))
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("tide/g", store), 0, 2,
+                                   timedelta(seconds=JOIN_S))
+        opts = dist.BroadcastOptions()
+        pg.broadcast([torch.tensor(header, dtype=torch.int64)], opts).wait()
+        return store, pg
+
+    trainer = InThread(foreign_rank_0, name="foreign-trainer")
+    with pytest.raises(RuntimeError, match=needle):
+        init_custom_process_group("gloo", "127.0.0.1", port, 1, 2, "g", timeout_s=JOIN_S)
+    trainer.result(JOIN_S)
+
+
+def test_flattened_pieces_use_two_buffers_and_split_tensors_exactly():
+    trainer, engine_side = _pair(bucket_bytes=16 << 10)
+    gen = torch.Generator().manual_seed(1)
+    named = [("a", torch.randn(3000, generator=gen)), ("b", torch.randn(50, 70, generator=gen)),
+             ("c", torch.randn(9000, generator=gen).to(torch.bfloat16)),
+             ("d", torch.randn(10_001, generator=gen)), ("skip", torch.randn(5000, generator=gen)),
+             ("e", torch.randn(40, 30, generator=gen))]
+    dests = {n: torch.zeros_like(t) for n, t in named}
+    dests["skip"] = None  # drained, never written
+    dests["e"] = torch.zeros(30, 40).t()  # not contiguous: assembled, then written whole
+    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
+    receiver = BroadcastReceiver(engine_side)
+    order: dict[torch.dtype, list] = {}
+    for n, t in named:
+        order.setdefault(t.dtype, []).append((dests[n], t.numel()))
+    for dtype, items in order.items():
+        receiver.receive_flattened(dtype, items)
+    receiver.finish()
+    sender.result(JOIN_S)
+    for n, t in named:
+        if dests[n] is not None:
+            assert torch.equal(dests[n], t), n
+    # fp32: 31 001 elements = 8 pieces of 4096 -> 2 buffers; bf16: 9000 = 2 pieces -> 2 buffers
+    assert receiver.buffers_allocated == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the engine
+
+
+@pytest.fixture(scope="module")
+def rig(checkpoints):
+    path = checkpoints["qwen3"]
+    engine = tide.Engine(str(path), enable_memory_saver=True, enable_cpu_backup=True,
+                         max_total_tokens=2048)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    port = free_port()
+    trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "wu",
+                       timeout_s=JOIN_S, bucket_bytes=MIN_BUCKET_BYTES, name="trainer-join")
+    joined = engine.init_weights_update_group("127.0.0.1", port, 1, 2, "wu", "gloo")
+    assert joined["success"], joined["message"]
+    group = trainer.result(JOIN_S)
+    assert engine.worker.weight_updater.groups["wu"].bucket_bytes == MIN_BUCKET_BYTES
+    yield engine, hf, group
+    engine.shutdown()
+
+
+def _push(engine, group, named, load_format):
+    sender = InThread(group.broadcast_weights, named, load_format, name="trainer-send")
+    res = InThread(engine.update_weights_from_distributed, [n for n, _ in named],
+                   ["float32"] * len(named), [list(t.shape) for _, t in named], group_name="wu",
+                   load_format=load_format, name="engine-recv").result(JOIN_S)
+    sender.result(JOIN_S)  # every broadcast was received: the trainer is not left waiting
+    return res
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"], ids=["per_tensor", "flattened"])
+def test_engine_update_lands_bit_exact_in_small_pieces(rig, load_format):
+    engine, hf, group = rig
+    sgd_steps(hf, steps=1, lr=0.3, seed=7 if load_format else 8)
+    named = named_weights(hf)
+    res = _push(engine, group, named, load_format)
+    assert res["success"], res["message"]
+    for name, t in named:
+        got = torch.tensor(engine.get_weights_by_name(name, truncate_size=t.numel()))
+        assert torch.equal(got, t.reshape(-1)), name
+
+
+def test_update_while_weights_are_released_drains_and_is_refused(rig):
+    engine, hf, group = rig
+    before = {n: p.detach().clone() for n, p in engine.model_runner.model.named_parameters()}
+    sgd_steps(hf, steps=1, lr=0.3, seed=9)
+    assert engine.release_memory_occupation(["weights"])["success"]
+    try:
+        for load_format in (None, "flattened_bucket"):
+            res = _push(engine, group, named_weights(hf), load_format)
+            assert not res["success"] and "weights are released" in res["message"]
+    finally:
+        assert engine.resume_memory_occupation(["weights"])["success"]
+    for n, p in engine.model_runner.model.named_parameters():
+        assert torch.equal(p, before[n]), n  # the backup came back, not a partial update
+    res = _push(engine, group, named_weights(hf), "flattened_bucket")  # still in step
+    assert res["success"], res["message"]

@@ -1,0 +1,352 @@
+"""The Triton attention kernels with sliding windows and soft-capping, on the CPU.
+
+The key ranges the kernels visit (`split_kv`, plain Python) are checked everywhere. Where triton is
+installed (CI has none: those tests skip), the kernels themselves run in triton's CPU interpreter
+against torch_native's `attend`, with NaN planted in every KV slot no query of the launch may see: a
+kernel that read an out-of-window slot, or multiplied a zero weight by such a value, would return NaN.
+A load probe counts the key blocks a launch visits and checks them against `split_kv`.
+
+The interpreter must be on before triton is first imported (`TRITON_INTERPRET=1` decides how
+`triton.language` itself is built), so `test_kernels_in_the_interpreter` reruns this file in a
+subprocess with the flag set; there the interpreter tests run and that test skips. Run them directly
+with `TRITON_INTERPRET=1 pytest tests/test_triton_attention.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tide.layers.attention import split_kv, torch_native
+from tide.layers.attention.layer import Attention
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(
+    not (HAS_TRITON and INTERPRETED),
+    reason="runs in triton's CPU interpreter (TRITON_INTERPRET=1), see test_kernels_in_the_interpreter",
+)
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+# (sliding_window, logit_cap): full, tiny window (below one key block), a window spanning blocks,
+# soft-cap alone and with a window (Gemma-2 shapes).
+CASES = [(None, None), (1, None), (8, None), (100, 50.0), (None, 2.0), (8, 2.0)]
+
+
+# ---- key ranges (no triton needed)
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 64, 1000, 4096])
+@pytest.mark.parametrize("num_splits", [1, 3, 16, 128])
+def test_decode_splits_cover_exactly_the_visible_keys(window, num_splits):
+    for seq_len in (1, 2, 63, 64, 65, 1000, 4096, 4097, 70_000):
+        bounds = split_kv.decode_split_bounds(seq_len, window, num_splits)
+        first = 0 if window is None else max(seq_len - window, 0)
+        assert bounds[0][0] == first and bounds[-1][1] == seq_len
+        assert all(s < e for s, e in bounds)
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in order
+        assert len(bounds) <= num_splits
+        # Splits are sized by the visible length: equal (the last may be short), at least
+        # MIN_SPLIT_LEN unless fewer keys are visible.
+        per = bounds[0][1] - bounds[0][0]
+        assert all(e - s == per for s, e in bounds[:-1])
+        assert per >= min(split_kv.MIN_SPLIT_LEN, seq_len - first)
+
+
+def test_sliding_decode_cost_does_not_grow_with_context():
+    """A sliding layer's decode step visits min(seq_len, window) keys in a bounded number of blocks
+    at any context length; a full layer's grows with the context."""
+    window, splits = 1024, 128
+    bound = -(-window // split_kv.DECODE_BLOCK_N) + splits
+    for seq_len in (window, window + 1, 8192, 32_768, 1_000_000):
+        keys = sum(e - s for s, e in split_kv.decode_split_bounds(seq_len, window, splits))
+        assert keys == window
+        assert split_kv.decode_blocks_visited(seq_len, window, splits) <= bound
+    assert split_kv.decode_blocks_visited(1_000_000, window, splits) == split_kv.decode_blocks_visited(
+        8192, window, splits)
+    assert split_kv.decode_blocks_visited(1_000_000, None, splits) > 100 * bound
+
+
+def test_extend_reads_only_keys_some_query_of_the_block_sees():
+    block = split_kv.EXTEND_BLOCK_M
+    for window in (None, 1, 8, 100, 5000):
+        for prefix, n in ((0, 1), (0, 200), (37, 5), (1000, 130), (5000, 64)):
+            bounds = split_kv.extend_kv_bounds(prefix, n, window)
+            assert len(bounds) == -(-n // block)
+            for i, (start, end) in enumerate(bounds):
+                q_first, q_last = prefix + i * block, prefix + min((i + 1) * block, n) - 1
+                assert end == q_last + 1
+                assert start == (0 if window is None else max(q_first - window + 1, 0))
+                if window is not None:  # O(window) keys per block of queries
+                    assert end - start <= block + window - 1
+
+
+def test_auto_backend_runs_windowed_models_on_triton_on_cuda():
+    """The triton backend implements windows and soft-caps, so `auto` gives it windowed and
+    soft-capped models on CUDA and naming it is accepted (torch_native stays the CPU choice)."""
+    from tide.layers.attention import select_attention_backend
+    from tide.layers.attention.torch_native import TorchNativeAttnBackend
+    from tide.layers.attention.triton_backend import TritonAttnBackend
+    from tide.model_config import ModelConfig
+
+    from test_swa_config import GEMMA2_9B, GEMMA3_12B
+
+    for hf in (GEMMA2_9B, GEMMA3_12B):
+        mc = ModelConfig.from_hf_dict(hf)
+        assert mc.has_sliding_layers
+        assert select_attention_backend("auto", "cuda", mc) is TritonAttnBackend
+        assert select_attention_backend("triton", "cuda", mc) is TritonAttnBackend
+        assert select_attention_backend("auto", "cpu", mc) is TorchNativeAttnBackend
+
+
+# ---- the kernels in triton's interpreter
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs triton; runs the tests below")
+def test_kernels_in_the_interpreter():
+    """The interpreter tests of this file, in a subprocess with TRITON_INTERPRET=1: all pass, none
+    skipped."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
+        env=env, capture_output=True, text=True, timeout=1800,
+    )
+    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "skipped" not in summary and "deselected" in summary, tail
+    # decode and extend per case, the two visit counts, two models
+    assert int(summary.split(" passed")[0].split()[-1]) == 2 * len(CASES) + 3 + 2, tail
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from tide.layers.attention import triton_kernels
+
+    return triton_kernels
+
+
+class _Pool:
+    """A shuffled KV pool: request i's token at position p lives in slot table[i, p]."""
+
+    def __init__(self, lens: list[int], seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        total = sum(lens)
+        self.k = torch.randn(total + 8, KV_HEADS, DIM, generator=gen)
+        self.v = torch.randn(total + 8, KV_HEADS, DIM, generator=gen)
+        perm = torch.randperm(total, generator=gen) + 4  # slots 0..3 and the tail stay unused
+        self.table = torch.zeros(len(lens), max(lens) + 5, dtype=torch.int32)
+        off = 0
+        for i, n in enumerate(lens):
+            self.table[i, :n] = perm[off : off + n].to(torch.int32)
+            off += n
+        self.visible: set[int] = set()
+
+    def see(self, req: int, lo: int, hi: int) -> None:
+        """Mark positions lo..hi-1 of request `req` as visible to some query of the launch."""
+        self.visible.update(self.table[req, lo:hi].tolist())
+
+    def poison_the_rest(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool copies with NaN in every slot no query may see."""
+        hidden = torch.ones(self.k.shape[0], dtype=torch.bool)
+        hidden[sorted(self.visible)] = False
+        k, v = self.k.clone(), self.v.clone()
+        k[hidden] = float("nan")
+        v[hidden] = float("nan")
+        return k, v
+
+
+def _layer(window, cap) -> Attention:
+    return Attention(HEADS, KV_HEADS, DIM, DIM**-0.5, 0, sliding_window=window, logit_cap=cap)
+
+
+def _decode(kernels, pool, q, lens, layer, splits, k, v):
+    out = torch.empty_like(q)
+    bs = q.shape[0]
+    mid_o = torch.empty(bs, HEADS, splits, DIM)
+    mid_lse = torch.empty(bs, HEADS, splits)
+    kernels.decode_attention(q, k, v, out, pool.table, torch.arange(bs), torch.tensor(lens), mid_o,
+                             mid_lse, layer.scaling, layer.sliding_window, layer.logit_cap)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("window,cap", CASES)
+def test_interpreted_decode_matches_torch_native(kernels, window, cap):
+    """Sequences shorter than, at, just past and far past the window; 1 to 16 splits."""
+    lens = [1, 5, 8, 9, 130, 700]
+    pool = _Pool(lens, seed=len(CASES) + (window or 0))
+    layer = _layer(window, cap)
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    ref = []
+    for i, n in enumerate(lens):
+        kv0 = split_kv.decode_visible_start(n, window)
+        pool.see(i, kv0, n)
+        slots = pool.table[i, kv0:n].long()
+        ref.append(torch_native.attend(q[i : i + 1], pool.k[slots], pool.v[slots], n - 1, kv0, layer))
+    ref = torch.cat(ref)
+    k, v = pool.poison_the_rest()
+    for splits in (1, 2, 16):
+        out = _decode(kernels, pool, q, lens, layer, splits, k, v)
+        assert not out.isnan().any(), f"splits {splits}: a hidden slot was read"
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    if window is not None:  # the window is exact: one more key changes the result
+        wider = [torch_native.attend(q[i : i + 1], pool.k[pool.table[i, : n].long()],
+                                     pool.v[pool.table[i, : n].long()], n - 1, 0, _layer(window + 1, cap))
+                 for i, n in enumerate(lens)]
+        assert (torch.cat(wider) - ref)[-1].abs().max() > 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("window,cap", CASES)
+def test_interpreted_extend_with_prefix_and_chunks_matches_torch_native(kernels, window, cap):
+    """Each request's prompt arrives in chunks (chunked prefill, or new tokens on a cached prefix);
+    every chunk's attention over prefix + itself equals the reference."""
+    chunks = [[9], [3, 30], [20, 70, 5], [130, 1], [64, 64, 65]]
+    lens = [sum(c) for c in chunks]
+    pool = _Pool(lens, seed=100 + (window or 0))
+    layer = _layer(window, cap)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(max(len(c) for c in chunks)):
+        reqs = [i for i, c in enumerate(chunks) if step < len(c)]
+        prefix = [sum(chunks[i][:step]) for i in reqs]
+        ext = [chunks[i][step] for i in reqs]
+        starts = [sum(ext[:j]) for j in range(len(ext))]
+        q = torch.randn(sum(ext), HEADS, DIM, generator=gen)
+        ref = torch.empty_like(q)
+        pool.visible.clear()
+        for j, i in enumerate(reqs):
+            for r in range(ext[j]):
+                pos = prefix[j] + r
+                kv0 = 0 if window is None else max(pos - window + 1, 0)
+                pool.see(i, kv0, pos + 1)
+                slots = pool.table[i, kv0 : pos + 1].long()
+                row = starts[j] + r
+                ref[row] = torch_native.attend(q[row : row + 1], pool.k[slots], pool.v[slots], pos, kv0,
+                                               layer)[0]
+        k, v = pool.poison_the_rest()
+        out = torch.empty_like(q)
+        kernels.extend_attention(q, k, v, out, pool.table, torch.tensor(reqs), torch.tensor(prefix),
+                                 torch.tensor(ext), torch.tensor(starts), max(ext), layer.scaling,
+                                 window, cap)
+        assert not out.isnan().any(), f"chunk {step}: a hidden slot was read"
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+class _LoadProbe:
+    """Records which rows of `buffer` each load of an interpreted kernel reads (unmasked lanes)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.base = buffer.data_ptr()
+        self.end = self.base + buffer.numel() * buffer.element_size()
+        self.row_bytes = buffer.stride(0) * buffer.element_size()
+        self.loads: list[set[int]] = []
+
+    def install(self, monkeypatch) -> None:
+        from triton.runtime import interpreter
+
+        real = interpreter.InterpreterBuilder.create_masked_load
+        probe = self
+
+        def load(builder, ptrs, mask, other, cache_policy, is_volatile):
+            addrs = ptrs.data[mask.data.astype(bool)].astype("int64")
+            hit = addrs[(addrs >= probe.base) & (addrs < probe.end)]
+            if hit.size:
+                probe.loads.append({int(a) for a in (hit - probe.base) // probe.row_bytes})
+            return real(builder, ptrs, mask, other, cache_policy, is_volatile)
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", load)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 48])
+def test_interpreted_decode_visits_only_the_window(kernels, monkeypatch, window):
+    """Counted in the interpreter: a decode step over 2,000 tokens with a 48-token window loads the
+    keys of exactly the visible slots, in the number of blocks `split_kv` predicts, per kv head."""
+    lens = [2000, 30]
+    pool = _Pool(lens, seed=5)
+    layer = _layer(window, None)
+    q = torch.randn(2, HEADS, DIM)
+    probe = _LoadProbe(pool.k)
+    probe.install(monkeypatch)
+    splits = 4
+    out = _decode(kernels, pool, q, lens, layer, splits, pool.k, pool.v)
+    assert out.isfinite().all()
+    visible = set()
+    for i, n in enumerate(lens):
+        visible.update(pool.table[i, split_kv.decode_visible_start(n, window) : n].tolist())
+    assert set().union(*probe.loads) == visible
+    expected = KV_HEADS * sum(split_kv.decode_blocks_visited(n, window, splits) for n in lens)
+    assert len(probe.loads) == expected
+    if window is not None:
+        assert expected <= KV_HEADS * 2 * (-(-window // split_kv.DECODE_BLOCK_N) + splits)
+
+
+@needs_triton
+def test_interpreted_extend_visits_only_the_window(kernels, monkeypatch):
+    window = 40
+    n = 300
+    pool = _Pool([n], seed=6)
+    probe = _LoadProbe(pool.k)
+    probe.install(monkeypatch)
+    q = torch.randn(n, HEADS, DIM)
+    out = torch.empty_like(q)
+    kernels.extend_attention(q, pool.k, pool.v, out, pool.table, torch.tensor([0]), torch.tensor([0]),
+                             torch.tensor([n]), torch.tensor([0]), n, DIM**-0.5, window, None)
+    blocks = sum(-(-(e - s) // split_kv.EXTEND_BLOCK_N) for s, e in split_kv.extend_kv_bounds(0, n, window))
+    assert len(probe.loads) == HEADS * blocks
+    full = sum(-(-(e - s) // split_kv.EXTEND_BLOCK_N) for s, e in split_kv.extend_kv_bounds(0, n, None))
+    assert blocks < full
+
+
+# ---- whole models through the triton backend in the interpreter (a subprocess with the flag set)
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_interpreted_models_on_the_triton_backend_match_torch_native(arch, tmp_path, monkeypatch):
+    """Gemma-2 (alternating window 8 / full layers, soft-caps) and Mistral (window 8 on every layer,
+    RoPE fused into the KV store) on the triton backend: prompts across the window in chunks of
+    16 tokens, a prefix-cache hit on a windowed prefix, decode past the window. Same greedy tokens
+    and logprobs within 1e-5 as torch_native (fp32)."""
+    import tide
+    from tide.layers.attention import triton_kernels
+
+    from conftest import random_prompts
+    from test_swa_models import build_swa_checkpoint
+
+    path = build_swa_checkpoint(tmp_path / arch, arch)
+    prompts = random_prompts(900, [9, 37])
+    follow = prompts[1] + random_prompts(901, [6])[0]  # shares the 37-token prefix
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    # Few splits keep the interpreter quick (the kernel tests above cover up to 16).
+    monkeypatch.setattr(triton_kernels, "num_kv_splits",
+                        lambda rows, most: split_kv.num_kv_splits(rows, min(most, 4)))
+    engine = tide.Engine(str(path), device="cpu", attention_backend="triton", chunked_prefill_size=16,
+                         max_prefill_tokens=16)
+    try:
+        assert type(engine.model_runner.attn_backend).__name__ == "TritonAttnBackend"
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        again = engine.generate(input_ids=follow, sampling_params=params, return_logprob=True)
+    finally:
+        engine.shutdown()
+    assert again["meta_info"]["cached_tokens"] >= len(prompts[1]) - 1
+
+    engine = tide.Engine(str(path), device="cpu", attention_backend="torch_native",
+                         chunked_prefill_size=16, max_prefill_tokens=16)
+    try:
+        ref = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        ref_again = engine.generate(input_ids=follow, sampling_params=params, return_logprob=True)
+    finally:
+        engine.shutdown()
+    for got, want in zip(outs + [again], ref + [ref_again]):
+        assert got["output_ids"] == want["output_ids"]
+        a = torch.tensor([lp for lp, _ in got["meta_info"]["output_token_logprobs"]])
+        b = torch.tensor([lp for lp, _ in want["meta_info"]["output_token_logprobs"]])
+        assert (a - b).abs().max().item() <= 1e-5

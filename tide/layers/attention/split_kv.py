@@ -1,0 +1,73 @@
+"""Block sizes and key ranges of the Triton attention kernels, in plain Python (no triton import).
+
+The kernels in `triton_kernels` do this arithmetic on the device; these functions compute the same
+ranges on the host, so tests and cost estimates can check which keys a launch visits (a sliding
+layer's decode step visits min(seq_len, window) keys at any context length) without a GPU.
+"""
+
+from __future__ import annotations
+
+# Shortest split of split-KV decode: short visible ranges use fewer, longer splits.
+MIN_SPLIT_LEN = 64
+# Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
+# H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
+DECODE_BLOCK_N = 32
+# Extend: new tokens (query rows) per program, keys per iteration.
+EXTEND_BLOCK_M = 64
+EXTEND_BLOCK_N = 64
+
+
+def num_kv_splits(parallel_rows: int, max_splits: int) -> int:
+    """Splits per (request, kv head): enough programs to fill the GPU when the batch is small."""
+    splits = 1
+    while splits < max_splits and parallel_rows * splits < 1024:
+        splits *= 2
+    return splits
+
+
+def decode_visible_start(seq_len: int, sliding_window: int | None) -> int:
+    """Position of the first key the decode query (at position seq_len - 1) sees: it sees
+    seq_len - sliding_window .. seq_len - 1 (its own token counts, as in transformers)."""
+    return 0 if sliding_window is None else max(seq_len - sliding_window, 0)
+
+
+def decode_split_len(visible_len: int, num_splits: int) -> int:
+    """Keys per split of split-KV decode for `visible_len` visible keys."""
+    return max(-(-visible_len // num_splits), MIN_SPLIT_LEN)
+
+
+def decode_split_bounds(
+    seq_len: int, sliding_window: int | None, num_splits: int
+) -> list[tuple[int, int]]:
+    """[start, end) key positions that each non-empty stage-1 split reads for one decode query at
+    position seq_len - 1. Together they cover exactly the visible keys, in order."""
+    kv_start = decode_visible_start(seq_len, sliding_window)
+    per_split = decode_split_len(seq_len - kv_start, num_splits)
+    bounds = []
+    for split in range(num_splits):
+        start = kv_start + split * per_split
+        end = min(start + per_split, seq_len)
+        if start < end:
+            bounds.append((start, end))
+    return bounds
+
+
+def decode_blocks_visited(seq_len: int, sliding_window: int | None, num_splits: int) -> int:
+    """Stage-1 key blocks (of DECODE_BLOCK_N) one decode query visits per kv head."""
+    return sum(-(-(e - s) // DECODE_BLOCK_N) for s, e in decode_split_bounds(
+        seq_len, sliding_window, num_splits))
+
+
+def extend_kv_bounds(
+    prefix_len: int, extend_len: int, sliding_window: int | None
+) -> list[tuple[int, int]]:
+    """[start, end) key positions the extend kernel reads for each block of EXTEND_BLOCK_M new tokens
+    of one request (queries at positions prefix_len .. prefix_len + extend_len - 1): from the first
+    key the block's first query sees to the block's last query. Every key in the range is seen by
+    some query of the block."""
+    bounds = []
+    for m0 in range(0, extend_len, EXTEND_BLOCK_M):
+        q_first = prefix_len + m0
+        start = 0 if sliding_window is None else max(q_first - sliding_window + 1, 0)
+        bounds.append((start, prefix_len + min(m0 + EXTEND_BLOCK_M, extend_len)))
+    return bounds

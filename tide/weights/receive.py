@@ -1,0 +1,170 @@
+"""The engine side of a distributed weight update: receive rank 0's broadcasts, write the parameters.
+
+`BroadcastReceiver` takes one update's broadcasts in order. A tensor whose destination rows are
+contiguous memory on the group's device is received straight into them; anything else lands in a
+receive buffer and is copied out. A flattened dtype buffer arrives in the pieces the group agreed on
+(`WeightUpdateGroup.pieces`), alternately into two buffers of one piece each, and `piece_copies` maps
+every piece onto the parameters it covers (a tensor may straddle two pieces).
+
+With NCCL the broadcasts are queued on a receive stream and the copies on a copy stream: the copy of
+piece i (after an event that marks its arrival) runs while piece i+1 arrives in the other buffer, and
+the receive stream waits for the copy of piece i before piece i+2 reuses its buffer. Both streams start
+behind the work already queued on the current stream; `finish()` waits for these two streams only.
+With gloo everything runs in order on the host.
+
+Atomicity is the caller's: it validates the whole update first and passes `None` destinations for an
+update that failed validation, so every broadcast is still drained and nothing is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tide.weights.distributed import WeightUpdateGroup
+
+
+@dataclass(frozen=True)
+class PieceCopy:
+    """Elements [src_start, src_end) of a received piece are elements [dst_start, ...) of tensor
+    `index` (flattened)."""
+
+    index: int
+    src_start: int
+    src_end: int
+    dst_start: int
+
+
+def piece_copies(numels: Sequence[int], pieces: Sequence[tuple[int, int]]) -> list[list[PieceCopy]]:
+    """For each piece [start, end) of the concatenation of tensors of `numels` elements, the parts of
+    those tensors it holds, in order. Every element of every tensor is covered exactly once."""
+    out: list[list[PieceCopy]] = []
+    index, tensor_start = 0, 0
+    for start, end in pieces:
+        copies: list[PieceCopy] = []
+        while index < len(numels) and tensor_start < end:
+            tensor_end = tensor_start + numels[index]
+            lo, hi = max(start, tensor_start), min(end, tensor_end)
+            if hi > lo:
+                copies.append(PieceCopy(index, lo - start, hi - start, lo - tensor_start))
+            if tensor_end > end:
+                break  # the rest of this tensor is in the next piece
+            index, tensor_start = index + 1, tensor_end
+        out.append(copies)
+    return out
+
+
+class BroadcastReceiver:
+    """One update's receiving side (module docstring). Call `finish()` when done, also on error."""
+
+    def __init__(self, group: WeightUpdateGroup,
+                 streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None) -> None:
+        """`streams`: the (receive, copy) streams on the group's CUDA device. Pass the same pair to
+        every update: the caching allocator keeps freed receive buffers per stream, so new streams
+        on every call would strand the previous calls' buffers in its cache."""
+        self.group = group
+        self.device = group.device
+        self.cuda = self.device.type == "cuda"
+        self.buffers_allocated = 0  # receive buffers taken so far (tests read it)
+        self._recv: torch.cuda.Stream | None = None
+        self._copy: torch.cuda.Stream | None = None
+        if self.cuda:
+            if streams is None:
+                streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            self._recv, self._copy = streams
+            current = torch.cuda.current_stream(self.device)
+            self._recv.wait_stream(current)  # nothing in flight still reads the old weights
+            self._copy.wait_stream(current)
+
+    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.buffers_allocated += 1
+        with self._on(self._recv):
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+        if self._copy is not None:
+            buf.record_stream(self._copy)  # not handed out again before the copy stream read it
+        return buf
+
+    def _receive(self, tensor: torch.Tensor) -> None:
+        with self._on(self._recv):
+            self.group.broadcast(tensor)
+
+    def _copy_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event | None:
+        """dst.copy_(src) for each pair once what was received so far has arrived; the event marks
+        the copies' end (None on the host path, where they are done on return)."""
+        if self._copy is None or self._recv is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        arrived = torch.cuda.Event()
+        arrived.record(self._recv)
+        with torch.cuda.stream(self._copy):
+            self._copy.wait_event(arrived)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy)
+        return done
+
+    def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype,
+                       dest: torch.Tensor | None) -> None:
+        """One broadcast of a `shape`/`dtype` tensor, written to `dest` (None: drained)."""
+        if dest is not None and dest.is_contiguous() and dest.device == self.device:
+            self._receive(dest)  # straight into the parameter's rows
+            return
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        buf = self._buffer(numel, dtype).view(shape)
+        self._receive(buf)
+        if dest is not None:
+            self._copy_out([(dest, buf)])
+
+    def receive_flattened(self, dtype: torch.dtype,
+                          items: Sequence[tuple[torch.Tensor | None, int]]) -> None:
+        """One dtype's flat buffer: `items` are (destination or None, numel) in the trainer's order."""
+        numels = [n for _, n in items]
+        pieces = self.group.pieces(sum(numels), torch.empty((), dtype=dtype).element_size())
+        flats: list[torch.Tensor | None] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dest, numel in items:
+            if dest is None:
+                flats.append(None)
+            elif dest.is_contiguous():
+                flats.append(dest.view(-1))
+            else:  # assembled whole, then written in one copy
+                with self._on(self._copy):
+                    stage = torch.empty(numel, dtype=dtype, device=self.device)
+                flats.append(stage)
+                staged.append((dest, stage.view(dest.shape)))
+        size = max(end - start for start, end in pieces)
+        buffers = [self._buffer(size, dtype) for _ in range(min(2, len(pieces)))]
+        released: list[torch.cuda.Event | None] = [None] * len(buffers)
+        for i, ((start, end), copies) in enumerate(zip(pieces, piece_copies(numels, pieces))):
+            slot = i % len(buffers)
+            wait = released[slot]
+            if wait is not None and self._recv is not None:
+                self._recv.wait_event(wait)  # the copy out of this buffer's last piece is done
+            buf = buffers[slot][: end - start]
+            self._receive(buf)
+            pairs = []
+            for c in copies:
+                flat = flats[c.index]
+                if flat is not None:
+                    pairs.append((flat[c.dst_start : c.dst_start + c.src_end - c.src_start],
+                                  buf[c.src_start : c.src_end]))
+            if pairs:
+                released[slot] = self._copy_out(pairs)
+        if staged:
+            self._copy_out(staged)
+
+    def finish(self) -> None:
+        """Wait (host) until every broadcast has arrived and every copy is done."""
+        if self._recv is not None and self._copy is not None:
+            self._copy.synchronize()
+            self._recv.synchronize()
