@@ -95,7 +95,6 @@ class _HandoverCollector(Collector):
         replicas = load.get("replicas")
         if replicas:  # --dp-size N: one entry per replica, dead ones included
             yield from _replica_metrics(name, replicas)
-
         memory = load.get("memory")
         if memory:
             yield from _memory_metrics(name, memory)
