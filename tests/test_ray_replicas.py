@@ -45,7 +45,8 @@ def replicas(cluster):
     """The replicas docs/parallel.md starts: its Python block, run as written (it prints the
     outputs of a two-prompt batch)."""
     text = (Path(__file__).resolve().parent.parent / "docs" / "parallel.md").read_text()
-    block = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    section = text[text.index("### On a Ray cluster"):]
+    block = re.findall(r"```python\n(.*?)```", section, re.S)[0]
     assert "RayEngine(num_replicas=2)" in block
     namespace: dict = {"__name__": "parallel_example"}
     printed = io.StringIO()
