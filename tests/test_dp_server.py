@@ -22,6 +22,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
+from tide.config import EngineConfig
 from tide.weights import init_custom_process_group, serialize_named_tensors
 
 from server_utils import ServerProcess, free_port, running_server, serve_model_path
@@ -284,3 +285,43 @@ async def _stream(http: httpx.AsyncClient, text: str, params: dict) -> dict:
             if line.startswith("data: ") and line != "data: [DONE]":
                 last = json.loads(line[6:])
     return last
+
+
+@pytest.mark.skipif("tp_size" not in EngineConfig.__dataclass_fields__,
+                    reason="needs tensor parallel (EngineConfig.tp_size)")
+def test_replicas_times_tp_ranks_form_one_trainer_group(model_path, base, tmp_path):
+    """--dp-size 2 --tp-size 2 on CPU: the trainer group has world size 1 + 2 x 2; replica k joins
+    at rank 1 + 2k (its TP ranks after it), and one broadcast reaches all four ranks."""
+    with running_server(model_path, "--dp-size", "2", "--tp-size", "2", "--device", "cpu",
+                        log_dir=tmp_path) as srv:
+        before, _ = server_greedy(srv)
+        port, group = free_port(), "dp-tp"
+        result: list[httpx.Response] = []
+        join = threading.Thread(target=lambda: result.append(srv.post(
+            "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
+                                           "rank_offset": 1, "world_size": 5, "group_name": group,
+                                           "backend": "gloo"}, timeout=120)), daemon=True)
+        join.start()
+        trainer = init_custom_process_group("gloo", "127.0.0.1", port, 0, 5, group, timeout_s=60)
+        join.join(60)
+        message = ok(result[0])["message"]
+        assert "rank 1 of 5" in message and "rank 3 of 5" in message, message
+        named = perturbed(base, seed=3)
+        result.clear()
+        recv = threading.Thread(target=lambda: result.append(srv.post(
+            "/update_weights_from_distributed", {
+                "names": [n for n, _ in named], "dtypes": ["float32"] * len(named),
+                "shapes": [list(t.shape) for _, t in named], "group_name": group,
+                "weight_version": "dp-tp"}, timeout=120)), daemon=True)
+        recv.start()
+        for _, t in named:
+            trainer.broadcast(t.clone())
+        recv.join(60)
+        ok(result[0])
+        after, versions = server_greedy(srv)
+        assert versions == ["dp-tp"] * len(PROMPTS) and after != before
+        # both replicas hold the same new weights: one prompt twice at once runs on each, alike
+        served = [r["requests_served"] for r in info(srv)["replicas"]]
+        twice = srv.post("/generate", {"text": [PROMPTS[0]] * 2, "sampling_params": GREEDY}).json()
+        assert twice[0]["output_ids"] == twice[1]["output_ids"] == after[0]
+        assert [r["requests_served"] - s for r, s in zip(info(srv)["replicas"], served)] == [1, 1]
