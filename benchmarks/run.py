@@ -45,6 +45,28 @@ def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / times[len(times) // 2]
 
 
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """`--engine KEY=VALUE` pairs as EngineConfig keywords (true/false, ints and floats parsed)."""
+    opts: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--engine takes KEY=VALUE, got {pair!r}")
+        low = value.lower()
+        if low in ("true", "false"):
+            opts[key] = low == "true"
+            continue
+        for cast in (int, float):
+            try:
+                opts[key] = cast(value)
+                break
+            except ValueError:
+                pass
+        else:
+            opts[key] = value
+    return opts
+
+
 def make_engine(shape: str, **kw: Any):
     import tide
 
@@ -142,13 +164,17 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for every tide engine, e.g. disable_overlap_schedule=true")
     args = ap.parse_args()
+    options = engine_options(args.engine)
     parts = set(args.only.split(","))
     os.makedirs(args.out, exist_ok=True)
     res: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
+        "engine_options": options,
     }
     bw = measure_copy_bandwidth()
     res["copy_bandwidth_TBps"] = bw / 1e12
@@ -163,7 +189,7 @@ def main() -> None:
     for shape in shapes:
         if not parts & {"a", "b", "d"} or (shape != "llama-3.1-8b" and not parts & {"b"}):
             continue
-        engine = make_engine(shape)
+        engine = make_engine(shape, **options)
         if shape == "llama-3.1-8b" and "a" in parts:
             nbytes = param_bytes(engine)
             tps = bs1_decode(engine, 128, 256)

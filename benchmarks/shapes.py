@@ -51,7 +51,63 @@ QWEN3_06B = {
     "eos_token_id": 151645,
 }
 
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen3-0.6b": QWEN3_06B}
+# Hybrid sliding-window shapes (benchmarks/swa.py): Gemma-2 alternates sliding (4096) and full
+# layers; Gemma-3 has five sliding (1024) layers per full one.
+GEMMA2_9B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 256000,
+    "hidden_size": 3584,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+GEMMA3_12B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262208,
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen3-0.6b": QWEN3_06B, "gemma-2-9b": GEMMA2_9B,
+          "gemma-3-12b": GEMMA3_12B}
 
 
 def config_dir(name: str) -> str:

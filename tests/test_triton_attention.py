@@ -323,7 +323,7 @@ def test_interpreted_models_on_the_triton_backend_match_torch_native(arch, tmp_p
 
     path = build_swa_checkpoint(tmp_path / arch, arch)
     prompts = random_prompts(900, [9, 37])
-    follow = prompts[1] + random_prompts(901, [6])[0]  # shares the 37-token prefix
+    tail = random_prompts(901, [6])[0]
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     # Few splits keep the interpreter quick (the kernel tests above cover up to 16).
     monkeypatch.setattr(triton_kernels, "num_kv_splits",
@@ -333,10 +333,13 @@ def test_interpreted_models_on_the_triton_backend_match_torch_native(arch, tmp_p
     try:
         assert type(engine.model_runner.attn_backend).__name__ == "TritonAttnBackend"
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        # A follow-up turn: shares the 37-token prompt and its 10 generated tokens (with two KV
+        # pools the end of a finished sequence keeps its window, so all of it is a hit).
+        follow = prompts[1] + outs[1]["output_ids"] + tail
         again = engine.generate(input_ids=follow, sampling_params=params, return_logprob=True)
     finally:
         engine.shutdown()
-    assert again["meta_info"]["cached_tokens"] >= len(prompts[1]) - 1
+    assert again["meta_info"]["cached_tokens"] >= len(prompts[1]) + 10 - 1
 
     engine = tide.Engine(str(path), device="cpu", attention_backend="torch_native",
                          chunked_prefill_size=16, max_prefill_tokens=16)

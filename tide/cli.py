@@ -57,6 +57,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _engine_option(p, "context_length", type=int, metavar="N")
     _engine_option(p, "chunked_prefill_size", type=int, metavar="N")
     _engine_option(p, "disable_radix_cache", action="store_true")
+    _engine_option(p, "disable_overlap_schedule", action="store_true")
+    _engine_option(p, "enable_mixed_chunk", action="store_true")
     _engine_option(p, "attention_backend", choices=["auto", "triton", "torch_native"])
     _engine_option(p, "enable_deterministic_inference", action="store_true")
     _engine_option(p, "load_format", choices=["auto", "safetensors", "dummy"])
@@ -67,7 +69,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model_path", "device", "dtype", "max_total_tokens", "context_length",
-            "chunked_prefill_size", "disable_radix_cache", "attention_backend", "load_format",
+            "chunked_prefill_size", "disable_radix_cache", "disable_overlap_schedule",
+            "enable_mixed_chunk", "attention_backend", "load_format",
             "enable_deterministic_inference", "log_level")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
@@ -117,7 +120,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from tide.server.limits import RequestLimits
 
     kwargs = engine_kwargs(args)
-    for key in ("max_running_requests", "mem_fraction_static", "tokenizer_path",
+    for key in ("max_running_requests", "mem_fraction_static", "swa_full_tokens_ratio",
+                "tokenizer_path",
                 "skip_tokenizer_init", "enable_memory_saver", "enable_cpu_backup"):
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
@@ -241,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_option(srv, "skip_tokenizer_init", action="store_true")
     _engine_option(srv, "max_running_requests", type=int, metavar="N")
     _engine_option(srv, "mem_fraction_static", type=float, metavar="F")
+    _engine_option(srv, "swa_full_tokens_ratio", type=float, metavar="F")
     _engine_option(srv, "enable_memory_saver", action="store_true")
     _engine_option(srv, "enable_cpu_backup", action="store_true")
     _add_engine_args(srv)

@@ -54,7 +54,8 @@ class EngineConfig:
     attention_backend: str = _option("auto", "auto (triton on CUDA, torch_native elsewhere), "
                                              "triton or torch_native")
     disable_cuda_graph: bool = _option(False, "run decode eagerly instead of replaying CUDA graphs")
-    cuda_graph_max_bs: int = _option(256, "largest decode batch captured as a CUDA graph")
+    cuda_graph_max_bs: int = _option(
+        512, "largest decode batch captured as a CUDA graph (at most max_running_requests)")
     # Memory pools.
     mem_fraction_static: float = _option(
         0.85, "fraction of the GPU's total memory for weights + KV cache (the rest is activations "
@@ -63,11 +64,21 @@ class EngineConfig:
         None, "KV cache size in tokens; on GPU at most what mem_fraction_static leaves after the "
               "weights (default: all of that), on CPU default 32768")
     max_running_requests: int = _option(256, "most requests decoding at once")
+    swa_full_tokens_ratio: float = _option(
+        0.8, "hybrid sliding-window models (full and sliding layers, e.g. Gemma-2/3): slots of the "
+             "sliding-window KV pool per slot of the full pool, in (0, 1]; the memory budget is "
+             "split so both pools fit (smaller: more full-context tokens, fewer concurrent windows)")
     # Scheduling.
     chunked_prefill_size: int = _option(8192, "longest prefill chunk in tokens; longer prompts "
                                               "are prefilled over several steps")
     max_prefill_tokens: int = _option(16384, "most prompt tokens one prefill batch takes")
     disable_radix_cache: bool = _option(False, "do not reuse cached prompt prefixes across requests")
+    disable_overlap_schedule: bool = _option(
+        False, "run each decode step to the end before scheduling the next (the overlap schedule "
+               "prepares step N+1 while the GPU runs step N; it is used on CUDA only)")
+    enable_mixed_chunk: bool = _option(
+        False, "running requests decode in the same forward as a prefill batch instead of waiting "
+               "for it")
     # Releasing memory to a colocated trainer (release/resume_memory_occupation).
     enable_memory_saver: bool = _option(
         False, "allocate KV cache, weights and CUDA graphs so release_memory_occupation / "
@@ -79,7 +90,7 @@ class EngineConfig:
     # RL fidelity (see docs/rl.md).
     enable_deterministic_inference: bool = _option(
         False, "batch-invariant ops: the same prompt and seed give the same tokens and logprobs "
-               "whatever shares the batch, chunked prefill or a cached prefix (CPU only for now)")
+               "whatever shares the batch, chunked prefill or a cached prefix (CPU and CUDA)")
     # Loading.
     show_progress: bool | None = _option(None, "show a progress bar while loading weights "
                                                "(default: for checkpoints of 1 GiB or more)")
@@ -97,6 +108,9 @@ class EngineConfig:
         _positive("max_total_tokens", self.max_total_tokens, allow_none=True)
         _positive("context_length", self.context_length, allow_none=True)
         _positive("max_running_requests", self.max_running_requests)
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError(
+                f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         _positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _positive("chunked_prefill_size", self.chunked_prefill_size)
         _positive("max_prefill_tokens", self.max_prefill_tokens)

@@ -274,10 +274,10 @@ class Engine:
         """Write this engine's memory ledger as JSON for `tide memory-plot`."""
         self.memory_ledger.dump_json(path)
 
-    def get_server_info(self) -> dict[str, str | int]:
+    def get_server_info(self) -> dict[str, Any]:
         info = self.scheduler.server_info()
         return {key: info[key] for key in ("model_path", "max_total_tokens", "context_length",
-                                           "device", "dtype")}
+                                           "device", "dtype", "kv_cache_layout")}
 
     def shutdown(self) -> None:
         with self._control():

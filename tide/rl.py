@@ -9,15 +9,17 @@ with the batch-invariant ops of `enable_deterministic_inference`: batch-invarian
 attention computed one query row at a time over exactly its visible keys. One prefill over
 `input_ids + output_ids` then performs, for every output token, the same sequence of operations the
 engine performed in its prefill and decode steps, so the logprobs equal a deterministic engine's bit for
-bit (same weights, dtype and device: CPU). Against a default-mode engine they agree to about 1e-6 in
-fp32 (tests/test_rl.py measures it).
+bit (same weights, dtype and device). On CUDA it runs the Triton kernels of
+`tide.layers.batch_invariant_triton`, the ones a deterministic engine runs there. Against a
+default-mode engine they agree to about 1e-6 in fp32 on CPU (tests/test_rl.py measures it).
 
 Limits: architectures tide serves (`tide.models.registry`: Llama, Mistral, Qwen2, Qwen3, Gemma 2/3
 text), given as a transformers `PreTrainedModel` whose `named_parameters()` use checkpoint names;
-CPU; no gradients (the result is a list of floats: use it for the importance ratio / as the old-policy
-logprob, and compute the differentiable logprobs with the trainer's own forward). The K/V of the scored
-sequence live in scratch buffers for the one call; nothing is cached between calls. The weights are
-copied into tide's layout on every call (the trainer changes them between calls).
+CPU or CUDA (the engine must run on the same device type, with the module's dtype); no gradients
+(the result is a list of floats: use it for the importance ratio / as the old-policy logprob, and
+compute the differentiable logprobs with the trainer's own forward). The K/V of the scored sequence
+live in scratch buffers for the one call; nothing is cached between calls. The weights are copied into
+tide's layout on every call (the trainer changes them between calls).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch
 from torch import nn
 
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
+from tide.layers import batch_invariant
+from tide.layers.attention import AttentionBackend, select_attention_backend
 from tide.layers.attention.torch_native import TorchNativeAttnBackend
 from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
@@ -63,19 +67,29 @@ class _Reference:
             hf["architectures"] = [type(hf_model).__name__]
         self.model_config = ModelConfig.from_hf_dict(hf)
         first = next(hf_model.parameters())
-        if first.device.type != "cpu":
-            raise ValueError("model must be on CPU: tide.rl.logprobs has no GPU kernels yet")
+        self.device = first.device
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"model must be on CPU or CUDA, not {self.device.type!r}")
         self.dtype = first.dtype
         cls = get_model_class(self.model_config.architecture)
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            self.model = cls(self.model_config).eval()
+            with torch.device(self.device):
+                self.model = cls(self.model_config).eval()
         finally:
             torch.set_default_dtype(default)
         set_batch_invariant(self.model)
         self.weight_map = WeightMap(self.model)
-        self.backend = TorchNativeAttnBackend(deterministic=True)
+        # The backend an engine with attention_backend="auto" picks on this device, in its
+        # deterministic form: the same kernels as the engine's deterministic steps.
+        backend_cls = select_attention_backend("auto", self.device.type, self.model_config)
+        if backend_cls is TorchNativeAttnBackend:
+            self.backend: AttentionBackend = TorchNativeAttnBackend(deterministic=True)
+        else:
+            mc = self.model_config
+            self.backend = backend_cls(mc.num_attention_heads, mc.num_key_value_heads,  # type: ignore[call-arg]
+                                       mc.head_dim, 1, self.device, deterministic=True)
 
     def load(self, hf_model: nn.Module) -> None:
         named = [(n, p.detach()) for n, p in hf_model.named_parameters()]
@@ -92,17 +106,19 @@ class _Reference:
         mc = self.model_config
         tokens = input_ids + output_ids[:-1]
         n = len(tokens)
-        req_pool = ReqToTokenPool(1, n, "cpu")
+        dev = self.device
+        req_pool = ReqToTokenPool(1, n, dev)
         kv_pool = MHATokenToKVPool(n, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                   self.dtype, "cpu")
-        slots = torch.arange(1, n + 1, dtype=torch.int64)  # slot 0 is the pool's padding slot
+                                   self.dtype, dev)
+        # slot 0 is the pool's padding slot
+        slots = torch.arange(1, n + 1, dtype=torch.int64, device=dev)
         req_pool.write(0, 0, slots.to(torch.int32))
         fb = _ScoringBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor(tokens, dtype=torch.int64),
-            positions=torch.arange(n, dtype=torch.int64),
-            req_pool_indices=torch.zeros(1, dtype=torch.int64),
-            seq_lens=torch.tensor([n], dtype=torch.int64),
+            input_ids=torch.tensor(tokens, dtype=torch.int64, device=dev),
+            positions=torch.arange(n, dtype=torch.int64, device=dev),
+            req_pool_indices=torch.zeros(1, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int64, device=dev),
             out_cache_loc=slots,
             req_to_token_pool=req_pool,
             token_to_kv_pool=kv_pool,
@@ -110,13 +126,14 @@ class _Reference:
             seq_lens_cpu=[n],
             prefix_lens_cpu=[0],
             extend_lens_cpu=[n],
-            rows=torch.arange(len(input_ids) - 1, n, dtype=torch.int64),
+            rows=torch.arange(len(input_ids) - 1, n, dtype=torch.int64, device=dev),
         )
+        self.backend.init_forward_metadata(fb)
         logits = self.model(fb.input_ids, fb.positions, fb).float()  # [len(output_ids), vocab]
         # The sampler's math: logits / temperature (0 counts as 1), then log_softmax per row.
-        temps = torch.full((logits.shape[0], 1), temperature or 1.0)
-        logp = torch.log_softmax(logits / temps, dim=-1)
-        ids = torch.tensor(output_ids, dtype=torch.int64).unsqueeze(1)
+        temps = torch.full((logits.shape[0], 1), temperature or 1.0, device=dev)
+        logp = batch_invariant.log_softmax(logits / temps)
+        ids = torch.tensor(output_ids, dtype=torch.int64, device=dev).unsqueeze(1)
         return logp.gather(1, ids).squeeze(1).tolist()
 
 
@@ -126,7 +143,7 @@ _REFERENCES: "weakref.WeakKeyDictionary[nn.Module, _Reference]" = weakref.WeakKe
 def logprobs(model: nn.Module, input_ids: list[int], output_ids: list[int],
              temperature: float = 1.0) -> list[float]:
     """Per-token logprobs of `output_ids` following `input_ids` under `model` (a transformers causal
-    LM on CPU, typically the module being trained): one float per output token, as the engine reports
+    LM on CPU or CUDA, typically the module being trained): one float per output token, as the engine reports
     them in `meta_info["output_token_logprobs"]` (log_softmax of logits / `temperature`, before any
     top-k/top-p truncation). Equal bit for bit to an engine with `enable_deterministic_inference`
     that holds the same weights; see the module doc for why and for the limits."""

@@ -2,6 +2,9 @@
 
 A batch of size n runs in the smallest bucket >= n; the extra rows are a dummy request (the reserved
 request slot, whose row maps every position to KV slot 0, sequence length 1, writing its K/V to slot 0).
+Hybrid sliding-window models (two KV pools) also take `out_cache_loc_swa`, the new tokens' SWA slots,
+translated on device once per step before the replay (padded rows: SWA slot 0, the SWA pool's dummy
+slot), so the captured graph never translates full slots itself.
 All graphs share one memory pool, read their inputs from one `DecodeInputBuffers` and write their fp32
 logits into one shared buffer (so the pool holds only transients). With the memory saver on CUDA that
 buffer is an address-stable `VmmRegion`, released and re-taken with the `cuda_graph` tag.
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
+from tide.memory.swa import SWAKVPool
 
 if TYPE_CHECKING:
     from tide.executor.model_runner import ModelRunner
@@ -31,30 +35,41 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 
 @dataclass
 class DecodeInputBuffers:
-    """Static device inputs of the captured decode graphs (sized for the largest bucket)."""
+    """Static device inputs of the captured decode graphs (sized for the largest bucket).
+
+    `out_cache_loc_swa` (int32) exists only for a two-pool KV cache. Every replay overwrites all
+    `bucket` rows it reads, padded rows included, so no row keeps a slot of an earlier batch."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
+    out_cache_loc_swa: torch.Tensor | None = None
 
     @classmethod
-    def create(cls, max_bs: int, device: torch.device, dummy_req_slot: int) -> "DecodeInputBuffers":
-        """Allocate once; every graph reads views of these tensors."""
+    def create(cls, max_bs: int, device: torch.device, dummy_req_slot: int,
+               swa: bool = False) -> "DecodeInputBuffers":
+        """Allocate once; every graph reads views of these tensors. `swa`: a two-pool KV cache."""
 
-        def full(value: int) -> torch.Tensor:
-            return torch.full((max_bs,), value, dtype=torch.int64, device=device)
+        def full(value: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.full((max_bs,), value, dtype=dtype, device=device)
 
-        return cls(full(0), full(0), full(dummy_req_slot), full(1), full(0))
+        return cls(full(0), full(0), full(dummy_req_slot), full(1), full(0),
+                   full(0, torch.int32) if swa else None)
 
     def fields(self) -> list[torch.Tensor]:
-        return [self.input_ids, self.positions, self.req_pool_indices, self.seq_lens,
-                self.out_cache_loc]
+        out = [self.input_ids, self.positions, self.req_pool_indices, self.seq_lens,
+               self.out_cache_loc]
+        return out + ([self.out_cache_loc_swa] if self.out_cache_loc_swa is not None else [])
 
     def populate_from_forward_batch(self, fb: ForwardBatch) -> None:
         """Copy the batch's (already bucket-padded) inputs in, one grouped copy per dtype pair."""
         sources = [fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc]
+        if self.out_cache_loc_swa is not None:
+            if fb.out_cache_loc_swa is None:
+                raise ValueError("a two-pool decode batch needs out_cache_loc_swa")
+            sources.append(fb.out_cache_loc_swa)
         groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for dst, src in zip(self.fields(), sources):
             dsts, srcs = groups.setdefault((dst.dtype, src.dtype), ([], []))
@@ -70,7 +85,8 @@ class CudaGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.max_bs = self.batch_sizes[-1]
         self.buffers = DecodeInputBuffers.create(
-            self.max_bs, runner.device, runner.req_to_token_pool.dummy_slot
+            self.max_bs, runner.device, runner.req_to_token_pool.dummy_slot,
+            swa=isinstance(runner.token_to_kv_pool, SWAKVPool),
         )
         vocab = runner.model_config.vocab_size
         self.logits_region = None
@@ -112,6 +128,8 @@ class CudaGraphRunner:
             prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
             logits_out=self.logits[:bs],
+            out_cache_loc_swa=(b.out_cache_loc_swa[:bs] if b.out_cache_loc_swa is not None
+                               else None),
         )
 
     def release(self) -> None:
@@ -135,11 +153,15 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):
                 fb = self._forward_batch(bs)
+                backend = self.runner.attn_backend
                 for _ in range(2):
+                    backend.init_forward_metadata(fb)
                     model(fb.input_ids, fb.positions, fb)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     fb.record_decode_slots()
+                    # Decode metadata is built on device from the static buffers, inside the graph.
+                    backend.init_forward_metadata(fb)
                     model(fb.input_ids, fb.positions, fb)
                     triton_ops.argmax_rows(self.logits[:bs], self.greedy_ids[:bs])
                 self.graphs[bs] = graph

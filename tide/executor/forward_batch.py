@@ -11,6 +11,7 @@ import torch
 if TYPE_CHECKING:
     from tide.layers.attention.base import AttentionBackend
     from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
+    from tide.memory.swa import SWAKVPool
 
 
 class ForwardMode(enum.Enum):
@@ -34,7 +35,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64, on device
     out_cache_loc: torch.Tensor  # [T] int64
     req_to_token_pool: "ReqToTokenPool"
-    token_to_kv_pool: "MHATokenToKVPool"
+    token_to_kv_pool: "MHATokenToKVPool | SWAKVPool"
     attn_backend: "AttentionBackend"
     # Host copies: the scheduler knows these, so reading them never syncs the device.
     seq_lens_cpu: list[int] = field(default_factory=list)
@@ -42,6 +43,9 @@ class ForwardBatch:
     extend_lens_cpu: list[int] = field(default_factory=list)
     # Where the model writes its fp32 logits (CUDA graphs share one buffer); None: a new tensor.
     logits_out: torch.Tensor | None = None
+    # Hybrid models: the SWA-pool slots (int32) of `out_cache_loc`, translated once per forward
+    # (`SWAKVPool.translate`); sliding layers write there. None for a single pool.
+    out_cache_loc_swa: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -51,11 +55,33 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return self.mode is ForwardMode.DECODE
 
+    def cache_loc(self, layer_id: int) -> torch.Tensor:
+        """Where layer `layer_id` writes the new tokens' K/V: SWA slots for a sliding layer of a
+        two-pool cache, full slots otherwise."""
+        if self.out_cache_loc_swa is not None and self.token_to_kv_pool.is_swa_layer(layer_id):
+            return self.out_cache_loc_swa
+        return self.out_cache_loc
+
+    def req_to_token_for(self, layer_id: int) -> torch.Tensor:
+        """The request table layer `layer_id` reads its keys through: SWA slots for a sliding layer
+        of a two-pool cache (`req_to_token_swa`), full slots otherwise."""
+        pool = self.req_to_token_pool
+        if pool.req_to_token_swa is not None and self.token_to_kv_pool.is_swa_layer(layer_id):
+            return pool.req_to_token_swa
+        return pool.req_to_token
+
     def record_decode_slots(self) -> None:
         """req_to_token[req, position] = the new token's KV slot, for every row of a decode batch
-        (padded rows write slot 0 into the dummy row, which keeps it all zeros)."""
+        (padded rows write slot 0 into the dummy row, which keeps it all zeros); the same for the SWA
+        slots in `req_to_token_swa` (two-pool cache)."""
         table = self.req_to_token_pool.req_to_token
-        table.index_put_((self.req_pool_indices, self.positions), self.out_cache_loc.to(table.dtype))
+        index = (self.req_pool_indices, self.positions)
+        table.index_put_(index, self.out_cache_loc.to(table.dtype))
+        swa_table = self.req_to_token_pool.req_to_token_swa
+        if swa_table is not None:
+            if self.out_cache_loc_swa is None:
+                raise ValueError("a two-pool decode batch needs out_cache_loc_swa")
+            swa_table.index_put_(index, self.out_cache_loc_swa.to(swa_table.dtype))
 
     def last_token_indices(self) -> torch.Tensor:
         """Index in the flat token layout of each request's last new token."""

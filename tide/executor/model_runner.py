@@ -15,6 +15,7 @@ from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from tide.memory.swa import SWAKVPool, SWATokenToKVPoolAllocator, min_swa_tokens
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.weights import init_dummy_weights, load_checkpoint
@@ -64,10 +65,10 @@ class ModelRunner:
                 f"context_length {self.context_len} exceeds the model's max_position_embeddings "
                 f"{model_config.max_position_embeddings}"
             )
-        if config.enable_deterministic_inference and self.device.type != "cpu":
+        if config.enable_deterministic_inference and self.device.type not in ("cpu", "cuda"):
             raise ValueError(
-                "enable_deterministic_inference is supported on CPU only for now (no "
-                f"batch-invariant kernels for device {self.device.type!r} yet); use device='cpu'"
+                "enable_deterministic_inference is supported on CPU and CUDA only (no "
+                f"batch-invariant kernels for device {self.device.type!r})"
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -134,15 +135,22 @@ class ModelRunner:
         return region
 
     def _init_pools(self) -> None:
+        """Size and allocate the KV pools. A hybrid model (full and sliding-window layers) gets two:
+        the full pool for full layers and an SWA pool of `swa_full_tokens_ratio` as many slots for
+        sliding layers, splitting the same budget (see memory/swa.py); others get one."""
         mc = self.model_config
-        per_token = MHATokenToKVPool.bytes_per_token(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype
-        )
+        hybrid = mc.is_hybrid
+        sliding = [mc.layer_kind(i).is_sliding for i in range(mc.num_hidden_layers)]
+        per_layer = MHATokenToKVPool.bytes_per_token(1, mc.num_key_value_heads, mc.head_dim,
+                                                     self.dtype)
+        n_swa = sum(sliding) if hybrid else 0
+        ratio = self.config.swa_full_tokens_ratio
+        full_bytes, swa_bytes = per_layer * (mc.num_hidden_layers - n_swa), per_layer * n_swa
         if self.device.type == "cuda":
             free = available_device_memory(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = free - total * (1.0 - self.config.mem_fraction_static)
-            tokens = int(budget // per_token)
+            tokens = int(budget // (full_bytes + ratio * swa_bytes))
             if self.config.max_total_tokens is not None:
                 tokens = min(tokens, self.config.max_total_tokens)
         else:
@@ -152,25 +160,64 @@ class ModelRunner:
                 f"not enough memory for the KV cache ({tokens} tokens); raise mem_fraction_static "
                 "or max_total_tokens"
             )
+        swa_tokens = 0
+        if hybrid:
+            assert mc.sliding_window is not None
+            swa_tokens = max(int(tokens * ratio), min(tokens, min_swa_tokens(mc.sliding_window)))
+            if swa_tokens > tokens * ratio:
+                logger.warning("SWA KV pool raised to %d tokens (window %d) from "
+                               "swa_full_tokens_ratio %.3f", swa_tokens, mc.sliding_window, ratio)
         self.max_total_tokens = tokens
+        self.max_total_tokens_swa = swa_tokens
         n_req = self.config.max_running_requests
-        kv_shape = ((tokens + 1, mc.num_key_value_heads, mc.head_dim), self.dtype)
         region = None
+        if hybrid:
+            kv_shapes = SWAKVPool.layer_shapes(tokens, swa_tokens, sliding, mc.num_key_value_heads,
+                                               mc.head_dim, self.dtype)
+        else:
+            kv_shapes = [((tokens + 1, mc.num_key_value_heads, mc.head_dim), self.dtype)] * (
+                2 * mc.num_hidden_layers)
         if self.use_vmm:
             from tide.memory.vmm import VmmRegion, region_nbytes
 
-            # The request table goes first; it is released and re-taken with the KV buffers.
+            # The request table(s) go first; they are released and re-taken with the KV buffers.
             shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
-                ((n_req + 1, self.context_len), torch.int32)]
-            shapes += [kv_shape] * 2 * mc.num_hidden_layers
-            region = VmmRegion(region_nbytes(shapes), self.device)
-        self.req_to_token_pool = ReqToTokenPool(n_req, self.context_len, self.device, region=region)
+                ((n_req + 1, self.context_len), torch.int32)] * (2 if hybrid else 1)
+            region = VmmRegion(region_nbytes(shapes + kv_shapes), self.device)
+        self.req_to_token_pool = ReqToTokenPool(n_req, self.context_len, self.device, region=region,
+                                                swa=hybrid)
+        if hybrid:
+            allocator = SWATokenToKVPoolAllocator(tokens, swa_tokens, self.device)
+            pool = SWAKVPool(tokens, swa_tokens, sliding, mc.num_key_value_heads, mc.head_dim,
+                             self.dtype, self.device, region=region)
+            pool.register_mapping(allocator.full_to_swa_index_mapping)
+            self.req_to_token_pool.register_swa_mapping(allocator.full_to_swa_index_mapping)
+            self.token_to_kv_pool_allocator: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator = (
+                allocator)
+            self.token_to_kv_pool: MHATokenToKVPool | SWAKVPool = pool
+            logger.info("KV cache: %d full tokens (%d layers) + %d sliding-window tokens "
+                        "(%d layers), %.1f MiB", tokens, mc.num_hidden_layers - n_swa, swa_tokens,
+                        n_swa, (tokens * full_bytes + swa_tokens * swa_bytes) / 2**20)
+            return
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
             region=region,
         )
-        logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * per_token / 2**20)
+        logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * full_bytes / 2**20)
+
+    def kv_layout(self) -> dict[str, object]:
+        """The KV pools as `/get_server_info` shows them."""
+        mc = self.model_config
+        if isinstance(self.token_to_kv_pool, SWAKVPool):
+            return {"type": "hybrid_swa", "full_tokens": self.max_total_tokens,
+                    "swa_tokens": self.max_total_tokens_swa,
+                    "full_layers": list(self.token_to_kv_pool.full_layer_ids),
+                    "swa_layers": list(self.token_to_kv_pool.swa_layer_ids),
+                    "sliding_window": mc.sliding_window,
+                    "swa_full_tokens_ratio": self.config.swa_full_tokens_ratio}
+        return {"type": "full", "full_tokens": self.max_total_tokens,
+                "full_layers": list(range(mc.num_hidden_layers))}
 
     @property
     def max_batch_size(self) -> int:
@@ -188,18 +235,23 @@ class ModelRunner:
         self._staging_copied.record()
         return out
 
-    def _batch(self, mode: ForwardMode, input_ids: list[int], positions: list[int],
+    def _batch(self, mode: ForwardMode, input_ids: list[int] | torch.Tensor, positions: list[int],
                req_pool_indices: list[int], seq_lens: list[int], prefix_lens: list[int],
                extend_lens: list[int], out_cache_loc: torch.Tensor) -> ForwardBatch:
-        # One host-to-device copy for all four index lists; the fields are views of it.
-        packed = self._to_device(input_ids + positions + req_pool_indices + seq_lens)
-        t, b = len(input_ids), len(seq_lens)
+        # One host-to-device copy for all the index lists; the fields are views of it. Input ids
+        # already on the device (the overlap schedule's previous tokens) are used as they are.
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids: list[int] = [] if on_device else input_ids  # type: ignore[assignment]
+        packed = self._to_device(host_ids + positions + req_pool_indices + seq_lens)
+        t, b = len(positions), len(seq_lens)
+        ids = input_ids if on_device else packed[:t]
+        packed = packed[len(host_ids):]
         return ForwardBatch(
             mode=mode,
-            input_ids=packed[:t],
-            positions=packed[t : 2 * t],
-            req_pool_indices=packed[2 * t : 2 * t + b],
-            seq_lens=packed[2 * t + b :],
+            input_ids=ids,  # type: ignore[arg-type]
+            positions=packed[:t],
+            req_pool_indices=packed[t : t + b],
+            seq_lens=packed[t + b :],
             out_cache_loc=out_cache_loc,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
@@ -207,7 +259,13 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=prefix_lens,
             extend_lens_cpu=extend_lens,
+            out_cache_loc_swa=self._swa_loc(out_cache_loc),
         )
+
+    def _swa_loc(self, out_cache_loc: torch.Tensor) -> torch.Tensor | None:
+        """The new tokens' SWA slots (hybrid models; one device gather per forward), else None."""
+        pool = self.token_to_kv_pool
+        return pool.translate(out_cache_loc) if isinstance(pool, SWAKVPool) else None
 
     @torch.inference_mode()
     def forward_extend(
@@ -229,15 +287,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_decode(
         self,
-        input_ids: list[int],
+        input_ids: list[int] | torch.Tensor,
         positions: list[int],
         req_pool_indices: list[int],
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """One token per request at `positions` (= KV length before this step): records
         `out_cache_loc` as each request's slot at its position in req_to_token, then returns
-        logits [B, vocab]. After a CUDA-graph replay the logits are a view of the graphs' shared
-        buffer and `last_greedy_ids` holds each row's argmax: both are valid until the next replay.
+        logits [B, vocab]. `input_ids` may be a device tensor (int64). After a CUDA-graph replay
+        the logits are a view of the graphs' shared buffer and `last_greedy_ids` holds each row's
+        argmax: both are valid until the next replay.
         Eager: new logits, `last_greedy_ids` None."""
         bs = len(input_ids)
         seq_lens = [p + 1 for p in positions]
@@ -252,7 +311,10 @@ class ModelRunner:
             return self.model(fb.input_ids, fb.positions, fb)
         pad = bucket - bs
         if pad:
-            input_ids = input_ids + [0] * pad
+            if isinstance(input_ids, torch.Tensor):
+                input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+            else:
+                input_ids = input_ids + [0] * pad
             positions = positions + [0] * pad
             req_pool_indices = req_pool_indices + [self.req_to_token_pool.dummy_slot] * pad
             seq_lens = seq_lens + [1] * pad

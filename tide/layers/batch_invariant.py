@@ -1,4 +1,4 @@
-"""Batch-invariant ops for `enable_deterministic_inference` (CPU).
+"""Batch-invariant ops for `enable_deterministic_inference` (CPU here; CUDA in `batch_invariant_triton`).
 
 A row's result must not depend on how many other rows share its call. Measured on torch 2.13 CPU
 (fp32, 1 and 2 threads, K and N from 64 to 4096): `F.linear` is NOT batch-invariant — the GEMM picks
@@ -11,8 +11,9 @@ GEMM it issues has the same shape [ROW_BLOCK, K] x [K, N] whatever the batch: a 
 then the same sequence of operations wherever the row sits. Cost measured at 1 thread on a
 [512, 256] x [256, 1376] projection: 1.15x a plain `F.linear` (block 32; block 1 costs 5x).
 
-A GPU implementation (fixed-tile Triton kernels) belongs behind the same function; until it exists
-the engine refuses the option on CUDA rather than run non-invariant kernels.
+On CUDA `linear` and `log_softmax` hand over to the fixed-tile Triton kernels of
+`tide.layers.batch_invariant_triton` (cuBLAS picks its algorithm and split-K from M, and torch's CUDA
+softmax picks its kernel from the shape and the pointers' alignment, so neither is used there).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ ROW_BLOCK = 32
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for x [M, K], computed in [ROW_BLOCK, K] blocks (see the module doc)."""
     if x.is_cuda:
-        raise ValueError("enable_deterministic_inference has no batch-invariant CUDA kernels yet")
+        from tide.layers import batch_invariant_triton
+
+        return batch_invariant_triton.linear(x, weight, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
@@ -43,10 +46,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*lead, weight.shape[0])
 
 
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log_softmax over the last dim of [B, V] logits, each row's bits independent of B: torch's
+    on CPU (row-wise, measured invariant), the one-program-per-row Triton kernel on CUDA."""
+    if x.is_cuda:
+        from tide.layers import batch_invariant_triton
+
+        return batch_invariant_triton.log_softmax(x)
+    return torch.log_softmax(x.float(), dim=-1)
+
+
 def set_batch_invariant(model: nn.Module) -> None:
-    """Route every projection (`tide.layers.linear.Linear`) of `model` through `linear`."""
+    """Route every projection (`tide.layers.linear.Linear`) of `model` through `linear`, and every
+    Gemma RMSNorm on CUDA through the one-program-per-row Triton kernel (torch's CUDA mean picks its
+    reduction layout from the number of rows)."""
     from tide.layers.linear import Linear
+    from tide.layers.norm import GemmaRMSNorm
 
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, GemmaRMSNorm)):
             module.batch_invariant = True

@@ -39,6 +39,10 @@ class GemmaRMSNorm(nn.Module):
     dummy load fills it with `dummy_value` = 0 rather than 1.
     """
 
+    # Set by `tide.layers.batch_invariant.set_batch_invariant`: on CUDA the norm then runs one
+    # Triton program per row (the same math).
+    batch_invariant = False
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
@@ -46,6 +50,10 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.is_cuda:
+            from tide.layers import batch_invariant_triton
+
+            return batch_invariant_triton.rms_norm(x, self.weight, self.eps, offset=1.0)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

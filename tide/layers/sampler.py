@@ -1,8 +1,9 @@
 """Turns last-token logits into next tokens, per-request parameters applied row by row.
 
 Order: penalties -> temperature -> top_k / top_p / min_p -> draw. Greedy rows take the argmax. A draw
-is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes from a generator seeded by
-(seed, output position), so its tokens do not depend on what else is in the batch.
+is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes from a generator on the
+logits' device seeded by (seed, output position), so its tokens do not depend on what else is in the
+batch. Every step runs on that device; results leave it through `DeviceSample`.
 
 Returned logprobs are `log_softmax` of the logits after penalties and temperature (temperature 0 counts
 as 1) and before any truncation: the distribution the model proposed at that temperature.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tide.layers import batch_invariant
 from tide.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -35,15 +37,23 @@ class SamplingBatchInfo:
     return_logprob: list[bool]
     top_logprobs_num: list[int]
     argmax_only: bool = False
+    # Tokens each row has generated beyond `output_ids` (1 while the overlap scheduler still has the
+    # previous step's token on the device): a seeded row draws with output position
+    # len(output_ids[i]) + output_offset. Penalties need the tokens themselves and never overlap.
+    output_offset: int = 0
 
     @property
     def size(self) -> int:
         return len(self.params)
 
+    def output_position(self, i: int) -> int:
+        return len(self.output_ids[i]) + self.output_offset
+
     def row(self, i: int) -> SamplingBatchInfo:
         """Row i alone."""
         return SamplingBatchInfo([self.params[i]], [self.output_ids[i]], [self.prompt_ids[i]],
-                                 [self.return_logprob[i]], [self.top_logprobs_num[i]])
+                                 [self.return_logprob[i]], [self.top_logprobs_num[i]],
+                                 output_offset=self.output_offset)
 
 
 ARGMAX_ONLY = SamplingBatchInfo([], [], [], [], [], argmax_only=True)
@@ -60,9 +70,65 @@ class SampleOutput:
     failed: dict[int, str] | None = None
 
 
+@dataclass
+class DeviceSample:
+    """A batch's sampled tokens (and logprobs) still on the device. `copy_to_host()` starts their
+    copy into pinned host memory behind an event, so the next step can be launched before
+    `to_output()` waits for exactly this step's results (the one host sync of a step)."""
+
+    next_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] fp32
+    top_vals: torch.Tensor | None = None  # [B, k]
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs_num: list[int] | None = None
+    _host: list[torch.Tensor | None] | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [self.next_ids, self.logprobs, self.top_vals, self.top_ids]
+
+    def copy_to_host(self) -> None:
+        """Start the device-to-host copies (CUDA only; elsewhere `to_output` reads directly)."""
+        if not self.next_ids.is_cuda or self._host is not None:
+            return
+        host: list[torch.Tensor | None] = []
+        for t in self._tensors():
+            if t is None:
+                host.append(None)
+                continue
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buf.copy_(t, non_blocking=True)
+            host.append(buf)
+        self._host = host
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def to_output(self) -> SampleOutput:
+        """The host lists (waits for this sample's copies, or syncs on them if none started)."""
+        if self._host is not None:
+            assert self._copied is not None
+            self._copied.synchronize()
+            ids, lps, vals, top_ids = self._host
+        else:
+            ids, lps, vals, top_ids = self._tensors()
+        logprobs = top = None
+        if lps is not None:
+            logprobs = lps.tolist()
+        if vals is not None and top_ids is not None and self.top_logprobs_num is not None:
+            vals_l, ids_l = vals.tolist(), top_ids.tolist()
+            top = [list(zip(vals_l[i][:n], ids_l[i][:n]))
+                   for i, n in enumerate(self.top_logprobs_num)]
+        assert ids is not None
+        return SampleOutput(ids.tolist(), logprobs, top)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, deterministic: bool = False) -> None:
+        """`deterministic` (`enable_deterministic_inference`): on CUDA, log_softmax and the draw's
+        probabilities come from the one-program-per-row kernel and top-k/top-p/min-p truncation runs
+        row by row, so a row's logprob and (seeded) draw do not depend on the batch."""
         self.seed = seed
+        self.deterministic = deterministic
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -72,16 +138,24 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo,
                  greedy_ids: torch.Tensor | None = None) -> SampleOutput:
         """Next token of every row of `logits` [B, vocab] (row i sampled with entry i of `info`).
         `greedy_ids`, when given, is each row's argmax of `logits` already computed (the decode graph
         leaves it); it is used when `info.argmax_only`."""
-        logits = logits.float()
+        return self.sample(logits, info, greedy_ids).to_output()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
+               greedy_ids: torch.Tensor | None = None) -> DeviceSample:
+        """As `__call__`, leaving the results on the device (no host sync): every step of the draw
+        runs on the logits' device; only a seeded row's noise is drawn on the host and copied in."""
         if info.argmax_only:
-            ids = greedy_ids if greedy_ids is not None else logits.argmax(dim=-1)
-            return SampleOutput(ids.tolist(), None, None)
+            # `greedy_ids` is a view of the decode graphs' shared buffer: whatever reads it (the host
+            # copy, the next step's inputs) is queued before the next replay overwrites it.
+            ids = greedy_ids if greedy_ids is not None else logits.float().argmax(dim=-1)
+            return DeviceSample(ids)
+        logits = logits.float()
         params = info.params
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, info)
@@ -93,36 +167,45 @@ class Sampler:
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
             sampled = self._draw(scaled[rows], [params[i] for i in rows],
-                                 [len(info.output_ids[i]) for i in rows])
+                                 [info.output_position(i) for i in rows])
             next_ids[rows] = sampled
 
-        logprobs = top = None
+        out = DeviceSample(next_ids)
         if any(info.return_logprob):
-            logp = torch.log_softmax(scaled, dim=-1)
-            logprobs = logp.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
+            logp = self._log_softmax(scaled)
+            out.logprobs = logp.gather(1, next_ids.unsqueeze(1)).squeeze(1)
             k = max(info.top_logprobs_num)
             if k > 0:
-                vals, ids = logp.topk(k, dim=-1)
-                vals_l, ids_l = vals.tolist(), ids.tolist()
-                top = [list(zip(vals_l[i][:n], ids_l[i][:n]))
-                       for i, n in enumerate(info.top_logprobs_num)]
-        return SampleOutput(next_ids.tolist(), logprobs, top)
+                out.top_vals, out.top_ids = logp.topk(k, dim=-1)
+                out.top_logprobs_num = list(info.top_logprobs_num)
+        return out
 
     def _draw(self, scaled: torch.Tensor, params: list[SamplingParams],
               positions: list[int]) -> torch.Tensor:
         """One draw per row; a seeded row draws with (seed, `positions[i]`: its output position)."""
-        probs = torch.softmax(scaled, dim=-1)
-        probs = truncate(probs, params)
+        if self.deterministic and scaled.is_cuda:
+            probs = self._log_softmax(scaled).exp()
+            probs = torch.cat([truncate(probs[i : i + 1], params[i : i + 1])
+                               for i in range(len(params))])
+        else:
+            probs = truncate(torch.softmax(scaled, dim=-1), params)
         noise = torch.empty_like(probs)
+        if all(p.seed is None for p in params):  # one launch for the batch, not one per row
+            noise.exponential_(generator=self._generator(probs.device))
+            return (probs / noise).argmax(dim=-1)
         for i, p in enumerate(params):
             if p.seed is None:
                 noise[i].exponential_(generator=self._generator(probs.device))
-            else:
+            else:  # a generator of its own on the logits' device: no host draw, no copy
                 step_seed = (p.seed * _SEED_MIX + positions[i]) % (2**63)
-                gen = torch.Generator(device="cpu").manual_seed(step_seed)
-                row = torch.empty(probs.shape[1]).exponential_(generator=gen)
-                noise[i].copy_(row)
+                gen = torch.Generator(device=probs.device).manual_seed(step_seed)
+                noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+    def _log_softmax(self, scaled: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return batch_invariant.log_softmax(scaled)
+        return torch.log_softmax(scaled, dim=-1)
 
 
 def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -32,6 +32,7 @@ from tide.memory.host import HostBuffer
 from tide.memory.ledger import MemoryLedger
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
 from tide.memory.release import empty_device_cache
+from tide.memory.swa import SWAKVPool
 
 if TYPE_CHECKING:
     from tide.memory.vmm import VmmRegion
@@ -63,7 +64,7 @@ class OccupationTarget(Protocol):
     def req_to_token_pool(self) -> ReqToTokenPool: ...
 
     @property
-    def token_to_kv_pool(self) -> MHATokenToKVPool: ...
+    def token_to_kv_pool(self) -> MHATokenToKVPool | SWAKVPool: ...
 
     @property
     def cuda_graph_runner(self) -> GraphMemory | None: ...
@@ -245,7 +246,9 @@ class MemoryOccupation:
 
     def _kv_tensors(self) -> list[torch.Tensor]:
         pool = self.runner.token_to_kv_pool
-        return [self.runner.req_to_token_pool.req_to_token, *pool.k_buffer, *pool.v_buffer]
+        tables = self.runner.req_to_token_pool
+        swa = [tables.req_to_token_swa] if tables.req_to_token_swa is not None else []
+        return [tables.req_to_token, *swa, *pool.k_buffer, *pool.v_buffer]
 
     # ---- storages per tag
     def _storages(self, tag: str) -> list[torch.UntypedStorage]:

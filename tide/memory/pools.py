@@ -21,20 +21,37 @@ if TYPE_CHECKING:
 class ReqToTokenPool:
     """`size` request slots plus one reserved dummy row (index `size`, all zeros: every position maps
     to KV slot 0) that padded batch rows point at. With `region`, the table is a view of that
-    address-stable region (released and re-taken with the KV cache)."""
+    address-stable region (released and re-taken with the KV cache).
+
+    With `swa=True` (a two-pool KV cache, see memory/swa.py) a second table, `req_to_token_swa`,
+    holds the SWA-pool slot of every position, written with the first (`write`, and the decode step's
+    `ForwardBatch.record_decode_slots`) through the registered full→SWA mapping, so sliding layers read
+    SWA slots as full layers read full ones. Positions whose SWA slot was given back keep a stale
+    entry there: no query's window reaches them."""
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str,
-                 region: "VmmRegion | None" = None) -> None:
+                 region: "VmmRegion | None" = None, swa: bool = False) -> None:
         self.size = size
         self.dummy_slot = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         shape = (size + 1, max_context_len)
-        if region is None:
-            self.req_to_token = torch.zeros(shape, dtype=torch.int32, device=device)
-        else:
-            self.req_to_token = region.tensor(shape, torch.int32).zero_()
+
+        def table() -> torch.Tensor:
+            if region is None:
+                return torch.zeros(shape, dtype=torch.int32, device=device)
+            return region.tensor(shape, torch.int32).zero_()
+
+        self.req_to_token = table()
+        self.req_to_token_swa = table() if swa else None
+        self._swa_mapping: torch.Tensor | None = None
         self.free_slots: list[int] = list(range(size))
+
+    def register_swa_mapping(self, mapping: torch.Tensor) -> None:
+        """The allocator's full→SWA slot map (int32), used by `write` to fill `req_to_token_swa`."""
+        if self.req_to_token_swa is None:
+            raise ValueError("register_swa_mapping needs a pool made with swa=True")
+        self._swa_mapping = mapping
 
     def available_size(self) -> int:
         return len(self.free_slots)
@@ -48,7 +65,14 @@ class ReqToTokenPool:
         self.free_slots.append(slot)
 
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
-        self.req_to_token[slot, start : start + kv_slots.numel()] = kv_slots
+        """Positions start.. of request slot `slot` live in full slots `kv_slots` (and in their SWA
+        slots, two-pool cache: one gather through the mapping)."""
+        end = start + kv_slots.numel()
+        self.req_to_token[slot, start:end] = kv_slots
+        if self.req_to_token_swa is not None:
+            if self._swa_mapping is None:
+                raise RuntimeError("ReqToTokenPool: register_swa_mapping before the first write")
+            self.req_to_token_swa[slot, start:end] = self._swa_mapping[kv_slots.to(torch.int64)]
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
@@ -121,6 +145,10 @@ class MHATokenToKVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        """One pool: no layer lives in a separate sliding-window pool (see memory/swa.py)."""
+        return False
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

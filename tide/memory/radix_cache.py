@@ -7,6 +7,14 @@ Invariants:
 - With `disable=True` nothing is cached: requests free all their KV when they finish.
 - A `retired` tree (its KV predates the current weights) takes no new entries: finishing requests
   free their own KV, and its nodes are freed as their last user lets go. It is never matched.
+
+Two-pool cache (`window` set, the allocator a `SWATokenToKVPoolAllocator`): a node's first
+`swa_freed` tokens have lost their sliding-window K/V (their SWA slots are back in the SWA pool);
+the rest still have it. A match of length m is usable only if tokens max(0, m - window + 1) .. m - 1
+all still have it (the next query, at position m, sees exactly those); `match_prefix` shortens a
+match until that holds, so sliding layers never read a freed SWA slot. `swa_evictable_size() +
+swa_protected_size()` equals the SWA slots the tree holds. Eviction for the SWA pool frees the SWA
+slots no match can need before whole nodes.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import Protocol
 import torch
 
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+from tide.memory.swa import SWATokenToKVPoolAllocator
 
 _clock = itertools.count()
 
@@ -30,12 +39,13 @@ class CachedReq(Protocol):
     kv_len: int
     prefix_indices: torch.Tensor
     last_node: TreeNode | None
+    swa_evicted_len: int  # two-pool cache: SWA K/V before this position is given up
 
     def all_token_ids(self) -> list[int]: ...
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "swa_freed")
 
     def __init__(self, parent: "TreeNode | None" = None) -> None:
         self.children: dict[int, TreeNode] = {}
@@ -44,6 +54,12 @@ class TreeNode:
         self.value: torch.Tensor | None = None
         self.lock_ref = 0
         self.last_access = next(_clock)
+        self.swa_freed = 0  # leading tokens of `key` whose SWA slots are freed (two-pool cache)
+
+    @property
+    def swa_len(self) -> int:
+        """Tokens of this node that still hold an SWA slot."""
+        return len(self.key) - self.swa_freed
 
     def __lt__(self, other: "TreeNode") -> bool:
         return self.last_access < other.last_access
@@ -53,12 +69,18 @@ class RadixCache:
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
-        token_to_kv_allocator: TokenToKVPoolAllocator,
+        token_to_kv_allocator: "TokenToKVPoolAllocator | SWATokenToKVPoolAllocator",
         disable: bool = False,
+        window: int | None = None,
     ) -> None:
+        """`window`: the largest sliding window of a two-pool cache (its allocator frees SWA slots
+        alone with `free_swa`); None for one pool."""
+        if window is not None and not isinstance(token_to_kv_allocator, SWATokenToKVPoolAllocator):
+            raise ValueError("a radix cache with a window needs a SWATokenToKVPoolAllocator")
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_allocator
         self.disable = disable
+        self.window = window
         self.retired = False
         self.reset()
 
@@ -67,6 +89,8 @@ class RadixCache:
         self.root.lock_ref = 1
         self._evictable = 0
         self._protected = 0
+        self._swa_evictable = 0
+        self._swa_protected = 0
 
     # ---- sizes
     def evictable_size(self) -> int:
@@ -78,14 +102,26 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable + self._protected
 
+    def swa_evictable_size(self) -> int:
+        """SWA slots held by unlocked nodes (0 for one pool)."""
+        return self._swa_evictable
+
+    def swa_protected_size(self) -> int:
+        return self._swa_protected
+
+    def swa_total_size(self) -> int:
+        return self._swa_evictable + self._swa_protected
+
     # ---- lookup and insert
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """KV slots of the longest cached prefix of `key`, and the node that ends it."""
+        """KV slots of the longest usable cached prefix of `key`, and the node that ends it (with a
+        window: shortened until its last window - 1 tokens all hold SWA slots)."""
         empty = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
         if self.disable or not key:
             return empty, self.root
         node = self.root
         values: list[torch.Tensor] = []
+        path: list[TreeNode] = []
         while key and key[0] in node.children:
             child = node.children[key[0]]
             child.last_access = next(_clock)
@@ -93,13 +129,58 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             values.append(child.value)  # type: ignore[arg-type]
+            path.append(child)
             node = child
             key = key[n:]
+        if self.window is not None and path:
+            usable = self._usable_len(path)
+            matched = sum(len(p.key) for p in path)
+            if usable < matched:
+                return self._cut(path, usable)
         return (torch.cat(values) if values else empty), node
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def _usable_len(self, path: list[TreeNode]) -> int:
+        """The longest m <= len(path's tokens) whose last window - 1 tokens all hold SWA slots."""
+        assert self.window is not None
+        freed: list[tuple[int, int]] = []  # [start, end) of each node's freed tokens, by position
+        pos = 0
+        for node in path:
+            if node.swa_freed:
+                freed.append((pos, pos + node.swa_freed))
+            pos += len(node.key)
+        m = pos
+        if self.window <= 1:
+            return m
+        for start, end in reversed(freed):
+            last = min(end, m) - 1  # the last freed position before m
+            if start >= m:
+                continue
+            if last < m - self.window + 1:
+                return m
+            m = start  # a match ending inside or after this run would need a freed token
+        return m
+
+    def _cut(self, path: list[TreeNode], length: int) -> tuple[torch.Tensor, TreeNode]:
+        """The first `length` tokens of a matched path (splitting the node it ends in)."""
+        values: list[torch.Tensor] = []
+        node = self.root
+        done = 0
+        for child in path:
+            if done >= length:
+                break
+            n = min(len(child.key), length - done)
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)  # type: ignore[arg-type]
+            node = child
+            done += n
+        empty = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        return (torch.cat(values) if values else empty), node
+
+    def insert(self, key: list[int], value: torch.Tensor, swa_freed: int = 0) -> int:
         """Insert key -> value; returns how many leading tokens were already cached (their slots in
-        `value` are duplicates the caller must free)."""
+        `value` are duplicates the caller must free). `swa_freed`: tokens before this position of
+        `key` have no SWA slot any more (two-pool cache)."""
         if self.disable:
             return 0
         node = self.root
@@ -111,6 +192,9 @@ class RadixCache:
                 leaf = TreeNode(node)
                 leaf.key = list(key[done:])
                 leaf.value = value[done:].clone()
+                if self.window is not None:
+                    leaf.swa_freed = min(len(leaf.key), max(0, swa_freed - done))
+                    self._swa_evictable += leaf.swa_len
                 node.children[first] = leaf
                 self._evictable += len(leaf.key)
                 return done
@@ -129,6 +213,8 @@ class RadixCache:
         mid.key = child.key[:n]
         mid.value = child.value[:n]
         mid.lock_ref = child.lock_ref
+        mid.swa_freed = min(child.swa_freed, n)
+        child.swa_freed = max(0, child.swa_freed - n)
         mid.children = {child.key[n]: child}
         child.parent.children[mid.key[0]] = mid
         child.parent = mid
@@ -143,6 +229,9 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
+                if self.window is not None:
+                    self._swa_evictable -= node.swa_len
+                    self._swa_protected += node.swa_len
             node.lock_ref += 1
             node = node.parent
 
@@ -155,28 +244,88 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
+                if self.window is not None:
+                    self._swa_evictable += node.swa_len
+                    self._swa_protected -= node.swa_len
             node = node.parent
 
     # ---- eviction
-    def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` slots from unlocked leaves, least recently used first (or as many
-        as possible). Returns the number freed."""
-        if self.disable or num_tokens <= 0:
+    def evict(self, num_tokens: int, swa_tokens: int = 0) -> int:
+        """Free at least `num_tokens` full slots (and, two-pool cache, `swa_tokens` SWA slots) from
+        unlocked leaves, least recently used first (or as many as possible). Returns the number of
+        full slots freed. SWA slots no match can read are freed first (`evict_swa`)."""
+        if self.disable:
+            return 0
+        if swa_tokens > 0 and self.window is not None:
+            swa_tokens -= self.evict_swa(swa_tokens)
+        if num_tokens <= 0 and swa_tokens <= 0:
             return 0
         leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(leaves)
-        freed = 0
-        while freed < num_tokens and leaves:
+        freed = swa_freed = 0
+        while (freed < num_tokens or swa_freed < swa_tokens) and leaves:
             leaf = heapq.heappop(leaves)
             parent = leaf.parent
             assert parent is not None and leaf.value is not None
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
+            if self.window is not None:
+                swa_freed += leaf.swa_len
+                self._swa_evictable -= leaf.swa_len
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Two-pool cache: free up to `num_tokens` SWA slots of unlocked nodes that only a match
+        ending inside the node could read (all but each node's last window - 1 tokens), least
+        recently used first. Full slots stay cached. Returns the SWA slots freed."""
+        if self.window is None or num_tokens <= 0:
+            return 0
+        keep = self.window - 1
+        nodes = sorted(n for n in self._nodes() if n.lock_ref == 0 and n.swa_len > keep)
+        freed = 0
+        for node in nodes:
+            if freed >= num_tokens:
+                break
+            upto = min(len(node.key) - keep, node.swa_freed + num_tokens - freed)
+            freed += self._free_node_swa(node, upto)
+        return freed
+
+    def _free_node_swa(self, node: TreeNode, upto: int) -> int:
+        """Free the SWA slots of `node`'s tokens swa_freed .. upto - 1; returns how many."""
+        n = upto - node.swa_freed
+        if n <= 0:
+            return 0
+        assert node.value is not None and isinstance(self.allocator, SWATokenToKVPoolAllocator)
+        self.allocator.free_swa(node.value[node.swa_freed : upto])
+        node.swa_freed = upto
+        if node.lock_ref == 0:
+            self._swa_evictable -= n
+        else:
+            self._swa_protected -= n
+        return n
+
+    def release_swa_before(self, node: TreeNode | None, position: int) -> None:
+        """Two-pool cache: a request whose cached prefix ends at `node` no longer needs SWA K/V
+        before `position`; free it in the nodes of that path no other request holds (lock_ref 1).
+        Keeps a long (chunked) prompt from holding the SWA slots of its whole prefix."""
+        if self.window is None or node is None or node is self.root:
+            return
+        path = []
+        while node is not None and node is not self.root:
+            path.append(node)
+            node = node.parent
+        start = 0
+        for n in reversed(path):
+            end = start + len(n.key)
+            if start >= position:
+                break
+            if n.lock_ref == 1:
+                self._free_node_swa(n, min(end, position) - start)
+            start = end
 
     def _nodes(self) -> list[TreeNode]:
         out, stack = [], [self.root]
@@ -204,25 +353,30 @@ class RadixCache:
                 self.evict(self.evictable_size())
         else:
             tokens = req.all_token_ids()[: req.kv_len]
-            cached = self.insert(tokens, kv)
+            cached = self.insert(tokens, kv, req.swa_evicted_len)
             self.allocator.free(kv[prefix_len:cached])
             self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(slot)
         req.req_pool_idx = None
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.last_node = None
+        req.swa_evicted_len = 0
 
     def cache_unfinished_req(self, req: CachedReq) -> None:
         """After a prompt chunk: publish its KV in the tree and move the request's lock forward
-        (in a retired tree the request simply keeps its KV)."""
+        (in a retired tree the request simply keeps its KV). Two-pool cache: the SWA K/V the next
+        chunk cannot see is freed, and if the tree's copy of these tokens has lost SWA K/V the next
+        chunk needs, the request keeps its own KV instead."""
         if self.disable or self.retired:
             return
         slot = req.req_pool_idx
         assert slot is not None
         tokens = req.all_token_ids()[: req.kv_len]
+        if self.window is not None and self._lacks_swa(tokens, req.kv_len - self.window + 1):
+            return
         kv = self.req_to_token_pool.req_to_token[slot, : req.kv_len].clone()
         prefix_len = len(req.prefix_indices)
-        cached = self.insert(tokens, kv)
+        cached = self.insert(tokens, kv, req.swa_evicted_len)
         self.allocator.free(kv[prefix_len:cached])
         indices, node = self.match_prefix(tokens)
         self.req_to_token_pool.write(slot, prefix_len, indices[prefix_len:])
@@ -230,6 +384,23 @@ class RadixCache:
         self.inc_lock_ref(node)
         req.prefix_indices = indices
         req.last_node = node
+        if self.window is not None:
+            dead = max(0, req.kv_len - self.window + 1)
+            self.release_swa_before(node, dead)
+            req.swa_evicted_len = max(req.swa_evicted_len, dead)
+
+    def _lacks_swa(self, key: list[int], start: int) -> bool:
+        """Has a cached node lost the SWA slot of a token of `key` at a position >= `start`?"""
+        node, pos = self.root, 0
+        while pos < len(key) and key[pos] in node.children:
+            node = node.children[key[pos]]
+            n = _common_len(node.key, key[pos:])
+            if node.swa_freed and pos + min(node.swa_freed, n) > start:
+                return True
+            pos += n
+            if n < len(node.key):
+                break
+        return False
 
 
 def _common_len(a: list[int], b: list[int]) -> int:

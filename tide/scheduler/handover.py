@@ -202,6 +202,7 @@ class Handover:
         if mode not in PAUSE_MODES:
             return HandoverResult(False, f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         sched = self.scheduler
+        sched.settle()  # a decode step still on the device lands before the pause
         if mode == "abort":
             count = len(sched.abort(message="paused with mode=abort"))
         elif mode == "retract":
@@ -229,6 +230,7 @@ class Handover:
                               ) -> HandoverResult:
         if not isinstance(new_version, str) or not new_version:
             return HandoverResult(False, "new_version must be a non-empty string")
+        self.scheduler.settle()  # a step still on the device finishes under the old version
         if abort_all_requests:
             self.scheduler.abort(message="aborted by update_weight_version")
         self.weight_version = new_version
@@ -281,6 +283,7 @@ class Handover:
         return True
 
     def _apply(self, pending: PendingUpdate) -> HandoverResult:
+        self.scheduler.settle()  # tokens of a step still on the device came from the old weights
         start = time.perf_counter()
         try:
             count = pending.load()
@@ -346,6 +349,7 @@ class Handover:
         except ValueError as e:
             return HandoverResult(False, str(e))
         sched = self.scheduler
+        sched.settle()
         if self.pending_updates:
             return HandoverResult(False, f"{len(self.pending_updates)} weight update(s) wait to "
                                          "apply; release memory once they have finished")

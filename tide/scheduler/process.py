@@ -301,6 +301,9 @@ class SchedulerProcess:
                 logger.error("scheduler step failed:\n%s", traceback.format_exc())
                 self._abort_everything(f"internal error in scheduler step: {type(e).__name__}: {e}")
                 return
+            # A request a handover call already reported finished (it got its last token while a
+            # launched step was settled) is not sent twice.
+            reqs = [r for r in reqs if self.live.get(r.rid) is r]
             if reqs:
                 self._send_outputs(reqs)
         self._retry_flushes()
@@ -590,7 +593,8 @@ class SchedulerProcess:
         sched = self.scheduler
         stats = sched.stats
         total = sched.max_total_tokens
-        free = sched.allocator.available_size()
+        pools = sched.kv_pools()
+        free = pools["full"]["free"]
         cached = sched.tree_cache.total_size()
         try:
             sched.check_invariants()
@@ -607,6 +611,7 @@ class SchedulerProcess:
             "kv_evictable_slots": sched.tree_cache.evictable_size(),
             "kv_used_slots": total - free,
             "kv_held_slots": total - free - cached,
+            "kv_pools": pools,
             "num_prefill_tokens": stats.num_prefill_tokens,
             "num_cached_tokens": stats.num_cached_tokens,
             "num_generated_tokens": stats.num_generated_tokens,

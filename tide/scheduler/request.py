@@ -38,6 +38,9 @@ class Req:
     tree: RadixCache | None = None  # the tree that holds `last_node` (it may have been retired since)
     kv_epoch: int = 0  # the scheduler's KV epoch when this request's KV was started
     kv_len: int = 0
+    # Two-pool KV cache: the SWA K/V of positions before this is given back (out of every future
+    # query's window); the request's own SWA slots are kv_len - max(len(prefix_indices), this).
+    swa_evicted_len: int = 0
     # accounting
     cached_tokens: int = 0
     weight_version: str | None = None  # the engine's weight version when the request finished
@@ -69,4 +72,5 @@ class Req:
 
     def reset_for_retract(self) -> None:
         self.kv_len = 0
+        self.swa_evicted_len = 0
         self.num_retractions += 1

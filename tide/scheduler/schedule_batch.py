@@ -21,6 +21,10 @@ class ScheduleBatch:
     Model inputs, flat over the new tokens: `input_ids`, `positions`; per request: `req_pool_indices`,
     `prefix_lens` (KV length before this step). `sample_rows`: the requests that get a token (extend:
     those whose prompt completes in this step; None: every request), `sampling` their arguments.
+    `num_decode` (mixed chunk): the last `num_decode` requests of an extend batch are running
+    requests decoding one token each alongside the prefill.
+    `input_ids_device` (overlap schedule, decode only): the input ids as a device tensor, the
+    previous step's sampled tokens that never went to the host; `input_ids` is then empty.
     """
 
     mode: ForwardMode
@@ -33,6 +37,8 @@ class ScheduleBatch:
     prefix_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] | None = None
     sampling: SamplingBatchInfo = ARGMAX_ONLY
+    input_ids_device: torch.Tensor | None = None
+    num_decode: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -45,8 +51,10 @@ class ScheduleBatch:
         return [self.reqs[i] for i in self.sample_rows]
 
 
-def sampling_info(reqs: list[Req]) -> SamplingBatchInfo:
-    """The sampler's arguments for `reqs` (the shared `ARGMAX_ONLY` when each takes the argmax)."""
+def sampling_info(reqs: list[Req], output_offset: int = 0) -> SamplingBatchInfo:
+    """The sampler's arguments for `reqs` (the shared `ARGMAX_ONLY` when each takes the argmax).
+    `output_offset`: tokens each request has generated beyond its `output_ids` (see
+    `SamplingBatchInfo`)."""
     if all(r.argmax_only for r in reqs):
         return ARGMAX_ONLY
     return SamplingBatchInfo(
@@ -55,4 +63,5 @@ def sampling_info(reqs: list[Req]) -> SamplingBatchInfo:
         prompt_ids=[r.origin_input_ids for r in reqs],
         return_logprob=[r.return_logprob for r in reqs],
         top_logprobs_num=[r.top_logprobs_num for r in reqs],
+        output_offset=output_offset,
     )

@@ -32,12 +32,13 @@ from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
 from tide.memory.release import empty_device_cache
+from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.scheduler.handover import Handover
 from tide.scheduler.request import FinishReason, Req
 from tide.scheduler.schedule_batch import ScheduleBatch, sampling_info
-from tide.scheduler.worker import ModelWorker, TpModelWorker
+from tide.scheduler.worker import ModelWorker, SampleFuture, TpModelWorker
 from tide.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,16 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
+@dataclass(slots=True, eq=False)
+class LaunchedBatch:
+    """A decode batch queued on the device whose tokens are not applied yet (overlap schedule).
+    Its requests' `kv_len` already counts the step's token (its KV slot is recorded in req_to_token
+    by the forward), so the KV accounting holds while it runs."""
+
+    batch: ScheduleBatch
+    future: SampleFuture
+
+
 @dataclass
 class SchedulerStats:
     num_prefill_tokens: int = 0  # prompt tokens actually computed (cache hits excluded)
@@ -56,6 +67,8 @@ class SchedulerStats:
     num_retractions: int = 0
     num_forward_extend: int = 0
     num_forward_decode: int = 0
+    num_overlapped_decode: int = 0  # decode steps launched before the previous step's tokens landed
+    num_mixed_decode: int = 0  # decode tokens that rode along with a prefill batch
 
 
 class Scheduler:
@@ -80,9 +93,13 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.req_to_token_pool = worker.req_to_token_pool
         self.allocator = worker.token_to_kv_pool_allocator
-        self.tree_cache = RadixCache(
-            self.req_to_token_pool, self.allocator, disable=config.disable_radix_cache
-        )
+        # Two-pool KV cache (hybrid sliding-window model): the window the SWA pool serves.
+        self.swa_window: int | None = None
+        if isinstance(self.allocator, SWATokenToKVPoolAllocator):
+            if model_config is None or model_config.sliding_window is None:
+                raise ValueError("a two-pool KV cache needs the model's sliding window")
+            self.swa_window = model_config.sliding_window
+        self.tree_cache = self._new_tree()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -93,12 +110,57 @@ class Scheduler:
         self.retired_trees: list[RadixCache] = []  # trees whose KV predates a weight update
         # Bumped by every flush after a weight update: KV of an older epoch is never cached.
         self.kv_epoch = 0
+        # Overlap schedule (docs/scheduler.md): decode step N+1 is prepared and launched before the
+        # tokens of step N are applied. Only where the worker runs asynchronously (CUDA).
+        self.overlap = not config.disable_overlap_schedule and worker.supports_overlap
+        self._launched: LaunchedBatch | None = None
+        # Requests that got a token while a launched batch was applied outside `step()` (an abort,
+        # pause or update settles it first); the next `step()` returns them.
+        self._ready: list[Req] = []
         self.handover = Handover(self, worker, ledger, config.enable_memory_saver, weight_version)
+
+    def kv_pools_summary(self) -> str:
+        """One log line's worth of `kv_pools()`: per pool used/capacity and evictable."""
+        return ", ".join(f"{name} pool {p['used']}/{p['capacity']} used, {p['evictable']} evictable"
+                         for name, p in self.kv_pools().items())
+
+    def _new_tree(self) -> RadixCache:
+        return RadixCache(self.req_to_token_pool, self.allocator,
+                          disable=self.config.disable_radix_cache, window=self.swa_window)
 
     # ---- public surface
     @property
     def max_total_tokens(self) -> int:
         return self.worker.max_total_tokens
+
+    @property
+    def swa_page(self) -> int:
+        """Two-pool cache: out-of-window SWA slots are given back in runs of this many tokens, so
+        a request holds at most window + swa_page of them (0 for one pool)."""
+        return 0 if self.swa_window is None else swa_page(self.swa_window)
+
+    def kv_pools(self) -> dict[str, dict[str, int]]:
+        """Capacity, free, used (held or cached), cached and evictable slots of each KV pool:
+        `full`, and `swa` for a two-pool cache."""
+        tree = self.tree_cache
+        retired = self.retired_trees
+        alloc = self.allocator
+        if isinstance(alloc, SWATokenToKVPoolAllocator):
+            full_free = alloc.full_available_size()
+        else:
+            full_free = alloc.available_size()
+        total = self.max_total_tokens
+        pools = {"full": {
+            "capacity": total, "free": full_free, "used": total - full_free,
+            "cached": tree.total_size() + sum(t.total_size() for t in retired),
+            "evictable": tree.evictable_size()}}
+        if isinstance(alloc, SWATokenToKVPoolAllocator):
+            swa_free = alloc.swa_available_size()
+            pools["swa"] = {
+                "capacity": alloc.size_swa, "free": swa_free, "used": alloc.size_swa - swa_free,
+                "cached": tree.swa_total_size() + sum(t.swa_total_size() for t in retired),
+                "evictable": tree.swa_evictable_size()}
+        return pools
 
     def server_info(self) -> dict[str, Any]:
         """The model, its limits and where it runs."""
@@ -108,6 +170,7 @@ class Scheduler:
             "context_length": self.worker.context_len,
             **self.worker.device_info(),
         }
+        info["kv_cache_layout"] = self.worker.kv_layout()
         if self.model_config is not None:
             info.update(architecture=self.model_config.architecture,
                         vocab_size=self.model_config.vocab_size)
@@ -128,8 +191,13 @@ class Scheduler:
                 self.tokenizer, req.origin_input_ids, params.skip_special_tokens, params.stop_strs)
         self.waiting.append(req)
 
+    @property
+    def launched(self) -> LaunchedBatch | None:
+        """The decode step still on the device whose tokens are not applied (overlap schedule)."""
+        return self._launched
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req or self._launched)
 
     def num_queued(self) -> int:
         return len(self.waiting)
@@ -147,7 +215,9 @@ class Scheduler:
         return handover.admission_blocked and self.num_running() == 0
 
     def can_step(self) -> bool:
-        """A step would make progress."""
+        """A step would make progress (or has tokens to hand out)."""
+        if self._ready or self._launched is not None:
+            return True
         return self.has_work() and not self.is_blocked()
 
     def step(self) -> list[Req]:
@@ -158,18 +228,155 @@ class Scheduler:
         error, their KV is released, and the scheduler stays usable. A request whose own sampling
         fails is aborted alone (see `TpModelWorker.sample`); the rest go on.
         """
+        got, self._ready = self._ready, []
         if not self.handover.may_step():
-            return []
+            return got  # a pause or a release settled any launched batch first
+        if self._launched is not None:
+            launched = self._step_overlapped()
+            if launched is not None:
+                return _merge(got, launched)
+            got = _merge(got, self.finish_launched())  # the chain ends: back to one step at a time
         batch = self.schedule()
         if batch is None:
-            return []
+            return got
+        if self.overlap and batch.is_decode and _may_overlap(batch.reqs):
+            return _merge(got, self._launch(batch))
         try:
             self.prepare(batch)
             out = self.worker.forward(batch)
-            return self.process_results(batch, out)
+            return _merge(got, self.process_results(batch, out))
         except Exception as e:  # any failure must not leak KV or wedge the loop
             logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
+            return _merge(got, self._fail(batch.reqs, f"internal error: {type(e).__name__}: {e}"))
+
+    # ---- the overlap schedule
+    def finish_launched(self) -> list[Req]:
+        """Apply the tokens of the batch still on the device (waiting for it), leaving the scheduler
+        exactly as the one-step-at-a-time schedule would after that step; returns the requests that
+        got a token. Everything that changes requests or KV from outside `step()` calls
+        `settle()`, which does this first."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return []
+        return self._apply_launched(launched, None)
+
+    def settle(self) -> None:
+        """`finish_launched()`, keeping the requests that got a token for the next `step()`."""
+        if self._launched is not None:
+            self._ready = _merge(self._ready, self.finish_launched())
+
+    def _launch(self, batch: ScheduleBatch) -> list[Req]:
+        """Prepare and launch the first decode step of a chain; its tokens are applied next step."""
+        try:
+            self.prepare(batch)
+            future = self.worker.forward_launch(batch)
+        except Exception as e:  # as in step()
+            logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
             return self._fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
+        self._commit_launch(batch, future)
+        return []
+
+    def _commit_launch(self, batch: ScheduleBatch, future: SampleFuture) -> None:
+        self._inflight_loc = None  # each new slot now belongs to its request
+        for req in batch.reqs:
+            req.kv_len += 1
+        self._launched = LaunchedBatch(batch, future)
+
+    def _step_overlapped(self) -> list[Req] | None:
+        """Launch decode step N+1 on the tokens step N leaves on the device, then apply step N's
+        tokens. None (nothing done) where step N+1 would not be the decode step the
+        one-step-at-a-time schedule runs next: a prompt is mid-chunk, requests wait for admission
+        while it may succeed, a request needs its tokens on the host (penalties), or KV is short
+        (retraction decides)."""
+        prev = self._launched
+        assert prev is not None
+        if not prev.batch.is_decode or self.chunked_req is not None:
+            return None
+        context_len = self.worker.context_len
+        # Requests whose pending token surely ends them (length) are left out of step N+1; one that
+        # stops on EOS or a stop string rides along and its token is dropped.
+        reqs = [r for r in self.running
+                if len(r.output_ids) + 1 < r.sampling_params.max_new_tokens
+                and r.seq_len + 1 < context_len]
+        if not reqs or not _may_overlap(reqs):
+            return None
+        # Waiting requests are only passed over while max_running_requests run and none is known to
+        # end with step N (one that stops on EOS there lets the next be admitted a step later).
+        if self.waiting and not (len(reqs) == len(self.running)
+                                 and len(reqs) >= self.config.max_running_requests):
+            return None
+        rows = {id(r): i for i, r in enumerate(prev.batch.reqs)}
+        if any(id(r) not in rows for r in reqs):
+            return None
+        if self.allocator.available_size() + self.tree_cache.evictable_size() < len(reqs):
+            return None
+        batch = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
+        try:
+            self._prepare_successor(batch, prev, [rows[id(r)] for r in reqs])
+            future = self.worker.forward_launch(batch)
+        except Exception as e:  # step N's tokens still count; step N+1's requests fail
+            logger.exception("forward failed; aborting %d request(s)", len(reqs))
+            if self._inflight_loc is not None:
+                self.allocator.free(self._inflight_loc)
+                self._inflight_loc = None
+            got = self.finish_launched()
+            failed = self._fail([r for r in reqs if not r.finished],
+                                f"internal error: {type(e).__name__}: {e}")
+            return _merge(got, failed)
+        self._commit_launch(batch, future)
+        self.stats.num_overlapped_decode += 1
+        return self._apply_launched(prev, batch)
+
+    def _prepare_successor(self, batch: ScheduleBatch, prev: LaunchedBatch, rows: list[int]) -> None:
+        """`prepare()` for a decode step whose input tokens are row `rows[i]` of the launched
+        step's output (on the device when the worker left them there)."""
+        reqs = batch.reqs
+        out_cache_loc = self._alloc_kv(len(reqs))
+        self._inflight_loc = out_cache_loc
+        batch.out_cache_loc = out_cache_loc
+        batch.positions = [r.kv_len for r in reqs]  # kv_len already counts the pending token
+        batch.req_pool_indices = [r.req_pool_idx for r in reqs]  # type: ignore[misc]
+        batch.prefix_lens = batch.positions
+        batch.sampling = sampling_info(reqs, output_offset=1)
+        ids = prev.future.next_ids
+        if ids is None:  # a worker that samples on the host
+            host = prev.future.result().next_ids
+            batch.input_ids = [host[i] for i in rows]
+        elif rows == list(range(len(prev.batch.reqs))):
+            batch.input_ids_device = ids
+        else:
+            index = torch.tensor(rows, dtype=torch.int64).to(ids.device, non_blocking=True)
+            batch.input_ids_device = ids.index_select(0, index)
+
+    def _apply_launched(self, launched: LaunchedBatch, successor: ScheduleBatch | None
+                        ) -> list[Req]:
+        """Apply a launched decode step's tokens (waits for them: the step's one host sync). A
+        request that finished meanwhile (its previous token stopped it, or it was aborted) takes
+        none. A request that finishes now while it rides in `successor` gives that step's KV slot
+        back at once: its token will be dropped."""
+        batch = launched.batch
+        try:
+            out = launched.future.result()
+        except Exception as e:  # a device error surfaces here
+            logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
+            return self._fail([r for r in batch.reqs if not r.finished],
+                              f"internal error: {type(e).__name__}: {e}")
+        if all(r.finished for r in batch.reqs):
+            return []  # every row was dropped: this step does not exist for the schedule
+        self.stats.num_forward_decode += 1
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        rides = {id(r): i for i, r in enumerate(successor.reqs)} if successor is not None else {}
+        live = [i for i, r in enumerate(batch.reqs) if not r.finished]
+        reqs = [batch.reqs[i] for i in live]
+
+        def give_back_ride(req: Req) -> None:
+            j = rides.get(id(req))
+            if j is not None:
+                assert successor is not None and successor.out_cache_loc is not None
+                req.kv_len -= 1
+                self.allocator.free(successor.out_cache_loc[j : j + 1])
+
+        return self._apply_tokens(reqs, out, live, newly_prefilled=False, on_finish=give_back_ride)
 
     def _fail(self, reqs: list[Req], message: str) -> list[Req]:
         if self._inflight_loc is not None:
@@ -191,6 +398,7 @@ class Scheduler:
 
     def abort(self, rid: str | None = None, message: str = "aborted") -> list[Req]:
         """Finish the request `rid` (all requests if None) with finish_reason abort."""
+        self.settle()
         aborted: list[Req] = []
         for req in list(self.waiting):
             if rid is None or req.rid == rid:
@@ -208,11 +416,15 @@ class Scheduler:
             req.weight_version = self.handover.weight_version
             if req.req_pool_idx is not None:
                 self._release_kv(req)
+        if aborted and self._ready:  # reported once, with their whole output, by the caller
+            gone = set(map(id, aborted))
+            self._ready = [r for r in self._ready if id(r) not in gone]
         return aborted
 
     def flush_cache(self, empty_cache: bool = True) -> tuple[bool, str]:
         """Reset the radix cache, request slots and KV allocator; only when nothing is queued or
         running. Empties the device allocator cache only if `empty_cache`."""
+        self.settle()
         if self.has_work():
             return False, (
                 f"cannot flush cache: {self.num_queued()} queued and {self.num_running()} "
@@ -243,6 +455,7 @@ class Scheduler:
     def retract_all(self) -> int:
         """Every request holding KV gives it up and re-queues ahead of new arrivals, in admission
         order (recomputed when it runs again). Returns how many."""
+        self.settle()
         held = list(self.running)
         if self.chunked_req is not None:
             held.append(self.chunked_req)
@@ -260,6 +473,7 @@ class Scheduler:
         """After new weights: cached KV was computed with the old ones. With no request holding KV,
         reset every pool (queued requests hold none); paused in place, drop every cached prefix no
         held request uses and leave the held requests' KV alone."""
+        self.settle()
         if flush_cache:
             self.kv_epoch += 1
             if self.num_running() == 0:
@@ -271,9 +485,7 @@ class Scheduler:
                 if old.total_size():
                     old.retired = True
                     self.retired_trees.append(old)
-                    self.tree_cache = RadixCache(
-                        self.req_to_token_pool, self.allocator, disable=self.config.disable_radix_cache
-                    )
+                    self.tree_cache = self._new_tree()
         if torch_empty_cache:
             empty_device_cache(reason="weight_update", ledger=self.ledger)
 
@@ -281,12 +493,22 @@ class Scheduler:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""
         held = sum(r.kv_len - len(r.prefix_indices) for r in self._live_reqs())
         cached = self.tree_cache.total_size() + sum(t.total_size() for t in self.retired_trees)
-        total = self.allocator.available_size() + cached + held
-        if total != self.max_total_tokens:
+        free = self._free_full()
+        if free + cached + held != self.max_total_tokens:
             raise RuntimeError(
-                f"KV slot leak: free {self.allocator.available_size()} + cached "
-                f"{cached} + held {held} != {self.max_total_tokens}"
+                f"KV slot leak: free {free} + cached {cached} + held {held} != "
+                f"{self.max_total_tokens}"
             )
+        if isinstance(self.allocator, SWATokenToKVPoolAllocator):
+            held_swa = sum(r.kv_len - max(len(r.prefix_indices), r.swa_evicted_len)
+                           for r in self._live_reqs() if r.kv_len)
+            cached_swa = self.tree_cache.swa_total_size() + sum(
+                t.swa_total_size() for t in self.retired_trees)
+            free_swa = self.allocator.swa_available_size()
+            if free_swa + cached_swa + held_swa != self.allocator.size_swa:
+                raise RuntimeError(
+                    f"SWA slot leak: free {free_swa} + cached {cached_swa} + held {held_swa} != "
+                    f"{self.allocator.size_swa}")
         live_slots = sum(1 for r in self._live_reqs() if r.req_pool_idx is not None)
         if self.req_to_token_pool.available_size() + live_slots != self.req_to_token_pool.size:
             raise RuntimeError("request slot leak")
@@ -315,8 +537,11 @@ class Scheduler:
             self.chunked_req = None
         budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
         reserved = self._reserved_decode_tokens(self.running)
+        swa_cap = (self.swa_window or 0) + self.swa_page  # most SWA slots a decoding request holds
+        swa_reserved = sum(min(int(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+                                   * self.new_token_ratio), swa_cap) for r in self.running)
         batch: list[tuple[Req, int]] = []
-        used = 0
+        used = swa_used = 0
         # While a weight update waits, only a prompt already mid-chunk may go on.
         waiting_iter = iter([] if blocked else list(self.waiting))
         while True:
@@ -333,16 +558,26 @@ class Scheduler:
                 self._match_prefix(req)
             fill_len = req.seq_len
             extend = fill_len - req.kv_len
-            free = self.allocator.available_size() + self.tree_cache.evictable_size()
+            free = self._free_full() + self.tree_cache.evictable_size()
             room = free - reserved - used
             future = int(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
             nothing_else = not self.running and not batch
             chunk = min(extend, budget)
+            swa_free = 0
+            if self.swa_window is not None:
+                # Every new token takes an SWA slot for its forward; the window is kept after.
+                swa_free = self._free_swa() + self.tree_cache.swa_evictable_size()
+                if nothing_else:
+                    chunk = max(1, min(chunk, swa_free))
             if chunk < extend:
                 # A chunk is admitted if it fits now; decode reservation is checked on the last chunk.
                 fits = chunk <= room or (nothing_else and chunk <= free)
             else:
                 fits = chunk + future <= room or (nothing_else and chunk <= free)
+            swa_future = min(future, swa_cap) if chunk == extend else 0
+            if self.swa_window is not None and fits:
+                swa_room = swa_free - swa_reserved - swa_used
+                fits = chunk + swa_future <= swa_room or (nothing_else and chunk <= swa_free)
             if not fits:
                 if req.req_pool_idx is None:
                     self._unmatch_prefix(req)
@@ -353,6 +588,7 @@ class Scheduler:
                 self.waiting.remove(req)
             batch.append((req, chunk))
             used += chunk + (future if chunk == extend else 0)
+            swa_used += chunk + swa_future
             budget -= chunk
             if chunk < extend:
                 break  # a chunked request ends the batch
@@ -367,6 +603,7 @@ class Scheduler:
         req.prefix_indices = indices
         req.last_node = node
         req.kv_len = len(indices)
+        req.swa_evicted_len = 0
 
     def _unmatch_prefix(self, req: Req) -> None:
         (req.tree or self.tree_cache).dec_lock_ref(req.last_node)
@@ -375,9 +612,29 @@ class Scheduler:
         req.last_node = None
         req.kv_len = 0
 
+    def _free_full(self) -> int:
+        alloc = self.allocator
+        if isinstance(alloc, SWATokenToKVPoolAllocator):
+            return alloc.full_available_size()
+        return alloc.available_size()
+
+    def _free_swa(self) -> int:
+        """Free SWA slots (two-pool cache only)."""
+        assert isinstance(self.allocator, SWATokenToKVPoolAllocator)
+        return self.allocator.swa_available_size()
+
+    def _decode_room(self, need: int) -> bool:
+        """`need` tokens fit in free + evictable slots of every pool."""
+        if self._free_full() + self.tree_cache.evictable_size() < need:
+            return False
+        return self.swa_window is None or (
+            self._free_swa() + self.tree_cache.swa_evictable_size() >= need)
+
     def _alloc_kv(self, n: int) -> torch.Tensor:
-        if self.allocator.available_size() < n:
-            self.tree_cache.evict(n - self.allocator.available_size())
+        short = n - self._free_full()
+        short_swa = n - self._free_swa() if self.swa_window is not None else 0
+        if short > 0 or short_swa > 0:
+            self.tree_cache.evict(short, short_swa)
         slots = self.allocator.alloc(n)
         if slots is None:
             raise RuntimeError(f"KV allocation of {n} slots failed after eviction")
@@ -391,11 +648,24 @@ class Scheduler:
         picked = self._get_prefill_batch()
         if picked:
             reqs = [req for req, _ in picked]
-            return ScheduleBatch(ForwardMode.EXTEND, reqs, [n for _, n in picked])
+            lens = [n for _, n in picked]
+            riders = self._mixed_decode_riders(sum(lens))
+            return ScheduleBatch(ForwardMode.EXTEND, reqs + riders, lens + [1] * len(riders),
+                                 num_decode=len(riders))
         self._ensure_decode_room()
         if not self.running:
             return None
         return ScheduleBatch(ForwardMode.DECODE, list(self.running), [1] * len(self.running))
+
+    def _mixed_decode_riders(self, prefill_tokens: int) -> list[Req]:
+        """With `enable_mixed_chunk`, every running request decodes in the prefill batch (one
+        token each, after the prefill rows) when KV has room for all of them; else none does."""
+        if not self.config.enable_mixed_chunk or not self.running:
+            return []
+        free = self.allocator.available_size() + self.tree_cache.evictable_size()
+        if free < prefill_tokens + len(self.running):
+            return []
+        return list(self.running)
 
     def prepare(self, batch: ScheduleBatch) -> None:
         """Give the batch's new tokens KV slots (evicting cached prefixes if needed), record them in
@@ -445,11 +715,17 @@ class Scheduler:
             self.stats.num_forward_decode += 1
             for req in batch.reqs:
                 req.kv_len += 1
+                if self.swa_window is not None:
+                    self._release_swa(req)
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                        self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         else:
             self.stats.num_forward_extend += 1
-            self.stats.num_prefill_tokens += len(batch.input_ids)
+            self.stats.num_prefill_tokens += len(batch.input_ids) - batch.num_decode
+            if batch.num_decode:
+                self.stats.num_mixed_decode += batch.num_decode
+                self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                           self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
             for req, n in zip(batch.reqs, batch.extend_lens):
                 req.kv_len += n
                 if req.kv_len < req.seq_len:
@@ -457,15 +733,22 @@ class Scheduler:
                         (req.tree or self.tree_cache).cache_unfinished_req(req)
                     self.chunked_req = req
         reqs = batch.sampled_reqs()
-        newly_prefilled = not batch.is_decode
+        riders = set(map(id, batch.reqs[len(batch.reqs) - batch.num_decode:]))
+        return self._apply_tokens(reqs, out, range(len(reqs)), newly_prefilled=not batch.is_decode,
+                                  riders=riders)
+
+    def _apply_tokens(self, reqs: list[Req], out: SampleOutput, rows: Any, newly_prefilled: bool,
+                      on_finish: Any = None, riders: set[int] | None = None) -> list[Req]:
+        """Request `reqs[k]` takes the token of output row `rows[k]`; finished ones give their KV
+        back (after `on_finish(req)`), newly prefilled ones that go on join `running`. `riders`:
+        ids of running requests that decoded in a prefill batch (they are running already)."""
         failed = out.failed
-        for i, req in enumerate(reqs):
+        finished: list[Req] = []
+        riders = riders or set()
+        for req, i in zip(reqs, rows):
             if failed and i in failed:  # this request alone ends; the rest of the batch goes on
                 req.finished_reason = {"type": "abort", "message": failed[i]}
-                req.weight_version = self.handover.weight_version
-                if not newly_prefilled:
-                    self.running.remove(req)
-                self._release_kv(req)
+                finished.append(req)
                 continue
             token = out.next_ids[i]
             req.output_ids.append(token)
@@ -476,19 +759,24 @@ class Scheduler:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             req.finished_reason = self._check_finished(req, token)
             if req.finished_reason is not None:
-                req.weight_version = self.handover.weight_version
-                if not newly_prefilled:
-                    self.running.remove(req)
-                self._release_kv(req)
-            elif newly_prefilled:
+                finished.append(req)
+            elif newly_prefilled and id(req) not in riders:
                 self.running.append(req)
+        if finished:
+            done = set(map(id, finished))
+            if riders or not newly_prefilled:  # running requests among them leave `running`
+                self.running = [r for r in self.running if id(r) not in done]
+            for req in finished:
+                req.weight_version = self.handover.weight_version
+                if on_finish is not None:
+                    on_finish(req)
+                self._release_kv(req)
         return reqs
 
     def _ensure_decode_room(self) -> None:
         """Retract the newest running requests until every remaining one has a slot for its token."""
         while self.running:
-            need = len(self.running)
-            if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
+            if self._decode_room(len(self.running)):
                 return
             req = self.running.pop()
             self._release_kv(req)
@@ -496,7 +784,24 @@ class Scheduler:
             self.waiting.appendleft(req)
             self.stats.num_retractions += 1
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            logger.info("retracted request %s (KV exhausted)", req.rid)
+            logger.info("retracted request %s (KV exhausted; %s)", req.rid, self.kv_pools_summary())
+
+    def _release_swa(self, req: Req) -> None:
+        """Two-pool cache: give back the SWA slots of this request's tokens that no future query can
+        see (positions < kv_len - window + 1), in runs of `swa_page`: its own tokens' slots, and
+        those of cached-prefix nodes only it holds."""
+        assert self.swa_window is not None and req.req_pool_idx is not None
+        dead = req.kv_len - self.swa_window + 1
+        if dead - req.swa_evicted_len < self.swa_page:
+            return
+        prefix_len = len(req.prefix_indices)
+        if req.swa_evicted_len < prefix_len:
+            (req.tree or self.tree_cache).release_swa_before(req.last_node, min(dead, prefix_len))
+        own = max(req.swa_evicted_len, prefix_len)
+        if dead > own:
+            assert isinstance(self.allocator, SWATokenToKVPoolAllocator)
+            self.allocator.free_swa(self.req_to_token_pool.req_to_token[req.req_pool_idx, own:dead])
+        req.swa_evicted_len = dead
 
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
@@ -514,6 +819,21 @@ class Scheduler:
         if req.seq_len >= self.worker.context_len:
             return {"type": "length", "length": len(req.output_ids)}
         return None
+
+
+def _may_overlap(reqs: list[Req]) -> bool:
+    """Their next step may run before their last token reaches the host: penalties read it."""
+    return not any(r.sampling_params.has_penalties for r in reqs)
+
+
+def _merge(first: list[Req], then: list[Req]) -> list[Req]:
+    """Both lists, each request once, in order."""
+    if not first:
+        return then
+    if not then:
+        return first
+    seen = set(map(id, first))
+    return first + [r for r in then if id(r) not in seen]
 
 
 def create_scheduler(config: EngineConfig, weight_version: str | None = None) -> Scheduler:

@@ -16,15 +16,38 @@ import torch
 
 from tide.config import EngineConfig
 from tide.executor.model_runner import ModelRunner
-from tide.layers.sampler import SampleOutput, Sampler, SamplingBatchInfo
+from tide.layers.sampler import DeviceSample, SampleOutput, Sampler, SamplingBatchInfo
 from tide.memory.ledger import MemoryLedger
 from tide.memory.occupation import MemoryOccupation
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+from tide.memory.swa import SWATokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.weights.update import WeightUpdater
 
 logger = logging.getLogger(__name__)
+
+
+class SampleFuture:
+    """The sampled tokens of a launched batch. `next_ids` is on the device (None when the worker
+    sampled on the host) and may feed the next step's inputs; `result()` gives the host lists,
+    waiting for this batch's results only."""
+
+    def __init__(self, sample: DeviceSample | None = None,
+                 output: SampleOutput | None = None) -> None:
+        self._sample = sample
+        self._output = output
+
+    @property
+    def next_ids(self) -> torch.Tensor | None:
+        return self._sample.next_ids if self._sample is not None else None
+
+    def result(self) -> SampleOutput:
+        if self._output is None:
+            assert self._sample is not None
+            self._output = self._sample.to_output()
+            self._sample = None
+        return self._output
 
 
 class ModelWorker(ABC):
@@ -36,7 +59,7 @@ class ModelWorker(ABC):
     """
 
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator
     max_total_tokens: int
     context_len: int
     weight_updater: WeightUpdater
@@ -53,6 +76,19 @@ class ModelWorker(ABC):
     def device_info(self) -> dict[str, str]:
         """`{"device", "dtype"}` of the model, for server info."""
 
+    # Whether `forward_launch` returns before the device finishes (the overlap scheduler pays off).
+    supports_overlap: bool = False
+
+    def forward_launch(self, batch: ScheduleBatch) -> SampleFuture:
+        """Start `batch` and return its tokens as a future (this default runs it to the end). A decode
+        batch's `input_ids_device`, when set, replaces `input_ids`: the previous step's tokens, never
+        copied to the host."""
+        return SampleFuture(output=self.forward(batch))
+
+    def kv_layout(self) -> dict[str, object]:
+        """The KV pools' layout, for server info (one full pool unless a worker says otherwise)."""
+        return {"type": "full", "full_tokens": self.max_total_tokens}
+
 
 class TpModelWorker(ModelWorker):
     """The in-process worker: a `ModelRunner` (model, pools, attention backend, CUDA graphs) and the
@@ -62,29 +98,55 @@ class TpModelWorker(ModelWorker):
                  ledger: MemoryLedger) -> None:
         self.model_runner = ModelRunner(config, model_config, ledger)
         runner = self.model_runner
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.enable_deterministic_inference)
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
         self.max_total_tokens = runner.max_total_tokens
         self.context_len = runner.context_len
         self.weight_updater = WeightUpdater(runner.model, runner.device)
         self.memory_occupation = MemoryOccupation(runner, config.enable_cpu_backup, ledger)
+        self.supports_overlap = runner.device.type == "cuda"
 
-    def forward(self, batch: ScheduleBatch) -> SampleOutput:
+    def kv_layout(self) -> dict[str, object]:
+        return self.model_runner.kv_layout()
+
+    def _run_model(self, batch: ScheduleBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logits of the batch's sampled rows (None: none is sampled) and, after a decode-graph
+        replay, their argmax."""
         runner = self.model_runner
         assert batch.out_cache_loc is not None, "prepare the batch first"
         if batch.is_decode:
-            logits = runner.forward_decode(batch.input_ids, batch.positions, batch.req_pool_indices,
+            ids = batch.input_ids_device if batch.input_ids_device is not None else batch.input_ids
+            logits = runner.forward_decode(ids, batch.positions, batch.req_pool_indices,
                                            batch.out_cache_loc)
-            return self.sample(logits, batch.sampling, runner.last_greedy_ids)
+            return logits, runner.last_greedy_ids
         logits = runner.forward_extend(batch.input_ids, batch.positions, batch.req_pool_indices,
                                        batch.prefix_lens, batch.extend_lens, batch.out_cache_loc)
         rows = batch.sample_rows
         if rows is not None:
             if not rows:  # every request is mid-prompt: nothing to sample
-                return SampleOutput([], None, None)
+                return None, None
             logits = logits[rows]
-        return self.sample(logits, batch.sampling)
+        return logits, None
+
+    def forward(self, batch: ScheduleBatch) -> SampleOutput:
+        logits, greedy_ids = self._run_model(batch)
+        if logits is None:
+            return SampleOutput([], None, None)
+        return self.sample(logits, batch.sampling, greedy_ids)
+
+    def forward_launch(self, batch: ScheduleBatch) -> SampleFuture:
+        """Queue the forward and the sampling on the device and start copying the tokens to pinned
+        host memory; nothing here waits for the device."""
+        logits, greedy_ids = self._run_model(batch)
+        if logits is None:
+            return SampleFuture(output=SampleOutput([], None, None))
+        try:
+            sample = self.sampler.sample(logits, batch.sampling, greedy_ids)
+        except Exception:  # noqa: BLE001 - find the failing row(s) on the synchronous path
+            return SampleFuture(output=self.sample(logits, batch.sampling, greedy_ids))
+        sample.copy_to_host()
+        return SampleFuture(sample)
 
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
                greedy_ids: torch.Tensor | None = None) -> SampleOutput:

@@ -170,6 +170,10 @@ class ServerMetrics:
         self.kv_total = Gauge("tide:kv_total_slots", "KV slots in the pool", labels, registry=r)
         self.kv_usage = Gauge(
             "tide:token_usage", "Fraction of KV slots in use", labels, registry=r)
+        self.kv_pool = Gauge(
+            "tide:kv_pool_slots", "KV slots per pool (full; swa for hybrid sliding-window models) "
+            "by state: capacity, used (held or cached), evictable (cached, no request uses them)",
+            labels + ["pool", "state"], registry=r)
         self.hit_rate = Gauge(
             "tide:cache_hit_rate", "Radix cache hit rate: cached / (cached + computed) prompt tokens",
             labels, registry=r)
@@ -218,6 +222,9 @@ class ServerMetrics:
         self.kv_held.labels(**lb).set(load["kv_held_slots"])
         self.kv_total.labels(**lb).set(load["max_total_tokens"])
         self.kv_usage.labels(**lb).set(load["kv_used_slots"] / max(1, load["max_total_tokens"]))
+        for pool, counts in load.get("kv_pools", {}).items():
+            for state in ("capacity", "used", "evictable"):
+                self.kv_pool.labels(pool=pool, state=state, **lb).set(counts[state])
         seen = load["num_cached_tokens"] + load["num_prefill_tokens"]
         self.hit_rate.labels(**lb).set(load["num_cached_tokens"] / seen if seen else 0.0)
         self.retractions.labels(**lb).set(load["num_retractions"])

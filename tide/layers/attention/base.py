@@ -63,7 +63,8 @@ class AttentionBackend:
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
         """Rotate q and k with the layer's rotary table (if any) at `positions`, write k and v into
-        the KV pool at `out_cache_loc`, and return q as attention reads it."""
+        the KV pool at `out_cache_loc` (its SWA slots for a sliding layer of a two-pool cache), and
+        return q as attention reads it."""
         rotary = layer.rotary
         if rotary is not None:
             if positions is None:
@@ -76,7 +77,7 @@ class AttentionBackend:
             q = q_rot.reshape(-1, layer.num_heads * layer.head_dim)
         forward_batch.token_to_kv_pool.set_kv_buffer(
             layer.layer_id,
-            forward_batch.out_cache_loc,
+            forward_batch.cache_loc(layer.layer_id),
             k.view(-1, layer.num_kv_heads, layer.head_dim),
             v.view(-1, layer.num_kv_heads, layer.head_dim),
         )

@@ -56,7 +56,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = torch.empty_like(q)
         k_cache = fb.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = fb.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = fb.req_to_token_pool.req_to_token
+        req_to_token = fb.req_to_token_for(layer.layer_id)  # SWA slots for a two-pool sliding layer
         window = layer.sliding_window
         start = 0
         for i, seq_len in enumerate(fb.seq_lens_cpu):

@@ -31,13 +31,28 @@ class TritonAttnBackend(AttentionBackend):
     def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":
         mc = runner.model_config
         return cls(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                   runner.max_batch_size, runner.device)
+                   runner.max_batch_size, runner.device,
+                   deterministic=runner.config.enable_deterministic_inference,
+                   max_context_len=runner.context_len)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_batch_size: int,
-                 device: torch.device, max_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> None:
+                 device: torch.device, max_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
+                 deterministic: bool = False, max_context_len: int | None = None) -> None:
+        """`deterministic`: decode and extend both run `batch_invariant_triton.attention` (one
+        kernel; a token's keys split at fixed positions and merged in order). With
+        `max_context_len`, small decode batches run those splits in parallel programs (scratch
+        for them is allocated here); without it every split runs in one program."""
         from tide.layers.attention import triton_kernels
 
         self.kernels = triton_kernels
+        self.deterministic = deterministic
+        self._det_scratch = None
+        if deterministic and max_context_len is not None:
+            from tide.layers.batch_invariant_triton import DecodeSplitScratch
+
+            limit = DecodeSplitScratch.parallel_batch_limit(num_kv_heads, device)
+            self._det_scratch = DecodeSplitScratch(min(limit, max_batch_size), num_heads, head_dim,
+                                                   max_context_len, device)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_kv_splits = max_kv_splits
         # Split-KV scratch, sized for the largest batch x splits any batch size uses (small batches
@@ -58,7 +73,7 @@ class TritonAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         triton_ops.rope_and_store_kv(
             positions, q, k, v, rotary.cos_cache, rotary.sin_cache, layer.num_heads,
-            layer.num_kv_heads, layer.head_dim, fb.out_cache_loc,
+            layer.num_kv_heads, layer.head_dim, fb.cache_loc(layer.layer_id),
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
         )
         return q
@@ -88,13 +103,15 @@ class TritonAttnBackend(AttentionBackend):
         bs = fb.req_pool_indices.shape[0]
         q = q.view(bs, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
+        if self.deterministic:
+            return self._deterministic(q, out, layer, fb, None).view(bs, -1)
         mid_o, mid_lse = self._scratch(bs)
         self.kernels.decode_attention(
             q,
             fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id),
             out,
-            fb.req_to_token_pool.req_to_token,
+            fb.req_to_token_for(layer.layer_id),
             fb.req_pool_indices,
             fb.seq_lens,
             mid_o,
@@ -110,12 +127,15 @@ class TritonAttnBackend(AttentionBackend):
         prefix_lens, extend_lens, starts, max_len = self._extend
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
+        if self.deterministic:
+            extend = (extend_lens, starts, max_len)
+            return self._deterministic(q, out, layer, fb, extend).view(q.shape[0], -1)
         self.kernels.extend_attention(
             q,
             fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id),
             out,
-            fb.req_to_token_pool.req_to_token,
+            fb.req_to_token_for(layer.layer_id),
             fb.req_pool_indices,
             prefix_lens,
             extend_lens,
@@ -126,3 +146,17 @@ class TritonAttnBackend(AttentionBackend):
             logit_cap=layer.logit_cap,
         )
         return out.view(q.shape[0], -1)
+
+    def _deterministic(self, q: torch.Tensor, out: torch.Tensor, layer: "Attention",
+                       fb: "ForwardBatch",
+                       extend: tuple[torch.Tensor, torch.Tensor, int] | None) -> torch.Tensor:
+        from tide.layers import batch_invariant_triton
+
+        batch_invariant_triton.attention(
+            q, fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            fb.token_to_kv_pool.get_value_buffer(layer.layer_id), out,
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
+            extend=extend, scratch=self._det_scratch, sliding_window=layer.sliding_window,
+            logit_cap=layer.logit_cap,
+        )
+        return out

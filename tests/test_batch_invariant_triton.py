@@ -1,0 +1,318 @@
+"""The CUDA batch-invariant kernels (`tide.layers.batch_invariant_triton`) run by Triton's interpreter on
+CPU tensors: a row's result is bit-identical whatever the batch around it, and close to a torch
+reference. Skipped where triton is not installed (CI); `pip install triton` runs them on any machine.
+
+The interpreter must be chosen before triton is imported (`TRITON_INTERPRET=1`), so a plain pytest run
+executes this file again in a subprocess with it set (`test_kernels_under_the_interpreter`); the other
+tests run only in that process, or directly with
+`TRITON_INTERPRET=1 pytest tests/test_batch_invariant_triton.py`.
+
+The interpreter computes `tl.dot` with numpy's matmul, whose BLAS blocking makes one output row depend
+on where it sits in the tile (measured: permuting a [64, 16] fp16 operand's rows changes the last bits),
+which GPU tensor-core MMAs do not do: an MMA output element is its row of A times its column of B,
+accumulated in a fixed K order. For these tests `tl.dot` is therefore modelled that way (each output
+element sums its products in K order, in fp32), so what is checked is the kernels' own structure
+(tiling, loop bounds, masks, block boundaries), which is what decides batch invariance on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+
+
+def test_kernels_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" in proc.stdout  # this test, skipped there
+
+
+def _compile_sm90(fn, types: dict[str, str], constexprs: dict, **options):
+    """Compile `fn` for an H100/H200 (sm_90) without a GPU; arguments specialised as a real launch
+    specialises aligned tensors (16-byte pointers, strides and sizes divisible by 16)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: types.get(n, "i32" if n.startswith("stride") else "constexpr") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n.startswith("stride") or n in ("N", "K", "n_cols")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def test_kernels_compile_for_hopper():
+    """The CUDA compile path (which the interpreter skips) accepts every kernel, and the GEMM's K
+    loop is software-pipelined (shared memory for all its stages, not one)."""
+    if INTERPRETED:
+        pytest.skip("kernels are interpreted in this process")
+    from tide.layers import batch_invariant_triton as bt
+
+    cfg = bt.gemm_config(4096, 4096)
+    gemm = _compile_sm90(
+        bt._matmul_kernel,
+        {"A": "*bf16", "W": "*bf16", "Bias": "*bf16", "C": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
+        dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", BLOCK_M=cfg.block_m,
+             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=132,
+             USE_PDL=True),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
+    assert gemm.metadata.shared >= (cfg.num_stages - 1) * stage_bytes
+    _compile_sm90(
+        bt._attention_kernel,
+        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i32",
+         "ReqPoolIdx": "*i64", "SeqLens": "*i64", "ExtendLens": "*i64", "ExtendStarts": "*i64",
+         "MidO": "*fp32", "MidLse": "*fp32", "sm_scale": "fp32", "is_decode": "i32",
+         "write_partials": "i32", "split_progs": "i32", "logit_cap": "fp32", "window": "i32"},
+        dict(HAS_CAP=True, GROUP=4, GROUP_P=4, BLOCK_M=64, BLOCK_N=64, SPLIT=bt.ATTN_SPLIT, BLOCK_D=128,
+             HEAD_DIM=128, PRECISION="tf32", USE_PDL=True),
+        num_warps=4, num_stages=2, enable_fp_fusion=False)
+    _compile_sm90(bt._combine_kernel,
+                  {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "SeqLens": "*i64",
+                   "window": "i32"},
+                  dict(SPLIT=bt.ATTN_SPLIT, BLOCK_D=128, HEAD_DIM=128, USE_PDL=True),
+                  num_warps=4, enable_fp_fusion=False)
+    _compile_sm90(bt._log_softmax_kernel, {"X": "*fp32", "Out": "*fp32", "n_cols": "i32"},
+                  dict(BLOCK=4096, USE_PDL=True), num_warps=8, enable_fp_fusion=False)
+    _compile_sm90(bt._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Out": "*bf16", "n_cols": "i32",
+                                        "eps": "fp32", "offset": "fp32"},
+                  dict(BLOCK=4096, USE_PDL=True), num_warps=16, enable_fp_fusion=False)
+
+
+def _mma_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    import numpy as np
+    from triton.runtime import interpreter
+
+    x = a.data.astype(np.float32)
+    y = b.data.astype(np.float32)
+    acc = d.data.astype(np.float32).copy()
+    for k in range(x.shape[1]):
+        acc += x[:, k : k + 1] * y[k : k + 1, :]
+    return interpreter.TensorHandle(acc.astype(d.data.dtype), d.dtype.scalar)
+
+
+@pytest.fixture(scope="module")
+def bt():
+    from tide.layers import batch_invariant_triton
+    from triton.runtime import interpreter
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(interpreter.InterpreterBuilder, "create_dot", _mma_dot)
+    try:
+        yield batch_invariant_triton
+    finally:
+        patch.undo()
+
+
+# ---- GEMM
+
+
+@interpreted
+@pytest.mark.parametrize("k", [96, 80])  # a multiple of BLOCK_K, and one with a ragged last slice
+def test_linear_rows_independent_of_batch(bt, k):
+    gen = torch.Generator().manual_seed(k)
+    n = 72
+    w = torch.randn(n, k, generator=gen).half()
+    bias = torch.randn(n, generator=gen).half()
+    x = torch.randn(150, k, generator=gen).half()
+    cfg = bt.GemmConfig(32, 32, 32, num_warps=4, num_stages=2, group_m=2)
+    full = bt.linear(x, w, bias, config=cfg)
+    ref = x.float() @ w.float().T + bias.float()
+    assert (full.float() - ref).abs().max().item() < 2e-2 * ref.abs().max().item() / 10
+    # The same rows in batches of other sizes and at other offsets in the tiles.
+    for start, m in [(0, 1), (5, 1), (5, 7), (31, 2), (40, 33), (149, 1), (3, 130)]:
+        part = bt.linear(x[start : start + m], w, bias, config=cfg)
+        assert torch.equal(part, full[start : start + m]), (start, m)
+
+
+@interpreted
+def test_linear_shapes_and_config(bt):
+    x = torch.randn(2, 3, 64).half()
+    w = torch.randn(40, 64).half()
+    cfg = bt.GemmConfig(16, 32, 32, num_warps=4, num_stages=2)
+    y = bt.linear(x, w, config=cfg)
+    assert y.shape == (2, 3, 40)
+    assert torch.equal(y.reshape(6, 40), bt.linear(x.reshape(6, 64), w, config=cfg))
+    assert bt.linear(torch.empty(0, 64).half(), w, config=cfg).shape == (0, 40)
+    with pytest.raises(ValueError, match="input features"):
+        bt.linear(x, torch.randn(40, 32).half(), config=cfg)
+    # The configuration is a function of (N, K): the same for every M by construction.
+    assert bt.gemm_config(4096, 4096) == bt.gemm_config(4096, 4096)
+    assert bt.gemm_config(128256, 4096).block_n >= bt.gemm_config(4096, 4096).block_n
+
+
+# ---- row-wise reductions
+
+
+@interpreted
+def test_log_softmax_rows_independent_and_close(bt):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5000, generator=gen) * 4  # two 4096-wide chunks, the second ragged
+    x[2, 100:3000] = float("-inf")  # masked logits (top-k'd vocab, penalties)
+    x[3, :4096] = float("-inf")  # a whole chunk masked
+    full = bt.log_softmax(x)
+    ref = torch.log_softmax(x, dim=-1)
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(full))
+    assert (full[finite] - ref[finite]).abs().max().item() < 1e-5
+    for i in range(6):
+        assert torch.equal(bt.log_softmax(x[i : i + 1]), full[i : i + 1])
+    assert torch.equal(bt.log_softmax(x[1:4]), full[1:4])
+    with pytest.raises(ValueError, match="2-D"):
+        bt.log_softmax(x[0])
+
+
+@interpreted
+def test_gemma_rms_norm_rows_independent_and_close(bt):
+    from tide.layers.norm import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 96, generator=gen).half()
+    norm = GemmaRMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96, generator=gen) * 0.1
+    full = bt.rms_norm(x, norm.weight, 1e-6, offset=1.0)
+    assert (full.float() - norm(x.float())).abs().max().item() < 1e-2
+    for i in (0, 4, 8):
+        assert torch.equal(bt.rms_norm(x[i : i + 1], norm.weight, 1e-6, offset=1.0), full[i : i + 1])
+
+
+@interpreted
+def test_llama_rmsnorm_kernel_rows_independent():
+    """The default GPU RMSNorm (`triton_ops.rmsnorm`, used in deterministic mode as is) is one
+    program per row with a block set by the hidden size: a row's bits do not depend on the batch."""
+    from tide.layers import triton_ops as ops
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 80, generator=gen).half()
+    r = torch.randn(11, 80, generator=gen).half()
+    w = torch.randn(80, generator=gen).half()
+    out, res = ops.rmsnorm(x, w, 1e-5, r)
+    for i in (0, 6, 10):
+        o1, r1 = ops.rmsnorm(x[i : i + 1], w, 1e-5, r[i : i + 1])
+        assert torch.equal(o1, out[i : i + 1]) and torch.equal(r1, res[i : i + 1])
+
+
+# ---- attention
+
+
+class _Paged:
+    """Requests' K/V scattered over a pool through req_to_token, and each token's query."""
+
+    def __init__(self, lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int = 16,
+                 window: int | None = None, cap: float | None = None):
+        self.window, self.cap = window, cap
+        gen = torch.Generator().manual_seed(sum(lens) + num_heads)
+        self.lens, self.hq, self.hk, self.d = lens, num_heads, num_kv_heads, head_dim
+        size = sum(lens) + 8
+        self.k = torch.randn(size, num_kv_heads, head_dim, generator=gen).half()
+        self.v = torch.randn(size, num_kv_heads, head_dim, generator=gen).half()
+        self.req_to_token = torch.zeros(len(lens) + 1, max(lens) + 4, dtype=torch.int32)
+        perm = torch.randperm(size - 1, generator=gen) + 1  # slot 0: the pool's padding slot
+        off = 0
+        for i, n in enumerate(lens):
+            self.req_to_token[i, :n] = perm[off : off + n].int()
+            off += n
+        self.q = [torch.randn(n, num_heads, head_dim, generator=gen).half() for n in lens]
+        self.scale = 1 / math.sqrt(head_dim)
+
+    def extend(self, bt, reqs: list[int], prefix: list[int], upto: list[int] | None = None):
+        """Attention of tokens prefix[j]..upto[j] of request reqs[j] (K/V of 0..upto[j] cached), all
+        in one extend batch; returns {req: [new, Hq, D]}."""
+        upto = upto or [self.lens[i] for i in reqs]
+        q = torch.cat([self.q[i][p:e] for i, p, e in zip(reqs, prefix, upto)])
+        out = torch.empty_like(q)
+        ext = [e - p for p, e in zip(prefix, upto)]
+        starts = [sum(ext[:j]) for j in range(len(ext))]
+        bt.attention(q, self.k, self.v, out, self.req_to_token, torch.tensor(reqs),
+                     torch.tensor(upto), self.scale,
+                     extend=(torch.tensor(ext), torch.tensor(starts), max(ext)),
+                     sliding_window=self.window, logit_cap=self.cap)
+        return {i: out[s : s + n] for i, s, n in zip(reqs, starts, ext)}
+
+    def decode(self, bt, reqs: list[int], pos: list[int], scratch=None) -> dict[int, torch.Tensor]:
+        """One decode step: the token at pos[j] of each request (K/V of 0..pos[j] cached)."""
+        q = torch.stack([self.q[i][p] for i, p in zip(reqs, pos)])
+        out = torch.empty_like(q)
+        bt.attention(q, self.k, self.v, out, self.req_to_token, torch.tensor(reqs),
+                     torch.tensor([p + 1 for p in pos]), self.scale, scratch=scratch,
+                     sliding_window=self.window, logit_cap=self.cap)
+        return {i: out[j] for j, i in enumerate(reqs)}
+
+    def reference(self, i: int) -> torch.Tensor:
+        n = self.lens[i]
+        slots = self.req_to_token[i, :n].long()
+        rep = self.hq // self.hk
+        k = self.k[slots].float().repeat_interleave(rep, 1)
+        v = self.v[slots].float().repeat_interleave(rep, 1)
+        s = torch.einsum("qhd,khd->hqk", self.q[i].float(), k) * self.scale
+        if self.cap is not None:
+            s = torch.tanh(s / self.cap) * self.cap
+        hidden = torch.ones(n, n, dtype=torch.bool).triu(1)
+        if self.window is not None:
+            hidden |= torch.ones(n, n, dtype=torch.bool).tril(-self.window)
+        s = s.masked_fill(hidden, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+@pytest.fixture
+def small_splits(bt, monkeypatch):
+    """Splits of 128 keys (two key blocks), so short test sequences cross several."""
+    monkeypatch.setattr(bt, "ATTN_SPLIT", 128)
+    return bt
+
+
+@interpreted
+# -inf - -inf and log(0) of rows with no key in a split: computed, then left out of the merge.
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+@pytest.mark.parametrize("heads,window,cap", [((8, 2), None, None), ((4, 4), None, None),
+                                              ((6, 2), None, None), ((8, 2), 150, 5.0),
+                                              ((4, 2), 40, None)],
+                         ids=["gqa4", "mha", "gqa3", "window150-cap", "window40"])
+def test_attention_same_bits_for_decode_extend_chunks_and_prefix(small_splits, heads, window, cap):
+    bt = small_splits
+    paged = _Paged([37, 5, 200, 19], *heads, window=window, cap=cap)
+    full = paged.extend(bt, [0, 1, 2, 3], [0, 0, 0, 0])
+    for i in range(4):
+        assert (full[i].float() - paged.reference(i)).abs().max().item() < 2e-3
+    # Alone, and in another batch order.
+    assert torch.equal(paged.extend(bt, [2], [0])[2], full[2])
+    other = paged.extend(bt, [3, 2, 0], [0, 0, 0])
+    assert all(torch.equal(other[i], full[i]) for i in (0, 2, 3))
+    # On a cached prefix (block and split boundaries of the new tokens shift with it).
+    for p in (13, 64, 127, 128, 150):
+        assert torch.equal(paged.extend(bt, [2, 0], [p, min(p, 36)])[2], full[2][p:]), p
+    # Chunked prefill: chunks of 61 tokens, the K/V of later tokens not cached yet.
+    for size in (61,):
+        for s in range(0, 200, size):
+            e = min(s + size, 200)
+            assert torch.equal(paged.extend(bt, [2], [s], [e])[2], full[2][s:e]), (size, s)
+    # Decode steps, one token per request, in batches of other compositions; the splits of
+    # batches up to `scratch.max_batch` run in parallel programs, larger ones in one.
+    scratch = bt.DecodeSplitScratch(2, heads[0], 16, 512, "cpu")
+    for reqs, pos in [([0, 1, 2, 3], [36, 4, 199, 18]), ([2], [199]), ([2, 0], [127, 0]),
+                      ([3, 2], [0, 128])]:
+        for sc in (None, scratch):
+            out = paged.decode(bt, reqs, pos, sc)
+            for i, p in zip(reqs, pos):
+                assert torch.equal(out[i], full[i][p]), (reqs, i, p, sc is not None)
+
+
+@interpreted
+def test_attention_rejects_groups_wider_than_the_kernel(bt):
+    paged = _Paged([4], 128, 1)
+    with pytest.raises(ValueError, match="q heads per kv head"):
+        paged.extend(bt, [0], [0])

@@ -1,0 +1,521 @@
+"""Batch-invariant Triton kernels: the CUDA half of `enable_deterministic_inference`.
+
+Invariant here: the bits of one row's result depend only on that row's inputs (and, for attention,
+the token's own context), never on how many rows share the launch or where the row sits. Each op
+gets it by construction, not by tuning luck:
+
+- `linear`: a persistent GEMM whose tile configuration (BLOCK_M/N/K, warps, stages) is a function of
+  (N, K) only (`gemm_config`), never of M, and which never splits K. A row's dot products then run
+  the same compiled kernel and the same K-order (BLOCK_K slices, first to last, fp32 accumulator)
+  whether M is 1 or 8192; which tile a row lands in changes nothing, as an MMA output row reads only
+  its own A row. (Autotuning over M would break this; so would cuBLAS, which picks its algorithm and
+  split-K from M.)
+- `attention`: ONE kernel serves decode and extend. A program takes BLOCK_M (token, q head) rows of
+  one request and one kv head. The keys are cut into splits at fixed positions (ATTN_SPLIT keys
+  each, from position 0); within a split the keys stream in BLOCK_N-key blocks, in order, with the
+  online softmax per row, and keys after a row's own position are masked to exact zeros (a no-op on
+  its running max, sum and output); the splits' partials are merged in split order by `_fold`. A
+  token's reduction order is therefore a function of its position only: the same in a decode step
+  (one token), a prefill, any chunk of a chunked prefill and on top of a cached prefix, whatever
+  else is in the batch. The decode call is the extend kernel with one new token per request (a
+  runtime flag, never specialised), so the two are the same machine code, not two kernels that
+  happen to agree. Small decode batches run a token's splits in parallel programs that write their
+  partials, and `_combine_kernel` merges them with the same `_fold` in the same order (elementwise
+  IEEE ops, no fusion: the same bits as the in-kernel merge); the split positions never depend on
+  the batch, only which program computes a split does.
+- `log_softmax`: one program per row, a fixed chunked pass over the vocabulary.
+- `rms_norm`: one program per row (Gemma's fp32 form; the Llama-style RMSNorm in `triton_ops` is
+  already one program per row with a block set by the hidden size only).
+
+Elementwise float ops are compiled with `enable_fp_fusion=False`, so no multiply-add is contracted
+differently in one context than in another. Every kernel keeps `tide.layers.pdl`'s contract (launch
+dependents, then wait, before any load).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tide.layers import pdl
+
+_NO_FUSION = {"enable_fp_fusion": False}
+
+
+# ---------------------------------------------------------------------------------------------- GEMM
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile configuration of `linear` for one (N, K): fixed for every M (see the module doc)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    # Persistent programs per SM (the grid is this times the SM count, at most one per tile). Which
+    # program computes a tile never changes the tile's bits, so this is free to tune.
+    programs_per_sm: int = 1
+
+
+# Per-(N, K) overrides, e.g. from `benchmarks/deterministic.py --gemm-sweep` on the target GPU.
+# Changing an entry changes the (still batch-invariant) bits of that projection.
+GEMM_CONFIGS: dict[tuple[int, int], GemmConfig] = {}
+
+
+def gemm_config(n: int, k: int) -> GemmConfig:
+    """The tile configuration for an [M, k] x [k, n] product, chosen from (n, k) alone.
+
+    128x128x64 tiles with 8 warps keep large-M prefill GEMMs compute-efficient; narrow outputs
+    (n < 8192) use 64-wide column tiles so a small-M decode GEMM still spreads over enough SMs to
+    stream the weight at full bandwidth.
+    """
+    cfg = GEMM_CONFIGS.get((n, k))
+    if cfg is not None:
+        return cfg
+    if n >= 8192:
+        return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+    return GemmConfig(128, 64, 64, num_warps=4, num_stages=4)
+
+
+def _precision(x: torch.Tensor) -> str:
+    """fp32 operands are multiplied in full fp32 ("ieee", as torch does by default), not TF32."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   NUM_PROGS: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_m * num_n, NUM_PROGS):
+        # Grouped order: GROUP_M row tiles walk the column tiles together (weight tiles stay in L2).
+        first_m = (tile // per_group) * GROUP_M
+        group_size = tl.minimum(num_m - first_m, GROUP_M)
+        pm = first_m + (tile % per_group) % group_size
+        pn = (tile % per_group) // group_size
+        rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Out-of-range rows/columns read a valid row (never stored), so the loads need no row mask.
+        rm_load = (rm % M).to(tl.int64)
+        rn_load = (rn % N).to(tl.int64)
+        a_ptrs = A + rm_load[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = W + rn_load[None, :] * stride_wn + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                w = tl.load(w_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(Bias + rn_load).to(tl.float32)[None, :]
+        c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: GemmConfig | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), x [..., K], weight [N, K]; fp32 accumulation, rounded to x's dtype.
+    Row-for-row equal whatever the number of rows (module doc). `config` overrides `gemm_config`
+    (benchmark sweeps only)."""
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has {weight.shape[1]} input features, x has {k}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    cfg = config or gemm_config(n, k)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 2
+    progs = min(tiles, sms * cfg.programs_per_sm)
+    use_pdl = pdl.enabled(x)
+    _matmul_kernel[(progs,)](
+        x2, weight, bias if bias is not None else weight, out, m, n, k,
+        x2.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(x),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
+        USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
+    )
+    return out.reshape(*lead, n)
+
+
+# ------------------------------------------------------------------------------- row-wise reductions
+
+
+@triton.jit
+def _log_softmax_kernel(X, Out, n_cols, stride_x, stride_o, BLOCK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    # Pass 1: per-lane running max and sum over BLOCK-wide chunks, then one fixed reduction.
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        x = tl.load(X + row * stride_x + c0 + cols, mask=c0 + cols < n_cols,
+                    other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # A lane that has seen only -inf keeps sum 0 (and no NaN from -inf - -inf).
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - safe) + tl.exp(x - safe)
+        m = m_new
+    row_max = tl.max(m, 0)
+    total = tl.sum(s * tl.exp(m - row_max), 0)
+    shift = row_max + tl.log(total)
+    for c0 in range(0, n_cols, BLOCK):
+        mask = c0 + cols < n_cols
+        x = tl.load(X + row * stride_x + c0 + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + row * stride_o + c0 + cols, x - shift, mask=mask)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log_softmax over the last dim of a 2-D tensor, one program per row."""
+    if x.dim() != 2:
+        raise ValueError(f"log_softmax takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    block = min(4096, triton.next_power_of_2(x.shape[1]))
+    use_pdl = pdl.enabled(x)
+    _log_softmax_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), out.stride(0), BLOCK=block,
+                                       USE_PDL=use_pdl, num_warps=8 if block >= 2048 else 4,
+                                       launch_pdl=use_pdl, **_NO_FUSION)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Out, n_cols, stride_x, stride_o, eps, offset, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, 0) / n_cols
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(var + eps) * (w + offset)
+    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * (weight + offset), all in fp32, rounded once to x's dtype (the
+    Gemma form, offset 1.0), one program per row."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0:
+        return out.view(shape)
+    block = triton.next_power_of_2(shape[-1])
+    use_pdl = pdl.enabled(x)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, shape[-1], x2.stride(0), out.stride(0), eps,
+                                     offset, BLOCK=block, USE_PDL=use_pdl,
+                                     num_warps=min(16, max(1, block // 256)), launch_pdl=use_pdl,
+                                     **_NO_FUSION)
+    return out.view(shape)
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+ATTN_BLOCK_M = 64  # (token, q head) rows per program
+ATTN_BLOCK_N = 64  # keys per step of the online softmax
+ATTN_SPLIT = 512  # keys per split: positions [s * ATTN_SPLIT, (s + 1) * ATTN_SPLIT) form split s
+
+
+@triton.jit
+def _fold(o, lse, o_s, lse_s):
+    """Merge split partial (o_s, lse_s) into the running (o, lse). The one merge both the attention
+    kernel and `_combine_kernel` use: elementwise only, so (without fp fusion) it gives the same bits
+    in either kernel. Merging into the empty state (0, -inf) returns (o_s, lse_s) exactly."""
+    m = tl.maximum(lse, lse_s)
+    w_old = tl.exp(lse - m)
+    w_new = tl.exp(lse_s - m)
+    total = w_old + w_new
+    o = (o * w_old[:, None] + o_s * w_new[:, None]) / total[:, None]
+    return o, m + tl.log(total)
+
+
+@triton.jit
+def _first_split(q_pos, window, SPLIT: tl.constexpr):
+    """The first split holding a key the query at q_pos sees (window 0: no window)."""
+    lo = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)
+    return lo // SPLIT
+
+
+@triton.jit
+def _soft_cap(x, cap):
+    """cap * tanh(x / cap), with tanh(y) = 1 - 2 / (e^2y + 1): finite for every x."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (x / cap)) + 1.0))
+
+
+@triton.jit(do_not_specialize=["is_decode", "write_partials", "split_progs", "window"])
+def _attention_kernel(
+    Q, K, V, Out, ReqToToken, ReqPoolIdx, SeqLens, ExtendLens, ExtendStarts, MidO, MidLse,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_r2t, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    sm_scale, logit_cap, is_decode, write_partials, split_progs, window,
+    HAS_CAP: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    TOKENS: tl.constexpr = BLOCK_M // GROUP_P
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    if is_decode != 0:
+        ext_len = seq_len * 0 + 1
+        q_start = (seq_len * 0 + b).to(tl.int64)
+    else:
+        ext_len = tl.load(ExtendLens + b)
+        q_start = tl.load(ExtendStarts + b).to(tl.int64)
+    # Either one block of tokens through every split (folded here), or, for a decode step with
+    # `write_partials`, one token through splits first, first + split_progs, ... (partials to MidO).
+    zero = b * 0
+    if write_partials != 0:
+        mblk = zero
+        first = zero + tl.program_id(2)
+        step = zero + split_progs
+    else:
+        mblk = zero + tl.program_id(2)
+        first = zero
+        step = zero + 1
+    if mblk * TOKENS >= ext_len:
+        return
+    prefix = seq_len - ext_len
+    req = tl.load(ReqPoolIdx + b).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    tok = mblk * TOKENS + rows // GROUP_P
+    g = rows % GROUP_P
+    mask_m = (tok < ext_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    q_pos = prefix + tok
+    kv_end = prefix + tl.minimum((mblk + 1) * TOKENS, ext_len)
+    o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # Splits wholly before the program's earliest window are skipped (they hold no visible key).
+    s_begin = _first_split(prefix + mblk * TOKENS, window, SPLIT)
+    for s in range(s_begin + first, tl.cdiv(kv_end, SPLIT), step):
+        split_start = s * SPLIT
+        split_end = tl.minimum(split_start + SPLIT, kv_end)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(split_start, split_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < split_end
+            slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            keep = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            keep &= (window == 0) | (offs_n[None, :] > q_pos[:, None] - window)
+            qk = tl.dot(q, k, input_precision=PRECISION) * sm_scale
+            if HAS_CAP:
+                qk = _soft_cap(qk, logit_cap)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no visible key yet (window start further on) keeps its empty
+            # state exactly: exp(-inf - 0) = 0 everywhere, no -inf - -inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        # A row that sees no key of this split (its position is before the split) gets 0/0 here
+        # and is left out of the merge below.
+        o_s = acc / l_i[:, None]
+        lse_s = m_i + tl.log(l_i)
+        if write_partials != 0:
+            tl.store(MidO + b * stride_mb + head[:, None] * stride_mh + s * stride_ms + offs_d[None, :],
+                     o_s, mask=mask_m[:, None] & mask_d[None, :])
+            tl.store(MidLse + b * stride_lb + head * stride_lh + s, lse_s, mask=mask_m)
+        else:
+            o_new, lse_new = _fold(o, lse, o_s, lse_s)
+            sees = q_pos >= split_start
+            sees &= (window == 0) | (q_pos - window < split_start + SPLIT - 1)
+            o = tl.where(sees[:, None], o_new, o)
+            lse = tl.where(sees, lse_new, lse)
+    if write_partials == 0:
+        tl.store(
+            Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(Out.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+
+
+@triton.jit
+def _combine_kernel(MidO, MidLse, Out, SeqLens, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                    stride_ot, stride_oh, window, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+    """A decode token's split partials merged in split order, as the attention kernel merges them."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    o = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    lse = tl.full([1], float("-inf"), dtype=tl.float32)
+    for s in range(_first_split(seq_len - 1, window, SPLIT), tl.cdiv(seq_len, SPLIT)):
+        o_s = tl.load(MidO + b * stride_mb + h * stride_mh + s * stride_ms + offs_d[None, :],
+                      mask=mask_d[None, :], other=0.0)
+        lse_s = tl.load(MidLse + b * stride_lb + h * stride_lh + s + tl.arange(0, 1))
+        o, lse = _fold(o, lse, o_s, lse_s)
+    tl.store(Out + b * stride_ot + h * stride_oh + offs_d[None, :], o.to(Out.dtype.element_ty),
+             mask=mask_d[None, :])
+
+
+class DecodeSplitScratch:
+    """fp32 partials for decode steps of at most `max_batch` requests whose splits run in parallel
+    programs (`attention`): [max_batch, Hq, splits of the longest context, D] and the log-sum-exps.
+    Allocated once, so CUDA graphs keep pointing at it."""
+
+    def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_context_len: int,
+                 device: torch.device | str) -> None:
+        splits = triton.cdiv(max_context_len, ATTN_SPLIT)
+        self.max_batch = max_batch
+        self.mid_o = torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32,
+                                 device=device)
+        self.mid_lse = torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def parallel_batch_limit(num_kv_heads: int, device: torch.device | str) -> int:
+        """Decode batches up to this size run their splits in parallel: fewer (request, kv head)
+        pairs than SMs would leave most of the GPU idle."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return 4
+        return max(1, _num_sms(device.index or 0) // num_kv_heads)
+
+
+def attention(
+    q: torch.Tensor,  # [T, Hq, D]: the batch's new tokens
+    k_buffer: torch.Tensor,  # [S, Hk, D]
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,  # [T, Hq, D]
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]: tokens in the cache after this step's K/V is stored
+    sm_scale: float,
+    extend: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    scratch: DecodeSplitScratch | None = None,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+) -> None:
+    """Causal attention of each request's new tokens over its whole cached sequence (new K/V already
+    stored). `extend` = (extend_lens, extend_starts, max_extend_len) for an extend batch; None for a
+    decode batch (one new token per request, at row b). `sliding_window`: a query at p sees keys
+    p - sliding_window + 1 .. p; `logit_cap`: scores go through cap * tanh(score / cap) before the
+    mask (`tide.layers.attention.layer.Attention`).
+
+    A token's keys are cut into splits of ATTN_SPLIT positions, each reduced in ATTN_BLOCK_N-key
+    blocks with an online softmax and merged in split order (`_fold`). Extend, and decode batches
+    larger than `scratch.max_batch` (or without scratch), do all of it in one program per block of
+    tokens; smaller decode batches run the splits in parallel programs and merge them in
+    `_combine_kernel`. Same kernel, same splits, same merge order: a token's bits are the same in
+    every case (module doc)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    if group_p > ATTN_BLOCK_M:
+        raise ValueError(f"{group} q heads per kv head exceed the kernel's {ATTN_BLOCK_M} rows")
+    batch = req_pool_indices.shape[0]
+    if batch == 0:
+        return
+    parallel = extend is None and scratch is not None and batch <= scratch.max_batch
+    if extend is None:
+        ext_lens = ext_starts = seq_lens  # not read
+        is_decode = 1
+        if parallel:
+            assert scratch is not None
+            # Enough programs per (request, kv head) for about two per SM; each takes every
+            # split_progs-th split (splits past the sequence exit at once).
+            split_progs = min(scratch.mid_o.shape[2],
+                              max(1, 2 * DecodeSplitScratch.parallel_batch_limit(1, q.device)
+                                  // (batch * num_kv_heads)))
+            blocks = split_progs
+        else:
+            split_progs, blocks = 1, 1
+    else:
+        ext_lens, ext_starts, max_len = extend
+        split_progs, blocks, is_decode = 1, triton.cdiv(max_len, ATTN_BLOCK_M // group_p), 0
+    mid_o, mid_lse = (scratch.mid_o, scratch.mid_lse) if parallel and scratch else (out, out)
+    use_pdl = pdl.enabled(q)
+    block_d = triton.next_power_of_2(head_dim)
+    _attention_kernel[(batch, num_kv_heads, blocks)](
+        q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens, ext_lens, ext_starts,
+        mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
+        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        sm_scale, logit_cap or 0.0, is_decode, int(parallel), split_progs, sliding_window or 0,
+        HAS_CAP=logit_cap is not None, GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M,
+        BLOCK_N=ATTN_BLOCK_N, SPLIT=ATTN_SPLIT,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=_precision(q),
+        USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl, **_NO_FUSION,
+    )
+    if parallel:
+        _combine_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), sliding_window or 0,
+            SPLIT=ATTN_SPLIT, BLOCK_D=block_d, HEAD_DIM=head_dim, USE_PDL=use_pdl,
+            num_warps=4, launch_pdl=use_pdl, **_NO_FUSION,
+        )
