@@ -106,8 +106,18 @@ GEMMA3_12B = {
     "pad_token_id": 0,
 }
 
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "qwen3-0.6b": QWEN3_06B, "gemma-2-9b": GEMMA2_9B,
-          "gemma-3-12b": GEMMA3_12B}
+# Llama-3.1-70B: 141 GB of bf16 weights, more than one H200 holds; at TP=2, 70.5 GB per GPU.
+LLAMA_31_70B = {
+    **LLAMA_31_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "llama-3.1-70b": LLAMA_31_70B, "qwen3-0.6b": QWEN3_06B,
+          "gemma-2-9b": GEMMA2_9B, "gemma-3-12b": GEMMA3_12B}
 
 
 def config_dir(name: str) -> str:

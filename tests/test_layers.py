@@ -17,14 +17,17 @@ import tide
 LAYERS: list[tuple[str, ...]] = [
     ("tide.config", "tide.model_config", "tide.sampling_params", "tide.io_struct",
      "tide.tokenizer", "tide.detokenizer", "tide.version", "tide.demo_model"),
-    ("tide.memory", "tide.weights"),
+    ("tide.memory", "tide.weights", "tide.parallel"),
     ("tide.executor.forward_batch",),  # what a forward reads: models and backends take it
     ("tide.layers",),
     ("tide.models",),
     ("tide.executor",),
     ("tide.scheduler",),
+    # data parallel: the router and the controller `tide serve --dp-size` starts (scheduler processes)
+    ("tide.cluster.router", "tide.cluster.dp_controller"),
     ("tide.engine", "tide.engine_io", "tide.server"),
-    ("tide.cli", "tide.__main__", "tide.diffusion", "tide"),
+    # tide.cluster.ray: replicas holding an Engine
+    ("tide.cli", "tide.__main__", "tide.diffusion", "tide.cluster", "tide"),
 ]
 # Same layer, but neither side may import the other.
 SEPARATE = [("tide.server", "tide.engine")]

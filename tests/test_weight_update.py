@@ -309,7 +309,7 @@ def releases(monkeypatch):
         if name.split(".")[0] == "tide" and getattr(module, "empty_device_cache", None) is real:
             monkeypatch.setattr(module, "empty_device_cache", fake)
             patched.append(name)
-    assert {"tide.scheduler.scheduler", "tide.scheduler.handover", "tide.memory.occupation",
+    assert {"tide.scheduler.worker", "tide.memory.occupation",
             "tide.memory.release"} <= set(patched)
     spy.reasons = lambda: [r for r, _ in spy.calls]
     return spy

@@ -56,6 +56,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _engine_option(p, "max_total_tokens", type=int, metavar="N")
     _engine_option(p, "context_length", type=int, metavar="N")
     _engine_option(p, "chunked_prefill_size", type=int, metavar="N")
+    _engine_option(p, "tp_size", type=int, metavar="N")
     _engine_option(p, "disable_radix_cache", action="store_true")
     _engine_option(p, "disable_overlap_schedule", action="store_true")
     _engine_option(p, "enable_mixed_chunk", action="store_true")
@@ -69,7 +70,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model_path", "device", "dtype", "max_total_tokens", "context_length",
-            "chunked_prefill_size", "disable_radix_cache", "disable_overlap_schedule",
+            "chunked_prefill_size", "tp_size", "disable_radix_cache", "disable_overlap_schedule",
             "enable_mixed_chunk", "attention_backend", "load_format",
             "enable_deterministic_inference", "log_level")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
@@ -144,6 +145,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
         scheduler_health_timeout=args.scheduler_health_timeout,
         scheduler_abort_timeout=args.scheduler_abort_timeout,
+        dp_size=args.dp_size,
     )
     return launch_server(server_args)
 
@@ -216,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--scheduler-abort-timeout", type=float, default=120.0, metavar="S",
                      help="in-flight requests end with reason abort once the scheduler has not "
                           "responded for S seconds (default: 120)")
+    srv.add_argument("--dp-size", type=int, default=1, metavar="N",
+                     help="data parallel: N engine replicas behind this server, each request on "
+                          "the least loaded; each replica gets its own GPU when there are N, else "
+                          "all run on CPU; handover routes act on every replica")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the model path; tide-demo for the demo)")
     limits = srv.add_argument_group("request limits", "bounds on one request's cost (docs/server.md, "

@@ -53,6 +53,8 @@ class EngineConfig:
         None, "longest prompt + output in tokens (default: the model's max_position_embeddings)")
     attention_backend: str = _option("auto", "auto (triton on CUDA, torch_native elsewhere), "
                                              "triton or torch_native")
+    tp_size: int = _option(1, "tensor-parallel ranks: the model is split over this many GPUs of "
+                              "this host (one process per rank; on CPU, gloo processes)")
     disable_cuda_graph: bool = _option(False, "run decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = _option(
         512, "largest decode batch captured as a CUDA graph (at most max_running_requests)")
@@ -108,6 +110,7 @@ class EngineConfig:
         _positive("max_total_tokens", self.max_total_tokens, allow_none=True)
         _positive("context_length", self.context_length, allow_none=True)
         _positive("max_running_requests", self.max_running_requests)
+        _positive("tp_size", self.tp_size)
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(
                 f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")

@@ -37,7 +37,7 @@ from tide.scheduler.handover import (
 )
 from tide.scheduler.request import Req
 from tide.scheduler.scheduler import create_scheduler
-from tide.scheduler.worker import TpModelWorker
+from tide.scheduler.worker import ModelWorker
 from tide.weights.update import TensorPayload
 
 logger = logging.getLogger(__name__)
@@ -78,14 +78,16 @@ class Engine:
         self._controls_lock = threading.Lock()
 
     @property
-    def worker(self) -> TpModelWorker:
-        worker = self.scheduler.worker
-        assert isinstance(worker, TpModelWorker)
-        return worker
+    def worker(self) -> ModelWorker:
+        """The in-process worker, or with `tp_size > 1` the group of rank workers."""
+        return self.scheduler.worker
 
     @property
     def model_runner(self) -> ModelRunner:
-        return self.worker.model_runner
+        """Rank 0's model runner (the only one with `tp_size == 1`)."""
+        runner = getattr(self.worker, "model_runner", None)
+        assert isinstance(runner, ModelRunner)  # both workers have one
+        return runner
 
     @property
     def memory_ledger(self) -> MemoryLedger:
@@ -208,9 +210,10 @@ class Engine:
         return self._update_weights(
             DistributedUpdate(names, dtypes, shapes, group_name, load_format), options)
 
-    def update_weights_from_ipc(self, serialized_buckets: str | bytes,
+    def update_weights_from_ipc(self, serialized_buckets: str | bytes | list[str | bytes],
                                 **options: UpdateOption) -> HandoverReply:
-        """A colocated trainer's bucket buffers, shared as CUDA IPC handles."""
+        """A colocated trainer's bucket buffers, shared as CUDA IPC handles (with `tp_size > 1`,
+        one payload every rank maps, or a list of one per rank)."""
         return self._update_weights(IPCUpdate(serialized_buckets), options)
 
     def _update_weights(self, update: WeightUpdate, options: dict[str, UpdateOption]
@@ -280,8 +283,10 @@ class Engine:
                                            "device", "dtype", "kv_cache_layout")}
 
     def shutdown(self) -> None:
+        """Abort every request, leave trainer groups, stop the rank processes (tp_size > 1)."""
         with self._control():
             self.handover.shutdown("engine shutdown")
+            self.worker.shutdown()
 
     def __enter__(self) -> Engine:
         return self

@@ -18,6 +18,7 @@ from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAll
 from tide.memory.swa import SWAKVPool, SWATokenToKVPoolAllocator, min_swa_tokens
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
+from tide.parallel import TpGroup, tp_context
 from tide.weights import init_dummy_weights, load_checkpoint
 
 if TYPE_CHECKING:
@@ -29,15 +30,20 @@ _CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `tp_rank`: on CUDA, the `tp_rank`-th GPU from the
+    configured one (cuda:N, or the current device)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {name!r} was asked for but CUDA is not available")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        first = torch.cuda.current_device() if device.index is None else device.index
+        if first + tp_rank >= torch.cuda.device_count():
+            raise ValueError(f"tp_size needs GPUs {first}..{first + tp_rank} but only "
+                             f"{torch.cuda.device_count()} are visible")
+        device = torch.device("cuda", first + tp_rank)
     return device
 
 
@@ -52,12 +58,17 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 ledger: MemoryLedger | None) -> None:
-        """`ledger`: where this engine's release points are recorded."""
+                 ledger: MemoryLedger | None, tp: TpGroup | None = None) -> None:
+        """`ledger`: where this engine's release points are recorded; `tp`: the tensor-parallel
+        group this runner is one rank of (None: one rank, the whole model here)."""
         self.config = config
         self.ledger = ledger
         self.model_config = model_config
-        self.device = resolve_device(config.device)
+        self.tp = tp or TpGroup()
+        self.device = resolve_device(config.device, self.tp.rank)
+        # This rank's attention heads (KV heads replicated when there are fewer than ranks).
+        self.num_heads = model_config.num_attention_heads // self.tp.size
+        self.num_kv_heads = self.tp.kv_heads(model_config.num_key_value_heads)[1]
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.context_len = config.context_length or model_config.max_position_embeddings
         if self.context_len > model_config.max_position_embeddings:
@@ -109,7 +120,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), tp_context(self.tp):
                 model = cls(self.model_config)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -139,9 +150,12 @@ class ModelRunner:
         the full pool for full layers and an SWA pool of `swa_full_tokens_ratio` as many slots for
         sliding layers, splitting the same budget (see memory/swa.py); others get one."""
         mc = self.model_config
-        hybrid = mc.is_hybrid
+        # Under tensor parallelism every rank must map full slots to SWA slots as rank 0's
+        # allocator does; until the map travels with the batch, hybrid models keep one full pool
+        # there (sliding layers still see only their window).
+        hybrid = mc.is_hybrid and self.tp.size == 1
         sliding = [mc.layer_kind(i).is_sliding for i in range(mc.num_hidden_layers)]
-        per_layer = MHATokenToKVPool.bytes_per_token(1, mc.num_key_value_heads, mc.head_dim,
+        per_layer = MHATokenToKVPool.bytes_per_token(1, self.num_kv_heads, mc.head_dim,
                                                      self.dtype)
         n_swa = sum(sliding) if hybrid else 0
         ratio = self.config.swa_full_tokens_ratio
@@ -172,10 +186,10 @@ class ModelRunner:
         n_req = self.config.max_running_requests
         region = None
         if hybrid:
-            kv_shapes = SWAKVPool.layer_shapes(tokens, swa_tokens, sliding, mc.num_key_value_heads,
+            kv_shapes = SWAKVPool.layer_shapes(tokens, swa_tokens, sliding, self.num_kv_heads,
                                                mc.head_dim, self.dtype)
         else:
-            kv_shapes = [((tokens + 1, mc.num_key_value_heads, mc.head_dim), self.dtype)] * (
+            kv_shapes = [((tokens + 1, self.num_kv_heads, mc.head_dim), self.dtype)] * (
                 2 * mc.num_hidden_layers)
         if self.use_vmm:
             from tide.memory.vmm import VmmRegion, region_nbytes
@@ -188,7 +202,7 @@ class ModelRunner:
                                                 swa=hybrid)
         if hybrid:
             allocator = SWATokenToKVPoolAllocator(tokens, swa_tokens, self.device)
-            pool = SWAKVPool(tokens, swa_tokens, sliding, mc.num_key_value_heads, mc.head_dim,
+            pool = SWAKVPool(tokens, swa_tokens, sliding, self.num_kv_heads, mc.head_dim,
                              self.dtype, self.device, region=region)
             pool.register_mapping(allocator.full_to_swa_index_mapping)
             self.req_to_token_pool.register_swa_mapping(allocator.full_to_swa_index_mapping)
@@ -201,7 +215,7 @@ class ModelRunner:
             return
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            tokens, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype, self.device,
+            tokens, mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.dtype, self.device,
             region=region,
         )
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * full_bytes / 2**20)

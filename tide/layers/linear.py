@@ -1,13 +1,24 @@
-"""Linear layers whose weights may be fused from several checkpoint tensors.
+"""Linear layers whose weights may be fused from several checkpoint tensors, and split over the
+ranks of a tensor-parallel group.
 
 A fused parameter carries `shard_offsets`: shard id -> (row offset, row count). The weight loader writes
 each checkpoint tensor into its rows; nothing else in tide needs to know about fusion.
+
+Under tensor parallelism (`tide.parallel.tp_context`) a parameter that holds only part of a checkpoint
+tensor carries `tp_split`: shard id (None for an unfused parameter) -> (dim, start, size, full): this
+rank holds `[start, start + size)` of the checkpoint tensor's `full` entries along `dim`. The weight
+map narrows every incoming tensor by it, so all load and update paths shard the same way.
+Column-parallel layers (`MergedLinear` with `tp_slices`) need no communication; `RowParallelLinear`
+sums its partial products with one all-reduce; the vocabulary is split over the ranks
+(`VocabParallelEmbedding`, one all-reduce; `ParallelLMHead`, one all-gather of the logits).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tide.parallel.group import current_tp
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -24,29 +35,25 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
 
-    @classmethod
-    def tied(cls, weight: nn.Parameter) -> "Linear":
-        """A bias-free projection that shares `weight` (tied word embeddings)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.weight = weight
-        layer.bias = None
-        return layer
-
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype,
         is written there and returned."""
+        return self.product(x, self.bias, out)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ `bias`), by the batch-invariant kernel, the decode GEMV or torch."""
         if self.batch_invariant:
             from tide.layers import batch_invariant
 
-            y = batch_invariant.linear(x, self.weight, self.bias)
+            y = batch_invariant.linear(x, self.weight, bias)
             return y if out is None else out.copy_(y)
         if x.is_cuda and x.shape[0] == 1:
             from tide.layers import gemv
 
             if gemv.supported(x, self.weight):
-                return gemv.gemv(x, self.weight, self.bias, out=out)
-        y = nn.functional.linear(x, self.weight, self.bias)
+                return gemv.gemv(x, self.weight, bias, out=out)
+        y = nn.functional.linear(x, self.weight, bias)
         return y if out is None else out.copy_(y)
 
 
@@ -60,15 +67,88 @@ class Embedding(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several projections of one input stacked along the output dim (qkv, gate_up)."""
+    """Several projections of one input stacked along the output dim (qkv, gate_up). Column-parallel
+    with `tp_slices` (shard id -> (start, full rows) of the checkpoint tensor): `shards` then gives
+    this rank's row counts."""
 
-    def __init__(self, in_features: int, shards: dict[str | int, int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, shards: dict[str | int, int], bias: bool = False,
+                 tp_slices: dict[str | int, tuple[int, int]] | None = None) -> None:
         super().__init__(in_features, sum(shards.values()), bias)
         offsets: dict[str | int, tuple[int, int]] = {}
         start = 0
         for shard_id, size in shards.items():
             offsets[shard_id] = (start, size)
             start += size
-        self.weight.shard_offsets = offsets  # type: ignore[attr-defined]
+        params = [self.weight] if self.bias is None else [self.weight, self.bias]
+        for param in params:
+            param.shard_offsets = offsets  # type: ignore[attr-defined]
+            if tp_slices is not None and any(
+                    shards[i] != full for i, (_, full) in tp_slices.items()):
+                param.tp_split = {  # type: ignore[attr-defined]
+                    i: (0, first, shards[i], full) for i, (first, full) in tp_slices.items()}
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the ranks (o_proj, down_proj): each rank
+    multiplies its share, one all-reduce sums them, then the (replicated) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = current_tp()
+        start, size = self.tp.split(in_features, "input features of a row-parallel projection")
+        super().__init__(size, out_features, bias)
+        if self.tp.size > 1:
+            self.weight.tp_split = {None: (1, start, size, in_features)}  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x, out)
+        y = self.tp.all_reduce(self.product(x, None))
         if self.bias is not None:
-            self.bias.shard_offsets = offsets  # type: ignore[attr-defined]
+            y = y + self.bias
+        return y if out is None else out.copy_(y)
+
+
+class VocabParallelEmbedding(Embedding):
+    """Rank r embeds the ids of its vocabulary share (zeros for the others); one all-reduce."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        self.tp = current_tp()
+        self.vocab_start, self.vocab_size, rows = self.tp.vocab_shard(num_embeddings)
+        super().__init__(rows, dim)
+        if self.tp.size > 1:
+            self.weight.tp_split = {  # type: ignore[attr-defined]
+                None: (0, self.vocab_start, self.vocab_size, num_embeddings)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.vocab_size)
+        out = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(Linear):
+    """The output projection over a vocabulary split like `VocabParallelEmbedding` (and sharing its
+    weight when the embeddings are tied): each rank computes its share of the logits, one all-gather
+    gives every rank all of them."""
+
+    def __init__(self, hidden: int, vocab: int, tied: nn.Parameter | None = None) -> None:
+        self.tp = current_tp()
+        start, size, rows = self.tp.vocab_shard(vocab)
+        if tied is None:
+            super().__init__(hidden, rows)
+            if self.tp.size > 1:
+                self.weight.tp_split = {None: (0, start, size, vocab)}  # type: ignore[attr-defined]
+        else:
+            nn.Module.__init__(self)
+            self.weight = tied
+            self.bias = None
+        self.vocab = vocab
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x, out)
+        logits = self.tp.all_gather(self.product(x, None))[..., : self.vocab]
+        return logits if out is None else out.copy_(logits)

@@ -18,10 +18,11 @@ from torch import nn
 from tide.executor.forward_batch import ForwardBatch
 from tide.layers.activation import gelu_and_mul
 from tide.layers.attention.layer import Attention
-from tide.layers.linear import Embedding, Linear, MergedLinear
+from tide.layers.linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tide.layers.norm import GemmaRMSNorm
 from tide.layers.rotary import RotaryEmbedding
 from tide.model_config import ModelConfig
+from tide.models.llama import gate_up_projection, qkv_projection
 
 
 class GemmaAttention(nn.Module):
@@ -29,16 +30,13 @@ class GemmaAttention(nn.Module):
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qk_norm: bool
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        bias = config.attention_bias
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_projection(config, bias)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
@@ -65,9 +63,8 @@ class GemmaAttention(nn.Module):
 class GemmaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: size, 1: size})
-        self.down_proj = Linear(size, config.hidden_size)
+        self.gate_up_proj = gate_up_projection(config, False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
         self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +96,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # sqrt(hidden) kept in fp32 and rounded to the activations' dtype when used (as transformers).
         self.register_buffer(
             "embed_scale", torch.tensor(config.hidden_size**0.5, dtype=torch.float32),
@@ -144,10 +141,8 @@ class Gemma2ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = GemmaModel(config, qk_norm=self.qk_norm)
-        if config.tie_word_embeddings:
-            self.lm_head = Linear.tied(self.model.embed_tokens.weight)
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tied)
         self.final_logit_cap = config.final_logit_softcapping
 
     def forward(

@@ -11,10 +11,40 @@ from torch import nn
 from tide.executor.forward_batch import ForwardBatch
 from tide.layers.activation import silu_and_mul
 from tide.layers.attention.layer import Attention
-from tide.layers.linear import Embedding, Linear, MergedLinear
+from tide.layers.linear import (
+    MergedLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from tide.layers.norm import RMSNorm
 from tide.layers.rotary import RotaryEmbedding
 from tide.model_config import ModelConfig
+from tide.parallel import current_tp
+
+
+def qkv_projection(config: ModelConfig, bias: bool) -> tuple[MergedLinear, int, int]:
+    """The fused q/k/v projection of this rank, with its numbers of query and KV heads: query heads
+    split evenly over the tensor-parallel ranks, KV heads too (or replicated when fewer than ranks)."""
+    tp = current_tp()
+    hd = config.head_dim
+    q_start, heads = tp.split(config.num_attention_heads, "num_attention_heads")
+    kv_start, kv_heads = tp.kv_heads(config.num_key_value_heads)
+    q_full, kv_full = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    layer = MergedLinear(
+        config.hidden_size, {"q": heads * hd, "k": kv_heads * hd, "v": kv_heads * hd}, bias,
+        tp_slices={"q": (q_start * hd, q_full), "k": (kv_start * hd, kv_full),
+                   "v": (kv_start * hd, kv_full)},
+    )
+    return layer, heads, kv_heads
+
+
+def gate_up_projection(config: ModelConfig, bias: bool) -> MergedLinear:
+    """The fused gate/up projection of this rank (the intermediate size split over the ranks)."""
+    full = config.intermediate_size
+    start, size = current_tp().split(full, "intermediate_size")
+    return MergedLinear(config.hidden_size, {0: size, 1: size}, bias,
+                        tp_slices={0: (start, full), 1: (start, full)})
 
 
 class DecoderAttention(nn.Module):
@@ -27,15 +57,12 @@ class DecoderAttention(nn.Module):
         qk_norm: bool,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.qkv_proj, self.num_heads, self.num_kv_heads = qkv_projection(config, qkv_bias)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(
@@ -60,9 +87,9 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: size, 1: size}, config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = gate_up_projection(config, config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -103,7 +130,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -136,10 +163,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(
             config, qkv_bias=self.qkv_bias or config.attention_bias, qk_norm=self.qk_norm
         )
-        if config.tie_word_embeddings:
-            self.lm_head = Linear.tied(self.model.embed_tokens.weight)
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tied)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch

@@ -31,9 +31,14 @@ from tide.io_struct import WeightUpdateOptions
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import reserved_bytes
 from tide.memory.occupation import parse_tags
-from tide.memory.release import empty_device_cache
 from tide.weights.distributed import DEFAULT_JOIN_TIMEOUT_S
-from tide.weights.update import LOAD_FORMATS, TensorPayload, WeightUpdater
+from tide.weights.update import (
+    LOAD_FORMATS,
+    SHARDED,
+    TENSOR_LOAD_FORMATS,
+    TensorPayload,
+    WeightUpdater,
+)
 
 if TYPE_CHECKING:
     from tide.scheduler.scheduler import Scheduler
@@ -97,7 +102,9 @@ class DiskUpdate(WeightUpdate):
 class TensorUpdate(WeightUpdate):
     """In-process tensors (`named_tensors`: [(name, tensor), ...], or with
     `load_format="flattened_bucket"` a `FlattenedBucket` or a list of them), or the same from another
-    process as `serialized_named_tensors` (`tide.weights.serialize_named_tensors`)."""
+    process as `serialized_named_tensors` (`tide.weights.serialize_named_tensors`), one payload or a
+    list of one per tensor-parallel rank. `load_format="sharded"`: each rank's payload holds only that
+    rank's part of each tensor (what a trainer that shards them itself sends)."""
 
     named_tensors: TensorPayload | None = None
     serialized_named_tensors: str | bytes | list[str] | None = None
@@ -105,28 +112,31 @@ class TensorUpdate(WeightUpdate):
     source: ClassVar[str] = "tensor"
 
     def prepare(self, updater: WeightUpdater) -> Callable[[], int]:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.load_format not in TENSOR_LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {TENSOR_LOAD_FORMATS}, "
+                             f"got {self.load_format!r}")
         if (self.named_tensors is None) == (self.serialized_named_tensors is None):
             raise ValueError("give exactly one of named_tensors or serialized_named_tensors")
         if self.serialized_named_tensors is not None:
             payload = self.serialized_named_tensors
-            if isinstance(payload, list):
-                if len(payload) != 1:
-                    raise ValueError("serialized_named_tensors must hold one payload per rank (1)")
-                payload = payload[0]
+            if isinstance(payload, list):  # one per tensor-parallel rank (sglang's form)
+                return updater.prepare_serialized_per_rank(payload, self.load_format)
             return updater.prepare_serialized(payload, self.load_format)
         if self.load_format == "flattened_bucket":
             return updater.prepare_buckets(self.named_tensors)
+        if self.load_format == SHARDED and updater.tp_size > 1:
+            raise ValueError("load_format='sharded' needs serialized_named_tensors with one "
+                             "payload per rank")
         return updater.prepare_named_tensors(self.named_tensors)
 
 
 @dataclass(frozen=True)
 class IPCUpdate(WeightUpdate):
     """A colocated trainer's bucket buffers shared as CUDA IPC handles
-    (`serialize_named_tensors(flatten_by_dtype(...))`); copied in, then the handles released."""
+    (`serialize_named_tensors(flatten_by_dtype(...))`), or a list with one payload per
+    tensor-parallel rank (each rank maps its own); copied in, then the handles released."""
 
-    serialized_buckets: str | bytes
+    serialized_buckets: str | bytes | list[str | bytes]
     source: ClassVar[str] = "ipc"
 
     def prepare(self, updater: WeightUpdater) -> Callable[[], int]:
@@ -218,7 +228,7 @@ class Handover:
         one release point that undoes fragmentation from in-place updates)."""
         if torch_empty_cache:
             before = reserved_bytes()
-            empty_device_cache(reason="continue_generation", ledger=self.ledger)
+            self.worker.empty_device_cache("continue_generation")
             logger.info("continue_generation: reserved %.1f MiB -> %.1f MiB",
                         before / 2**20, reserved_bytes() / 2**20)
         self.paused = None

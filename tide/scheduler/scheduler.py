@@ -31,7 +31,6 @@ from tide.executor.forward_batch import ForwardMode
 from tide.layers.sampler import SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
-from tide.memory.release import empty_device_cache
 from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
@@ -444,7 +443,7 @@ class Scheduler:
             )
         self.reset_kv_state()
         if empty_cache:
-            empty_device_cache(reason="flush_cache", ledger=self.ledger)
+            self.worker.empty_device_cache("flush_cache")
         self.ledger.mark("flush_cache", f"empty_cache={empty_cache}")
         return True, "cache flushed"
 
@@ -499,7 +498,7 @@ class Scheduler:
                     self.retired_trees.append(old)
                     self.tree_cache = self._new_tree()
         if torch_empty_cache:
-            empty_device_cache(reason="weight_update", ledger=self.ledger)
+            self.worker.empty_device_cache("weight_update")
 
     def check_invariants(self) -> None:
         """Every KV slot is free, in the radix cache, or held by a live request (raises otherwise)."""
@@ -848,9 +847,10 @@ def _merge(first: list[Req], then: list[Req]) -> list[Req]:
 
 
 def create_scheduler(config: EngineConfig, weight_version: str | None = None) -> Scheduler:
-    """The scheduler side of one engine, built from `config`: model (on an in-process worker), KV
-    pools, tokenizer (for stop strings), memory ledger, handover. Raises ValueError for a bad model
-    directory or an unsupported architecture."""
+    """The scheduler side of one engine, built from `config`: model (on an in-process worker, or
+    on `tp_size` rank processes behind a `TpWorkerGroup`), KV pools, tokenizer (for stop strings),
+    memory ledger, handover. Raises ValueError for a bad model directory or an unsupported
+    architecture."""
     torch.manual_seed(config.seed)
     model_config = ModelConfig.from_dir(config.model_path)
     get_model_class(model_config.architecture)  # unknown architecture -> ValueError early
@@ -859,7 +859,13 @@ def create_scheduler(config: EngineConfig, weight_version: str | None = None) ->
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     ledger = MemoryLedger()
-    worker = TpModelWorker(config, model_config, ledger)
+    worker: ModelWorker
+    if config.tp_size > 1:
+        from tide.scheduler.tp_worker import TpWorkerGroup
+
+        worker = TpWorkerGroup(config, model_config, ledger)
+    else:
+        worker = TpModelWorker(config, model_config, ledger)
     scheduler = Scheduler(config, worker, tuple(sorted(eos)), tokenizer, ledger, model_config,
                           weight_version or "default")
     ledger.mark("engine_ready", f"{model_config.architecture} on {worker.device_info()['device']}")

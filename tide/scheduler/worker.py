@@ -20,8 +20,10 @@ from tide.layers.sampler import DeviceSample, SampleOutput, Sampler, SamplingBat
 from tide.memory.ledger import MemoryLedger
 from tide.memory.occupation import MemoryOccupation
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
+from tide.memory.release import empty_device_cache
 from tide.memory.swa import SWATokenToKVPoolAllocator
 from tide.model_config import ModelConfig
+from tide.parallel import TpGroup
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.weights.update import WeightUpdater
 
@@ -76,6 +78,22 @@ class ModelWorker(ABC):
     def device_info(self) -> dict[str, str]:
         """`{"device", "dtype"}` of the model, for server info."""
 
+    def empty_device_cache(self, reason: str) -> None:
+        """Empty the device allocator cache of every rank (a named release point on each)."""
+        empty_device_cache(reason=reason, ledger=getattr(self, "ledger", None))
+
+    def rank_ledgers(self) -> list[dict]:
+        """Each tensor-parallel rank's memory ledger (`MemoryLedger.to_dict`), rank 0 first; empty
+        for one rank (the engine's own ledger is that rank's)."""
+        return []
+
+    def rank_memory(self) -> list[dict]:
+        """Each tensor-parallel rank's device memory, released bytes by tag and release totals by
+        reason (`/metrics` reports them per rank); empty for one rank."""
+        return []
+
+    def shutdown(self) -> None:  # noqa: B027 - a no-op unless the worker started processes
+        """Stop whatever the worker started (rank processes); the in-process worker has none."""
     # Whether `forward_launch` returns before the device finishes (the overlap scheduler pays off).
     supports_overlap: bool = False
 
@@ -95,8 +113,10 @@ class TpModelWorker(ModelWorker):
     sampler, on one device."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
-                 ledger: MemoryLedger) -> None:
-        self.model_runner = ModelRunner(config, model_config, ledger)
+                 ledger: MemoryLedger, tp: TpGroup | None = None) -> None:
+        """`tp`: the tensor-parallel group this worker is one rank of (None: the whole model)."""
+        self.ledger = ledger
+        self.model_runner = ModelRunner(config, model_config, ledger, tp)
         runner = self.model_runner
         self.sampler = Sampler(config.seed, config.enable_deterministic_inference)
         self.req_to_token_pool = runner.req_to_token_pool

@@ -92,9 +92,45 @@ class _HandoverCollector(Collector):
                 "Weight updates waiting for running requests to finish", labels=["model_name"])
             blocked.add_metric([name], float(load.get("num_pending_weight_updates", 0)))
             yield blocked
+        replicas = load.get("replicas")
+        if replicas:  # --dp-size N: one entry per replica, dead ones included
+            yield from _replica_metrics(name, replicas)
         memory = load.get("memory")
         if memory:
             yield from _memory_metrics(name, memory)
+        ranks = load.get("ranks")
+        if ranks:
+            yield from _rank_metrics(name, ranks)
+
+
+def _rank_metrics(name: str, ranks: list[dict[str, Any]]) -> Any:
+    """Per tensor-parallel rank (tp_size > 1): device memory, released bytes, release points."""
+    labels = ["model_name", "rank"]
+    families = {key: GaugeMetricFamily(f"tide:rank_memory_{key}", help_text, labels=labels)
+                for key, help_text in (
+                    ("reserved_bytes", "Bytes reserved by the device caching allocator of a "
+                                       "tensor-parallel rank"),
+                    ("allocated_bytes", "Bytes allocated by the device caching allocator of a "
+                                        "tensor-parallel rank (its RSS without CUDA)"))}
+    released = GaugeMetricFamily("tide:rank_memory_released_bytes",
+                                 "Bytes a tensor-parallel rank gave back by "
+                                 "release_memory_occupation, by tag", labels=labels + ["tag"])
+    releases = CounterMetricFamily("tide:rank_memory_releases",
+                                   "Device allocator cache releases of a tensor-parallel rank, by "
+                                   "reason", labels=labels + ["reason"])
+    for entry in ranks:
+        rank = str(entry.get("rank", 0))
+        for key, family in families.items():
+            family.add_metric([name, rank], float(entry.get(key, 0)))
+        tags = {tag: 0 for tag in MEMORY_TAGS}
+        tags.update(entry.get("released_bytes") or {})
+        for tag, nbytes in sorted(tags.items()):
+            released.add_metric([name, rank, tag], float(nbytes))
+        totals: dict[str, dict[str, float]] = {r: {} for r in KNOWN_RELEASE_REASONS}
+        totals.update(entry.get("release_totals") or {})
+        for reason, t in sorted(totals.items()):
+            releases.add_metric([name, rank, reason], float(t.get("count", 0)))
+    yield from (*families.values(), released, releases)
 
 
 def _memory_metrics(name: str, memory: dict[str, Any]) -> Any:
@@ -117,6 +153,19 @@ def _memory_metrics(name: str, memory: dict[str, Any]) -> Any:
     for tag, nbytes in sorted(released.items()):
         gauge.add_metric([name, tag], float(nbytes))
     yield gauge
+
+
+def _replica_metrics(name: str, replicas: list[dict[str, Any]]) -> Any:
+    """Data-parallel replicas (`--dp-size`): how many live, and which."""
+    alive = GaugeMetricFamily("tide:dp_replicas_alive", "Data-parallel replicas alive (of dp_size)",
+                              labels=["model_name"])
+    alive.add_metric([name], float(sum(1 for r in replicas if r.get("alive"))))
+    yield alive
+    up = GaugeMetricFamily("tide:dp_replica_up", "1 while a data-parallel replica lives",
+                           labels=["model_name", "replica"])
+    for replica in replicas:
+        up.add_metric([name, str(replica.get("index"))], 1.0 if replica.get("alive") else 0.0)
+    yield up
 
 
 class ServerMetrics:

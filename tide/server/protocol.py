@@ -155,10 +155,11 @@ class UpdateWeightFromDiskInput(_WeightUpdateFlags):  # type: ignore[misc,valid-
 
 class UpdateWeightsFromTensorInput(_WeightUpdateFlags):  # type: ignore[misc,valid-type]
     """`POST /update_weights_from_tensor`: `tide.weights.serialize_named_tensors` output, as one
-    string or (sglang's per-rank list) a list of one string."""
+    string or (sglang's per-rank list) a list of one string per tensor-parallel rank; with
+    `load_format="sharded"` each rank's payload holds only that rank's part of each tensor."""
 
     serialized_named_tensors: str | list[str]
-    load_format: Literal["flattened_bucket"] | None = None
+    load_format: Literal["flattened_bucket", "sharded"] | None = None
 
 
 class UpdateWeightsFromIPCInput(_WeightUpdateFlags):  # type: ignore[misc,valid-type]

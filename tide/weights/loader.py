@@ -107,8 +107,10 @@ def write_checkpoint(
                 dtype = _SAFETENSORS_DTYPES[info["dtype"]]
                 target = targets[name]
                 dest = weight_map.rows(target)
-                if lane is not None and dest.dtype == dtype and dest.is_contiguous():
-                    lane.copy(raw, dest.view(-1).view(torch.uint8))
+                own = _own_bytes(target, raw, dtype.itemsize)
+                if (lane is not None and own is not None and dest.dtype == dtype
+                        and dest.is_contiguous()):
+                    lane.copy(own, dest.view(-1).view(torch.uint8))
                 else:
                     weight_map.write(target, raw.view(dtype).view(info["shape"]))
                 bar.update(1)
@@ -125,6 +127,20 @@ def write_checkpoint(
             m.close()
         if own_staging and staging is not None:
             staging.close()
+
+
+def _own_bytes(target: WeightTarget, raw: torch.Tensor, itemsize: int) -> torch.Tensor | None:
+    """The bytes of `raw` (a whole checkpoint tensor) this rank holds, when they are contiguous (no
+    tensor-parallel split, or a split of the leading dim); None otherwise."""
+    if target.split is None:
+        return raw
+    dim, start, size = target.split
+    if dim != 0:
+        return None
+    row = itemsize
+    for d in target.shape[1:]:
+        row *= d
+    return raw[start * row : (start + size) * row]
 
 
 class PinnedStaging:

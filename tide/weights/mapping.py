@@ -26,13 +26,23 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one checkpoint tensor goes: rows [row_start, row_start + shape[0]) of `param_name`."""
+    """Where one checkpoint tensor (of `shape`) goes: rows [row_start, row_start + local_shape[0]) of
+    `param_name`. Under tensor parallelism this rank holds only `split` = (dim, start, size) of it:
+    `local_shape` is `shape` with `size` at `dim`."""
 
     name: str
     param_name: str
     shard: str | int | None
     row_start: int
     shape: tuple[int, ...]
+    split: tuple[int, int, int] | None = None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.split is None:
+            return self.shape
+        dim, _, size = self.split
+        return (*self.shape[:dim], size, *self.shape[dim + 1:])
 
 
 class WeightMap:
@@ -64,11 +74,11 @@ class WeightMap:
                 if param is None or offsets is None:
                     break
                 start, size = offsets[shard]
-                return WeightTarget(name, param_name, shard, start, (size, *param.shape[1:]))
+                return _target(name, param_name, shard, start, param, (size, *param.shape[1:]))
         param = self.params.get(key)
         if param is None:
             raise ValueError(f"weight {name!r} is not a parameter of this model")
-        return WeightTarget(name, key, None, 0, tuple(param.shape))
+        return _target(name, key, None, 0, param, tuple(param.shape))
 
     def required(self) -> set[tuple[str, str | int | None]]:
         """Every (param, shard) a complete checkpoint must provide."""
@@ -85,8 +95,10 @@ class WeightMap:
         self,
         shapes: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
         require_complete: bool = False,
+        sharded: bool = False,
     ) -> list[WeightTarget]:
-        """Validate (name, shape, dtype) triples; raise ValueError naming the first bad weight."""
+        """Validate (name, shape, dtype) triples; raise ValueError naming the first bad weight.
+        `sharded`: the tensors are this rank's parts already (shapes are `local_shape`s)."""
         targets: list[WeightTarget] = []
         written_by: dict[tuple[str, str | int | None], str] = {}
         for name, shape, dtype in shapes:
@@ -99,9 +111,11 @@ class WeightMap:
                     f"weights {other!r} and {name!r} both map to {target.param_name!r}"
                     + (f" shard {target.shard!r}" if target.shard is not None else "")
                 )
-            if tuple(shape) != target.shape:
+            expected = target.local_shape if sharded else target.shape
+            if tuple(shape) != expected:
                 raise ValueError(
-                    f"weight {name!r} has shape {tuple(shape)}, expected {target.shape}"
+                    f"weight {name!r} has shape {tuple(shape)}, expected {expected}"
+                    + (" (this rank's part)" if sharded and target.split is not None else "")
                 )
             if not dtype.is_floating_point:
                 raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating dtype")
@@ -117,10 +131,31 @@ class WeightMap:
     def rows(self, target: WeightTarget) -> torch.Tensor:
         """The parameter memory `target` writes to (a view)."""
         param = self.params[target.param_name]
-        return param.data[target.row_start : target.row_start + target.shape[0]]
+        return param.data[target.row_start : target.row_start + target.local_shape[0]]
 
-    def write(self, target: WeightTarget, tensor: torch.Tensor) -> None:
-        self.rows(target).copy_(tensor, non_blocking=True)
+    def write(self, target: WeightTarget, tensor: torch.Tensor, sharded: bool = False) -> None:
+        """Copy this rank's part of checkpoint tensor `tensor` (with `sharded`: `tensor` is that
+        part) into the model."""
+        part = tensor if sharded else local_part(target, tensor)
+        self.rows(target).copy_(part, non_blocking=True)
+
+
+def local_part(target: WeightTarget, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of the full checkpoint tensor `tensor` that this rank holds (a view)."""
+    if target.split is None:
+        return tensor
+    dim, start, size = target.split
+    return tensor.narrow(dim, start, size)
+
+
+def _target(name: str, param_name: str, shard: str | int | None, row_start: int,
+            param: nn.Parameter, local_shape: tuple[int, ...]) -> WeightTarget:
+    split = getattr(param, "tp_split", {}).get(shard)
+    if split is None:
+        return WeightTarget(name, param_name, shard, row_start, local_shape)
+    dim, start, size, full = split
+    shape = (*local_shape[:dim], full, *local_shape[dim + 1:])
+    return WeightTarget(name, param_name, shard, row_start, shape, (dim, start, size))
 
 
 def _describe(param_name: str, shard: str | int | None) -> str:

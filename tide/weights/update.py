@@ -29,6 +29,10 @@ from tide.weights.wire import deserialize_named_tensors
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "flattened_bucket")
+# Tensor updates also take per-rank payloads that hold each rank's part already (sglang's per-rank
+# serialized lists, sharded by the trainer).
+SHARDED = "sharded"
+TENSOR_LOAD_FORMATS = (*LOAD_FORMATS, SHARDED)
 # In-process tensors of an update: [(name, tensor), ...], or flattened buckets (one, or one per dtype).
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 TensorPayload = NamedTensors | FlattenedBucket | Sequence[FlattenedBucket]
@@ -56,6 +60,7 @@ class WeightUpdater:
         self._staging: PinnedStaging | None = None
         # (param, shard) pairs written since `reset_coverage()`: tells when a refill is complete.
         self.written: set[tuple[str, str | int | None]] = set()
+        self.tp_size = 1  # the ranks an update reaches (`tide.scheduler.tp_worker` has more)
         # Set (to the reason) while the parameters' memory is released: every update is refused.
         self.write_block: str | None = None
         self._last_plan: tuple[object, list[WeightTarget]] | None = None  # an RL loop repeats one
@@ -76,13 +81,14 @@ class WeightUpdater:
         metas: Iterable[tuple[str, Sequence[int], torch.dtype]],
         exact_dtype: bool,
         require_complete: bool = False,
+        sharded: bool = False,
     ) -> list[WeightTarget]:
         if self.write_block is not None:
             raise ValueError(self.write_block)
         checked = [(name, tuple(shape), dtype) for name, shape, dtype in metas]
         if not checked:
             raise ValueError("the update names no weights")
-        key = (tuple(checked), exact_dtype, require_complete)
+        key = (tuple(checked), exact_dtype, require_complete, sharded)
         if self._last_plan is not None and self._last_plan[0] == key:
             return list(self._last_plan[1])  # the same request as last time: same (valid) plan
         seen: set[str] = set()
@@ -90,7 +96,7 @@ class WeightUpdater:
             if name in seen:
                 raise ValueError(f"weight {name!r} appears more than once in the update")
             seen.add(name)
-        targets = self.weight_map.plan(checked, require_complete=require_complete)
+        targets = self.weight_map.plan(checked, require_complete=require_complete, sharded=sharded)
         if exact_dtype:
             by_name = {name: dtype for name, _, dtype in checked}
             for t in targets:
@@ -116,8 +122,9 @@ class WeightUpdater:
 
         return apply
 
-    def prepare_named_tensors(self, named: object) -> Callable[[], int]:
-        """`named`: [(name, tensor), ...]; anything else is a ValueError."""
+    def prepare_named_tensors(self, named: object, sharded: bool = False) -> Callable[[], int]:
+        """`named`: [(name, tensor), ...]; anything else is a ValueError. `sharded`: each tensor
+        is this rank's part (its `local_shape`), written as is."""
         if not isinstance(named, (list, tuple)):
             raise ValueError("named_tensors must be a list of (name, tensor) pairs")
         pairs: list[tuple[str, torch.Tensor]] = []
@@ -130,12 +137,13 @@ class WeightUpdater:
             ):
                 raise ValueError("named_tensors must be a list of (name, tensor) pairs")
             pairs.append((item[0], item[1]))
-        targets = self.plan([(n, t.shape, t.dtype) for n, t in pairs], exact_dtype=True)
+        targets = self.plan([(n, t.shape, t.dtype) for n, t in pairs], exact_dtype=True,
+                            sharded=sharded)
         tensors = dict(pairs)
 
         def apply() -> int:
             for target in targets:
-                self.weight_map.write(target, tensors[target.name])
+                self.weight_map.write(target, tensors[target.name], sharded)
             self._sync()
             self._note(targets)
             return len(targets)
@@ -159,11 +167,27 @@ class WeightUpdater:
         obj = deserialize_named_tensors(payload)
         if load_format == "flattened_bucket":
             return self.prepare_buckets(obj)
-        return self.prepare_named_tensors(obj)
+        return self.prepare_named_tensors(obj, sharded=load_format == SHARDED)
 
-    def prepare_from_ipc(self, payload: str | bytes) -> Callable[[], int]:
+    def prepare_serialized_per_rank(self, payloads: Sequence[str | bytes],
+                                    load_format: str | None) -> Callable[[], int]:
+        """One serialized payload per tensor-parallel rank (here: one rank)."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"serialized_named_tensors must hold one payload per rank "
+                             f"({self.tp_size}), got {len(payloads)}")
+        return self.prepare_serialized(payloads[0], load_format)
+
+    def prepare_from_ipc(self, payload: str | bytes | Sequence[str | bytes]) -> Callable[[], int]:
         """`payload`: serialized FlattenedBucket(s) whose buffers are CUDA IPC handles of the
-        trainer's memory. The mapped buffers are dropped once copied."""
+        trainer's memory (or a list with one such payload per tensor-parallel rank). The mapped
+        buffers are dropped once copied."""
+        if isinstance(payload, (list, tuple)):
+            if len(payload) != self.tp_size:
+                raise ValueError(f"serialized_buckets must hold one payload per rank "
+                                 f"({self.tp_size}), got {len(payload)}")
+            payload = payload[0]
+        if not isinstance(payload, (str, bytes)):
+            raise ValueError("serialized_buckets must be a serialized payload (str or bytes)")
         holder = [deserialize_named_tensors(payload)]
         write = self.prepare_buckets(holder[0])
 
@@ -206,12 +230,15 @@ class WeightUpdater:
         shapes: Sequence[Sequence[int]],
         group_name: str,
         load_format: str | None,
+        peer_error: str | None = None,
     ) -> int:
         """Receive broadcasts from rank 0: one per tensor, or with `load_format="flattened_bucket"`
         each dtype's tensors as one flat buffer (first-seen dtype order) in the group's pieces
-        (`tide.weights.receive`). A request that fails validation still receives every broadcast
-        (into scratch memory) so the trainer never hangs, then raises ValueError; a valid one is
-        validated completely before the first broadcast is received."""
+        (`tide.weights.receive`). A request that fails validation (here, or on another
+        tensor-parallel rank: `peer_error`) still receives every broadcast (into scratch memory) so
+        the trainer never hangs, writes nothing, then raises ValueError; a valid one is validated
+        completely before the first broadcast is received. Under tensor parallelism a tensor this
+        rank holds only part of arrives whole in a staging buffer and its part is written after."""
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"group_name {group_name!r} is not an open weight update group")
@@ -225,10 +252,20 @@ class WeightUpdater:
             targets = {t.name: t for t in self.plan(metas, exact_dtype=True)}
         except ValueError as e:
             error = e
+        if error is None and peer_error is not None:
+            error = ValueError(peer_error)
+        staged: list[tuple[WeightTarget, torch.Tensor]] = []
 
         def dest(name: str) -> torch.Tensor | None:
             target = targets.get(name) if error is None else None
-            return self.weight_map.rows(target) if target is not None else None
+            if target is None:
+                return None
+            if target.split is None:
+                return self.weight_map.rows(target)
+            dtype = self.weight_map.params[target.param_name].dtype
+            whole = torch.empty(target.shape, dtype=dtype, device=group.device)
+            staged.append((target, whole))
+            return whole
 
         if group.device.type == "cuda" and self._receive_streams is None:
             self._receive_streams = (torch.cuda.Stream(group.device), torch.cuda.Stream(group.device))
@@ -245,6 +282,8 @@ class WeightUpdater:
                     receiver.receive_tensor(shape, dtype, dest(name))
         finally:
             receiver.finish()
+        for target, whole in staged:
+            self.weight_map.write(target, whole)
         if error is not None:
             raise error
         if group.device.type != "cuda":
@@ -252,7 +291,27 @@ class WeightUpdater:
         self._note(targets.values())
         return len(targets)
 
+    def check_distributed(self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
+                          shapes: Sequence[Sequence[int]], group_name: str) -> None:
+        """What `load_from_distributed` validates, without receiving (ValueError naming the
+        problem): the ranks of a tensor-parallel engine all check before any receives."""
+        if group_name not in self.groups:
+            raise ValueError(f"group_name {group_name!r} is not an open weight update group")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError("names, dtypes and shapes must be non-empty lists of equal length")
+        self.plan([(n, tuple(s), parse_dtype(d)) for n, s, d in zip(names, shapes, dtypes)],
+                  exact_dtype=True)
+
     # ---- inspection
+    def weight_part(self, name: str) -> tuple[tuple[int, ...], tuple[int, int, int] | None,
+                                              torch.Tensor]:
+        """(full checkpoint shape, this rank's split or None, this rank's part on the host) of
+        checkpoint tensor `name`."""
+        target = self.weight_map.resolve(name)
+        if target is None:
+            raise ValueError(f"weight {name!r} is not stored by this model")
+        return target.shape, target.split, self.weight_map.rows(target).float().cpu()
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         target = self.weight_map.resolve(name)
         if target is None:
@@ -275,6 +334,8 @@ def _numel(shape: Sequence[int]) -> int:
 __all__ = [
     "FlattenedBucket",
     "LOAD_FORMATS",
+    "SHARDED",
+    "TENSOR_LOAD_FORMATS",
     "NamedTensors",
     "TensorPayload",
     "WeightUpdater",

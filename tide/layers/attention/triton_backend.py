@@ -30,7 +30,7 @@ class TritonAttnBackend(AttentionBackend):
     @classmethod
     def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":
         mc = runner.model_config
-        return cls(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+        return cls(runner.num_heads, runner.num_kv_heads, mc.head_dim,
                    runner.max_batch_size, runner.device,
                    deterministic=runner.config.enable_deterministic_inference,
                    max_context_len=runner.context_len)

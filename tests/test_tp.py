@@ -1,0 +1,343 @@
+"""Tensor parallelism on CPU (gloo): TP=2 against TP=1 on tiny fp32 checkpoints.
+
+Greedy tokens equal and logprobs within 1e-5 for Llama, Qwen2 (q/k/v bias), Qwen3 (tied embeddings),
+a hybrid-SWA Gemma-3, and a GQA model with fewer KV heads than ranks (with a vocabulary the ranks do
+not divide and biases on every projection);
+batches mix a cached prefix and a chunked prompt, so the request-table writes reach every rank. Every
+weight-update path at TP=2 gives what the same update gives at TP=1; an update that fails on one rank
+changes no rank; release/resume act on every rank.
+
+Run alone: `python -m pytest -q tests/test_tp.py` (about a minute on two cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import tide
+import torch
+from tide.weights import flatten_by_dtype, init_custom_process_group, serialize_named_tensors
+
+from conftest import (
+    InThread,
+    build_checkpoint,
+    free_port,
+    named_weights,
+    random_prompts,
+    sgd_steps,
+)
+
+JOIN_S = 60.0
+LOGPROB_TOL = 1e-5
+OPTIONS = dict(device="cpu", dtype="float32", max_total_tokens=1024, max_running_requests=8,
+               chunked_prefill_size=16)
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+_BASE = random_prompts(7, [5, 20, 40])
+# The third prompt extends the second: its prefix comes from the radix cache; 40 tokens are chunked.
+PROMPTS = [_BASE[0], _BASE[1], _BASE[1] + _BASE[2][:12], _BASE[2]]
+
+
+def _run(engine, prompts=PROMPTS) -> list[tuple[list[int], list[float]]]:
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    return [(o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
+            for o in outs]
+
+
+def _assert_same(got, want) -> None:
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want, strict=True):
+        assert ids == ref_ids
+        diff = max(abs(a - b) for a, b in zip(lps, ref_lps, strict=True))
+        assert diff <= LOGPROB_TOL, f"logprobs differ by {diff}"
+
+
+def _close(got, want) -> bool:
+    """Same greedy tokens and logprobs within LOGPROB_TOL (a cached prefix or another chunking moves
+    fp32 logprobs by ~1e-7)."""
+    try:
+        _assert_same(got, want)
+    except AssertionError:
+        return False
+    return True
+
+
+def _parity(path, **options) -> None:
+    with tide.Engine(str(path), tp_size=1, **OPTIONS, **options) as one:
+        want = _run(one)
+    with tide.Engine(str(path), tp_size=2, **OPTIONS, **options) as two:
+        assert two.get_server_info()["max_total_tokens"] == OPTIONS["max_total_tokens"]
+        _assert_same(_run(two), want)
+        _assert_same(_run(two), want)  # again: prefixes now come from the radix cache
+
+
+@pytest.fixture(scope="module")
+def gqa_path(tmp_path_factory):
+    """One KV head (replicated on both ranks), an odd vocabulary (padded on the last rank), and
+    biases on every projection (row-parallel ones are added once, after the all-reduce)."""
+    return build_checkpoint(tmp_path_factory.mktemp("gqa") / "m", "llama", num_key_value_heads=1,
+                            vocab_size=509, attention_bias=True, mlp_bias=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_matches_tp1(arch, checkpoints):
+    _parity(checkpoints[arch])
+
+
+def test_tp2_matches_tp1_hybrid_swa_gemma3(tmp_path):
+    from test_swa_models import build_swa_checkpoint
+
+    _parity(build_swa_checkpoint(tmp_path / "gemma3", "gemma3"))
+
+
+def test_tp2_matches_tp1_fewer_kv_heads_than_ranks(gqa_path):
+    _parity(gqa_path)
+
+
+def test_tp_size_the_model_cannot_split_is_refused(llama_path):
+    with pytest.raises(ValueError, match="tp_size 3"):
+        tide.Engine(str(llama_path), tp_size=3, **OPTIONS)
+    with pytest.raises(ValueError, match="tp_size"):
+        tide.Engine(str(llama_path), tp_size=0, **OPTIONS)
+
+
+# ---- weight updates: the same update at TP=1 and TP=2 gives the same outputs
+
+
+class Pair:
+    def __init__(self, path) -> None:
+        self.one = tide.Engine(str(path), tp_size=1, **OPTIONS)
+        self.two = tide.Engine(str(path), tp_size=2, **OPTIONS)
+
+    def both(self, method: str, *args, **kwargs) -> None:
+        for engine in (self.one, self.two):
+            res = getattr(engine, method)(*args, **kwargs)
+            assert res["success"], res["message"]
+
+    def assert_same(self) -> list:
+        want = _run(self.one)
+        _assert_same(_run(self.two), want)
+        return want
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoints, tmp_path_factory):
+    """Two trained variants of the llama checkpoint: named tensors and a saved directory each."""
+    import transformers
+
+    out = []
+    for seed in (1, 2):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoints["llama"], dtype=torch.float32)
+        sgd_steps(model, steps=2, lr=0.5, seed=seed)
+        path = tmp_path_factory.mktemp(f"trained{seed}")
+        model.save_pretrained(path)
+        out.append((named_weights(model), path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoints):
+    p = Pair(checkpoints["llama"])
+    yield p
+    p.one.shutdown()
+    p.two.shutdown()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def test_every_update_path_at_tp2_matches_tp1(pair, trained, checkpoints):
+    before = pair.assert_same()
+    (a, a_path), (b, _) = trained
+    pair.both("update_weights_from_disk", str(a_path))
+    after_disk = pair.assert_same()
+    assert not _close(after_disk, before)
+    pair.both("update_weights_from_tensor", named_tensors=b)
+    assert not _close(pair.assert_same(), after_disk)
+    pair.both("update_weights_from_tensor", named_tensors=flatten_by_dtype(a),
+              load_format="flattened_bucket")
+    assert _close(pair.assert_same(), after_disk)
+    pair.both("update_weights_from_tensor", serialized_named_tensors=serialize_named_tensors(b))
+    after_b = pair.assert_same()
+    # sglang's form: one payload per rank (here TP=1 gets one, TP=2 two).
+    payload = serialize_named_tensors(a)
+    for engine, n in ((pair.one, 1), (pair.two, 2)):
+        res = engine.update_weights_from_tensor(serialized_named_tensors=[payload] * n)
+        assert res["success"], res["message"]
+    assert _close(pair.assert_same(), after_disk)
+    # get_weights_by_name gathers every rank's part (column, row and vocabulary splits).
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight",
+                 "lm_head.weight"):
+        n = dict(a)[name].numel()
+        assert pair.two.get_weights_by_name(name, n) == pair.one.get_weights_by_name(name, n)
+        assert torch.equal(torch.tensor(pair.two.get_weights_by_name(name, n)),
+                           dict(a)[name].reshape(-1))
+    pair.both("update_weights_from_tensor", named_tensors=b)
+    assert _close(pair.assert_same(), after_b)
+    pair.both("update_weights_from_disk", str(checkpoints["llama"]))
+    assert _close(pair.assert_same(), before)
+
+
+def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
+    """One trainer group spans the trainer (rank 0), the TP=1 engine (rank 1) and the two ranks of
+    the TP=2 engine (rank_offset 2: ranks 2 and 3)."""
+    port, name = free_port(), "tp_trainer"
+    trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 4, name,
+                       timeout_s=JOIN_S, name="trainer-join")
+    joins = [InThread(pair.one.init_weights_update_group, "127.0.0.1", port, 1, 4, name, "gloo"),
+             InThread(pair.two.init_weights_update_group, "127.0.0.1", port, 2, 4, name, "gloo")]
+    for j in joins:
+        res = j.result(JOIN_S)
+        assert res["success"], res["message"]
+    group = trainer.result(JOIN_S)
+    (a, _), _ = trained
+    before = pair.assert_same()
+    try:
+        for load_format in (None, "flattened_bucket"):
+            names = [n for n, _ in a]
+            dtypes = [_dtype_name(t.dtype) for _, t in a]
+            shapes = [list(t.shape) for _, t in a]
+            recv = [InThread(e.update_weights_from_distributed, names, dtypes, shapes,
+                             group_name=name, load_format=load_format)
+                    for e in (pair.one, pair.two)]
+            if load_format == "flattened_bucket":
+                for bucket in flatten_by_dtype(a):
+                    group.broadcast_flattened(bucket.flattened_tensor)
+            else:
+                for _, t in a:
+                    group.broadcast(t.contiguous())
+            for r in recv:
+                res = r.result(JOIN_S)
+                assert res["success"], res["message"]
+            assert not _close(pair.assert_same(), before)
+            pair.both("update_weights_from_disk", str(checkpoints["llama"]))
+    finally:
+        pair.both("destroy_weights_update_group", name)
+
+
+def _rank_parts(path, named, rank: int, size: int):
+    """Rank `rank`'s part of every tensor, as a trainer that shards for tide would send it."""
+    from tide.model_config import ModelConfig
+    from tide.models import get_model_class
+    from tide.parallel import TpGroup, tp_context
+    from tide.weights.mapping import WeightMap, local_part
+
+    config = ModelConfig.from_dir(str(path))
+    with torch.device("meta"), tp_context(TpGroup(rank, size)):
+        model = get_model_class(config.architecture)(config)
+    weight_map = WeightMap(model)
+    out = []
+    for name, t in named:
+        target = weight_map.resolve(name)
+        if target is not None:
+            out.append((name, local_part(target, t).contiguous()))
+    return out
+
+
+def test_sharded_per_rank_payloads_at_tp2_match_full_update_at_tp1(pair, trained, checkpoints):
+    before = pair.assert_same()
+    (a, _), _ = trained
+    path = checkpoints["llama"]
+    res = pair.one.update_weights_from_tensor(serialized_named_tensors=serialize_named_tensors(a))
+    assert res["success"], res["message"]
+    payloads = [serialize_named_tensors(_rank_parts(path, a, r, 2)) for r in range(2)]
+    res = pair.two.update_weights_from_tensor(serialized_named_tensors=payloads,
+                                              load_format="sharded")
+    assert res["success"], res["message"]
+    after = pair.assert_same()
+    assert not _close(after, before)
+    # Full tensors declared as parts are refused on every rank, naming the tensor.
+    full = serialize_named_tensors(a)
+    res = pair.two.update_weights_from_tensor(serialized_named_tensors=[full, full],
+                                              load_format="sharded")
+    assert res["success"] is False and "this rank's part" in res["message"], res["message"]
+    assert _close(pair.assert_same(), after)
+    pair.both("update_weights_from_disk", str(path))
+
+
+def test_update_that_fails_on_one_rank_changes_no_rank(pair, trained):
+    """Rank 1's payload has a bad shape: rank 0 validated its own, yet applies nothing."""
+    before = pair.assert_same()
+    (a, _), _ = trained
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad = [(n, t[:, :-1] if n == name else t) for n, t in a]
+    snap = {n: pair.two.get_weights_by_name(n, 64) for n, _ in a}
+    res = pair.two.update_weights_from_tensor(
+        serialized_named_tensors=[serialize_named_tensors(a), serialize_named_tensors(bad)],
+        weight_version="bad")
+    assert res["success"] is False
+    assert "rank 1" in res["message"] and name in res["message"], res["message"]
+    assert pair.two.handover.weight_version != "bad"
+    assert {n: pair.two.get_weights_by_name(n, 64) for n, _ in a} == snap
+    assert _close(pair.assert_same(), before)
+
+
+def test_release_and_resume_act_on_every_rank(checkpoints, trained):
+    path = checkpoints["llama"]
+    with tide.Engine(str(path), tp_size=1, **OPTIONS) as one:
+        want = _run(one)
+    with tide.Engine(str(path), tp_size=2, enable_memory_saver=True, **OPTIONS) as two:
+        assert two.pause_generation("retract")["success"]
+        res = two.release_memory_occupation()
+        assert res["success"], res["message"]
+        per_rank = two.worker.memory_occupation.released_bytes_per_rank()
+        assert len(per_rank) == 2 and all(r["weights"] > 0 and r["kv_cache"] > 0 for r in per_rank)
+        with pytest.raises(ValueError, match="released"):
+            two.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert two.resume_memory_occupation()["success"]
+        # No CPU backup: every rank's weights came back zeroed; a full push refills all of them.
+        assert two.get_weights_by_name("model.layers.1.mlp.down_proj.weight", 8) == [0.0] * 8
+        assert two.continue_generation()["success"]
+        with pytest.raises(ValueError, match="push new weights"):
+            two.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        original = named_weights(_hf(path))
+        res = two.update_weights_from_tensor(named_tensors=original)
+        assert res["success"], res["message"]
+        _assert_same(_run(two), want)
+        # Every rank's ledger holds its own release points.
+        ledgers = two.worker.rank_ledgers()
+        assert len(ledgers) == 2
+        for ledger in ledgers:
+            assert ledger["mark_counts"].get("release", 0) == 1, ledger["mark_counts"]
+            assert ledger["mark_counts"].get("resume", 0) == 1, ledger["mark_counts"]
+        assert ledgers[0]["pid"] != ledgers[1]["pid"]
+        rank1 = two.worker._procs[0]
+        assert rank1.poll() is None
+    assert rank1.poll() is not None  # shutdown stopped the rank process
+
+
+def _hf(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_server_at_tp2_serves_reports_per_rank_and_stops_every_rank(llama_path, tmp_path):
+    """`tide serve --tp-size 2`: the scheduler process starts rank 1; /generate matches the engine at
+    TP=1; /metrics has per-rank memory; SIGTERM leaves no process behind."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server_utils import ServerProcess
+
+    with tide.Engine(str(llama_path), tp_size=1, **OPTIONS) as one:
+        want = _run(one, PROMPTS[:1])
+    srv = ServerProcess(llama_path, "--tp-size", "2", "--device", "cpu", "--dtype", "float32",
+                        "--max-total-tokens", "1024", log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        out = srv.post("/generate", {"input_ids": PROMPTS[0], "sampling_params": GREEDY,
+                                     "return_logprob": True}).json()
+        got = [(out["output_ids"], [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]])]
+        _assert_same(got, want)
+        ranks = {}
+        for family in text_string_to_metric_families(srv.get("/metrics").text):
+            if family.name == "tide:rank_memory_allocated_bytes":
+                ranks = {s.labels["rank"]: s.value for s in family.samples}
+        assert set(ranks) == {"0", "1"} and all(v > 0 for v in ranks.values()), ranks
+        assert len(srv.group_pids(settle=0)) >= 3  # server, scheduler, rank 1
+    finally:
+        srv.proc.send_signal(15)
+        srv.proc.wait(30)
+        left = srv.group_pids()
+        srv.stop()
+    assert left == [], left

@@ -1,0 +1,120 @@
+"""Tensor parallel on two GPUs (marker `gpu`; skipped with fewer than two): NCCL collectives, inside
+the captured decode graphs too.
+
+TP=2 against TP=1 in fp32 (greedy tokens equal, logprobs close) with CUDA graphs and eagerly; a tensor
+update and an IPC update (one payload per rank, each rank mapping its own handles) at TP=2; release
+and resume of every tag on both GPUs with the memory saver.
+
+Run on a 2-GPU host: `python -m pytest -q -m gpu tests/test_tp_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tide
+import torch
+
+from conftest import build_checkpoint, named_weights
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 40, 90, 130)]
+GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}
+OPTIONS = dict(dtype="float32", max_total_tokens=16384, max_running_requests=32,
+               attention_backend="torch_native")
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("tpgpu") / "m", "llama", hidden_size=512,
+                            intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                            head_dim=64, max_position_embeddings=2048)
+
+
+def _run(engine):
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+    return [(o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
+            for o in outs]
+
+
+def _assert_close(got, want, tol: float = 1e-3) -> None:
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want, strict=True):
+        assert ids == ref_ids
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= tol
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    engine = tide.Engine(str(path), tp_size=1, disable_cuda_graph=True, **OPTIONS)
+    out = _run(engine)
+    engine.shutdown()
+    del engine
+    return out
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graph", "eager"])
+def test_tp2_matches_tp1(path, reference, graphs):
+    with tide.Engine(str(path), tp_size=2, disable_cuda_graph=not graphs, **OPTIONS) as engine:
+        assert (engine.model_runner.cuda_graph_runner is not None) == graphs
+        assert str(engine.model_runner.device) == "cuda:0"
+        _assert_close(_run(engine), reference)
+
+
+def _ipc_sender(named, queue, done) -> None:
+    """A colocated trainer: rank r's payload holds CUDA IPC handles of tensors on GPU r."""
+    from tide.weights import flatten_by_dtype, serialize_named_tensors
+
+    keep, payloads = [], []
+    for gpu in (0, 1):
+        on_gpu = [(n, t.to(f"cuda:{gpu}")) for n, t in named]
+        keep.append(on_gpu)  # the shared memory stays alive until the engine has copied it
+        payloads.append(serialize_named_tensors(flatten_by_dtype(on_gpu)))
+    queue.put(payloads)
+    done.wait(120)
+
+
+def test_weight_updates_at_tp2(path, reference, tmp_path):
+    import torch.multiprocessing as mp
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    original = named_weights(model)
+    changed = [(n, t * 1.5 if "mlp" in n else t) for n, t in original]
+    with tide.Engine(str(path), tp_size=2, **OPTIONS) as engine:
+        res = engine.update_weights_from_tensor(named_tensors=[(n, t.cuda()) for n, t in changed])
+        assert res["success"], res["message"]
+        moved = _run(engine)
+        assert [ids for ids, _ in moved] != [ids for ids, _ in reference]
+        name = "model.layers.1.mlp.down_proj.weight"
+        got = torch.tensor(engine.get_weights_by_name(name, 10**7))
+        assert torch.equal(got, dict(changed)[name].reshape(-1))
+        ctx = mp.get_context("spawn")
+        queue, done = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=_ipc_sender, args=(original, queue, done))
+        proc.start()
+        try:
+            payloads = queue.get(timeout=120)
+            res = engine.update_weights_from_ipc(payloads, weight_version="ipc")
+            assert res["success"], res["message"]
+        finally:
+            done.set()
+            proc.join(30)
+        _assert_close(_run(engine), reference)
+
+
+def test_release_and_resume_on_both_gpus(path, reference):
+    with tide.Engine(str(path), tp_size=2, enable_memory_saver=True, enable_cpu_backup=True,
+                     **OPTIONS) as engine:
+        _run(engine)
+        used = [torch.cuda.mem_get_info(i)[0] for i in (0, 1)]
+        assert engine.pause_generation("retract")["success"]
+        res = engine.release_memory_occupation()
+        assert res["success"], res["message"]
+        freed = [torch.cuda.mem_get_info(i)[0] - used[i] for i in (0, 1)]
+        assert all(f > 0 for f in freed), freed  # both GPUs gave memory back
+        assert engine.resume_memory_occupation()["success"]
+        assert engine.continue_generation()["success"]
+        _assert_close(_run(engine), reference)

@@ -1,0 +1,103 @@
+"""The tensor-parallel group of one engine: which rank this process is, how many there are, and the
+two collectives the layers need (sum across ranks, gather along the last dim).
+
+The group is not torch's default process group (a colocated trainer may own that): it is a process
+group of its own (`tide.weights.distributed.init_custom_process_group`), gloo on CPU, NCCL on CUDA.
+With one rank every collective is the identity and nothing is communicated.
+
+Layers read the group once, when they are built, from `tp_context` (a scoped context that rejects
+nesting), so model code never passes it around.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TpGroup:
+    """Rank `rank` of `size` ranks; `pg` is the process group (None when `size == 1`)."""
+
+    rank: int = 0
+    size: int = 1
+    pg: Any = None
+
+    def split(self, total: int, name: str) -> tuple[int, int]:
+        """(start, size) of this rank's even share of `total` (ValueError if it does not divide)."""
+        if total % self.size:
+            raise ValueError(f"tp_size {self.size} must divide the model's {name} ({total})")
+        share = total // self.size
+        return self.rank * share, share
+
+    def kv_heads(self, total: int) -> tuple[int, int]:
+        """(first KV head, number of KV heads) this rank holds: an even share when `total` is a
+        multiple of the ranks, else one head replicated over `size // total` ranks."""
+        if total >= self.size:
+            return self.split(total, "num_key_value_heads")
+        if self.size % total:
+            raise ValueError(f"tp_size {self.size} must be a multiple of num_key_value_heads "
+                             f"({total}) when it is larger")
+        return self.rank * total // self.size, 1
+
+    def vocab_shard(self, vocab: int) -> tuple[int, int, int]:
+        """(start, size, padded rows): rank r holds ids [start, start + size) in `padded` rows (the
+        last rank's tail rows are padding, never read as embeddings, sliced off the logits)."""
+        rows = -(-vocab // self.size)
+        start = min(self.rank * rows, vocab)
+        return start, min(rows, vocab - start), rows
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns `x`."""
+        if self.size == 1:
+            return x
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        self.pg.allreduce([x], opts).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank r's columns at [r * n, (r + 1) * n)."""
+        if self.size == 1:
+            return x
+        n = x.shape[-1]
+        rows = x.reshape(-1, n).contiguous()
+        out = torch.empty((self.size * rows.shape[0], n), dtype=x.dtype, device=x.device)
+        self.pg._allgather_base(out, rows).wait()
+        out = out.view(self.size, rows.shape[0], n).transpose(0, 1)
+        return out.reshape(*x.shape[:-1], self.size * n)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> None:
+        """`x` of rank `src` into `x` of every rank."""
+        if self.size == 1:
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([x], opts).wait()
+
+
+SINGLE = TpGroup()
+_current: list[TpGroup] = []
+
+
+@contextlib.contextmanager
+def tp_context(group: TpGroup) -> Iterator[TpGroup]:
+    """Layers built inside read `group` from `current_tp()`; contexts do not nest."""
+    if _current:
+        raise RuntimeError("tp_context does not nest")
+    _current.append(group)
+    try:
+        yield group
+    finally:
+        _current.clear()
+
+
+def current_tp() -> TpGroup:
+    """The group of the model being built (one rank outside `tp_context`)."""
+    return _current[0] if _current else SINGLE
