@@ -273,6 +273,9 @@ class Scheduler:
             logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
             return self._fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
         self._commit_launch(batch, future)
+        if self.swa_window is not None:  # as process_results after the step (see _apply_launched)
+            for req in batch.reqs:
+                self._release_swa(req)
         return []
 
     def _commit_launch(self, batch: ScheduleBatch, future: SampleFuture) -> None:
@@ -307,7 +310,7 @@ class Scheduler:
         rows = {id(r): i for i, r in enumerate(prev.batch.reqs)}
         if any(id(r) not in rows for r in reqs):
             return None
-        if self.allocator.available_size() + self.tree_cache.evictable_size() < len(reqs):
+        if not self._decode_room(len(reqs)):
             return None
         batch = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
         try:
@@ -375,7 +378,16 @@ class Scheduler:
                 req.kv_len -= 1
                 self.allocator.free(successor.out_cache_loc[j : j + 1])
 
-        return self._apply_tokens(reqs, out, live, newly_prefilled=False, on_finish=give_back_ride)
+        got = self._apply_tokens(reqs, out, live, newly_prefilled=False, on_finish=give_back_ride)
+        if self.swa_window is not None and successor is not None:
+            # The successor's tokens count in kv_len since its launch; its requests give back the
+            # SWA slots out of their window now that they are known to go on, as process_results
+            # does after a step (before the next step is prepared). A slot freed here may still be
+            # read by the successor: the next forward that reuses it runs after it on the stream.
+            for req in successor.reqs:
+                if not req.finished:
+                    self._release_swa(req)
+        return got
 
     def _fail(self, reqs: list[Req], message: str) -> list[Req]:
         if self._inflight_loc is not None:
@@ -661,8 +673,7 @@ class Scheduler:
         token each, after the prefill rows) when KV has room for all of them; else none does."""
         if not self.config.enable_mixed_chunk or not self.running:
             return []
-        free = self.allocator.available_size() + self.tree_cache.evictable_size()
-        if free < prefill_tokens + len(self.running):
+        if not self._decode_room(prefill_tokens + len(self.running)):
             return []
         return list(self.running)
 
