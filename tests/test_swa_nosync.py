@@ -158,6 +158,7 @@ def _run(engine, warm: list[int], prompts: list[list[int]], max_new: list[int], 
             else:
                 sched.step()
             sched.check_invariants()
+            sched.allocator.check_consistency()  # slot by slot, on the device
         else:
             pytest.fail("no progress")
     finally:

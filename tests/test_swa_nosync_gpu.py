@@ -59,7 +59,8 @@ def _run(engine, warm: list[int], prompts: list[list[int]], max_new: list[int],
         if steady:
             assert sched.stats.num_overlapped_decode == ahead + 1
         checked += steady
-        sched.check_invariants()  # reads the device: outside the checked steps
+        sched.check_invariants()
+        sched.allocator.check_consistency()  # reads the device: outside the checked steps
     else:
         pytest.fail("no progress")
     assert all(r.finished_reason["type"] == "length" for r in reqs)

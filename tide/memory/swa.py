@@ -14,8 +14,9 @@ Invariants:
 - Which full slots still hold an SWA slot is known on the host (`Req.swa_evicted_len`,
   `TreeNode.swa_freed`: always a prefix of a request's own tokens or of a node), and the callers
   pass it in; freeing never reads the device (no boolean mask, `.item()`, `nonzero`: each would wait
-  for the GPU, which the overlap schedule keeps a step ahead). `check_consistency` (tests,
-  `Scheduler.check_invariants`) reads the device to verify it.
+  for the GPU, which the overlap schedule keeps a step ahead). A wrong count shows as a free/held
+  mismatch in `Scheduler.check_invariants`; `check_consistency` (tests) reads the device to verify
+  every slot.
 - Every SWA slot is in exactly one place: the SWA free list, a live request's window, or a
   radix-cache node's window (`RadixCache` with `window` set counts them).
 - `SWAKVPool.k_buffer[l]` / `v_buffer[l]` hold layer l's K/V: full-pool rows for full layers,
@@ -124,7 +125,7 @@ class SWATokenToKVPoolAllocator:
     def check_consistency(self) -> None:
         """Raise unless every SWA slot is exactly once either free or mapped from one full slot, no
         free list holds slot 0 or a slot twice, and no free full slot keeps a mapping. Reads the
-        device (for tests and `Scheduler.check_invariants`, never on the serving path)."""
+        whole mapping back from the device: for tests, never on the serving path."""
         for name, pool, size in (("full", self.full, self.size), ("swa", self.swa, self.size_swa)):
             free = pool.all_free_slots().cpu()
             if free.numel() and (int(free.min()) < 1 or int(free.max()) > size):

@@ -520,7 +520,6 @@ class Scheduler:
                 raise RuntimeError(
                     f"SWA slot leak: free {free_swa} + cached {cached_swa} + held {held_swa} != "
                     f"{self.allocator.size_swa}")
-            self.allocator.check_consistency()  # no SWA slot freed twice behind the counts
         live_slots = sum(1 for r in self._live_reqs() if r.req_pool_idx is not None)
         if self.req_to_token_pool.available_size() + live_slots != self.req_to_token_pool.size:
             raise RuntimeError("request slot leak")
