@@ -237,7 +237,8 @@ def _connect_group(config: EngineConfig, rank: int, port: int) -> TpGroup:
         "nccl" if device.type == "cuda" else "gloo", "127.0.0.1", port, rank, config.tp_size, "tp",
         timeout_s=_COLLECTIVE_TIMEOUT_S, join_timeout_s=_START_TIMEOUT_S,
         device=device if device.type == "cuda" else None)
-    return TpGroup(rank, config.tp_size, group.pg)
+    return TpGroup(rank, config.tp_size, group.pg,
+                   batch_invariant=config.enable_deterministic_inference)
 
 
 def rank_main() -> None:
