@@ -180,10 +180,13 @@ def test_every_update_path_at_tp2_matches_tp1(pair, trained, checkpoints):
 
 def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
     """One trainer group spans the trainer (rank 0), the TP=1 engine (rank 1) and the two ranks of
-    the TP=2 engine (rank_offset 2: ranks 2 and 3)."""
+    the TP=2 engine (rank_offset 2: ranks 2 and 3). Flattened buffers travel in the smallest pieces,
+    so tensors straddle pieces and the two receive buffers, including tensors a rank keeps part of."""
+    from tide.weights.distributed import MIN_BUCKET_BYTES
+
     port, name = free_port(), "tp_trainer"
     trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 4, name,
-                       timeout_s=JOIN_S, name="trainer-join")
+                       timeout_s=JOIN_S, bucket_bytes=MIN_BUCKET_BYTES, name="trainer-join")
     joins = [InThread(pair.one.init_weights_update_group, "127.0.0.1", port, 1, 4, name, "gloo"),
              InThread(pair.two.init_weights_update_group, "127.0.0.1", port, 2, 4, name, "gloo")]
     for j in joins:
@@ -210,6 +213,9 @@ def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
                 res = r.result(JOIN_S)
                 assert res["success"], res["message"]
             assert not _close(pair.assert_same(), before)
+            for n, t in a:  # bit-exact on every rank, gathered
+                assert torch.equal(torch.tensor(pair.two.get_weights_by_name(n, t.numel())),
+                                   t.reshape(-1)), n
             pair.both("update_weights_from_disk", str(checkpoints["llama"]))
     finally:
         pair.both("destroy_weights_update_group", name)
@@ -386,3 +392,34 @@ def test_deterministic_all_reduce_of_three_ranks_is_batch_invariant(tmp_path):
         assert torch.equal(got, ordered[: got.shape[0]])
     for got in saved["result"][False]:  # the backend's sum: right up to rounding
         torch.testing.assert_close(got, ordered[: got.shape[0]])
+
+
+def test_release_resume_with_cpu_backup_reuses_every_ranks_buffer(checkpoints, trained):
+    """enable_cpu_backup at TP=2: two release/resume cycles; every rank allocates its host backup
+    once and restores from it; while released every rank refuses an update (rank 1 too, with its own
+    payload), and after resume updates go through on all ranks."""
+    from tide.scheduler.tp_worker import RankError
+
+    path = checkpoints["llama"]
+    (a, _), _ = trained
+    with tide.Engine(str(path), tp_size=1, **OPTIONS) as one:
+        want = _run(one)
+    with tide.Engine(str(path), tp_size=2, enable_memory_saver=True, enable_cpu_backup=True,
+                     **OPTIONS) as two:
+        payload = serialize_named_tensors(a)
+        for cycle in range(2):
+            assert two.release_memory_occupation()["success"]
+            res = two.update_weights_from_tensor(named_tensors=a)
+            assert res["success"] is False and "released" in res["message"], res["message"]
+            with pytest.raises(RankError) as refused:
+                two.worker.call_each("prepare", [(10_000 + cycle, "serialized", (payload, None))] * 2)
+            assert set(refused.value.errors) == {0, 1}
+            assert all("released" in m for _, m in refused.value.errors.values())
+            assert two.resume_memory_occupation()["success"]
+            _assert_same(_run(two), want)  # every rank's weights came back from its backup
+        report = two.worker.rank_memory()
+        assert [r["cpu_backup_allocations"] for r in report] == [1, 1], report
+        assert all(r["cpu_backup_bytes"] > 0 for r in report)
+        res = two.update_weights_from_tensor(serialized_named_tensors=[payload, payload])
+        assert res["success"], res["message"]
+        assert not _close(_run(two), want)

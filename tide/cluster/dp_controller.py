@@ -598,7 +598,7 @@ def _sum_ranks(ranks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     out = []
     for rank, entries in sorted(by_rank.items()):
         merged = dict(entries[0])
-        for key in ("reserved_bytes", "allocated_bytes"):
+        for key in ("reserved_bytes", "allocated_bytes", "cpu_backup_bytes"):
             merged[key] = sum(int(e.get(key, 0)) for e in entries)
         released: dict[str, int] = {}
         for e in entries:

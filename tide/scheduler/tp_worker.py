@@ -220,9 +220,12 @@ class RankRuntime:
 
     def memory_report(self) -> dict[str, Any]:
         stats = device_memory_stats()
+        backup = self.worker.memory_occupation.backup
         return {"rank": self.tp.rank, "reserved_bytes": stats["reserved"],
                 "allocated_bytes": stats["allocated"], "released_bytes": self.released_bytes(),
-                "release_totals": self.worker.ledger.totals()}
+                "release_totals": self.worker.ledger.totals(),
+                "cpu_backup_bytes": backup.host_bytes,
+                "cpu_backup_allocations": backup.allocations}
 
     def max_total_tokens(self) -> int:
         return self.worker.max_total_tokens
