@@ -423,3 +423,44 @@ def test_release_resume_with_cpu_backup_reuses_every_ranks_buffer(checkpoints, t
         res = two.update_weights_from_tensor(serialized_named_tensors=[payload, payload])
         assert res["success"], res["message"]
         assert not _close(_run(two), want)
+
+
+def test_hybrid_swa_at_tp2_release_flush_pause_and_update_match_tp1(tmp_path):
+    """Gemma-3 (sliding and full layers) at TP=2 with mixed batches and a CPU backup: after a full
+    release/resume, a flush, and a weight update made while generation is paused in place, outputs
+    equal TP=1 given the same update."""
+    import threading
+
+    import transformers
+    from test_swa_models import build_swa_checkpoint
+
+    path = build_swa_checkpoint(tmp_path / "gemma3", "gemma3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sgd_steps(hf, steps=1, lr=0.5, seed=3)
+    new = named_weights(hf)
+    options = dict(OPTIONS, enable_mixed_chunk=True, enable_memory_saver=True,
+                   enable_cpu_backup=True)
+    with tide.Engine(str(path), tp_size=1, **options) as one:
+        want = _run(one)
+        assert one.update_weights_from_tensor(named_tensors=new)["success"]
+        want_new = _run(one)
+    assert not _close(want_new, want)
+    with tide.Engine(str(path), tp_size=2, **options) as two:
+        assert two.release_memory_occupation()["success"]
+        assert two.resume_memory_occupation()["success"]
+        _assert_same(_run(two), want)
+        assert two.flush_cache() is True
+        _assert_same(_run(two), want)
+        done = threading.Event()
+        longer = {**GREEDY, "max_new_tokens": 24}
+        worker = threading.Thread(target=lambda: (two.generate(input_ids=PROMPTS,
+                                                               sampling_params=longer),
+                                                  done.set()))
+        worker.start()
+        assert two.pause_generation("in_place")["success"]
+        res = two.update_weights_from_tensor(named_tensors=new)
+        assert res["success"], res["message"]
+        assert two.continue_generation()["success"]
+        worker.join(JOIN_S)
+        assert done.is_set()
+        _assert_same(_run(two), want_new)
