@@ -432,6 +432,7 @@ def test_hybrid_swa_at_tp2_release_flush_pause_and_update_match_tp1(tmp_path):
     import threading
 
     import transformers
+
     from test_swa_models import build_swa_checkpoint
 
     path = build_swa_checkpoint(tmp_path / "gemma3", "gemma3")

@@ -596,9 +596,10 @@ def _sum_ranks(ranks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         for entry in replica:
             by_rank.setdefault(int(entry.get("rank", 0)), []).append(entry)
     out = []
-    for rank, entries in sorted(by_rank.items()):
+    for _, entries in sorted(by_rank.items()):
         merged = dict(entries[0])
-        for key in ("reserved_bytes", "allocated_bytes", "cpu_backup_bytes"):
+        for key in ("reserved_bytes", "allocated_bytes", "cpu_backup_bytes",
+                    "cpu_backup_allocations"):
             merged[key] = sum(int(e.get(key, 0)) for e in entries)
         released: dict[str, int] = {}
         for e in entries:
