@@ -375,7 +375,16 @@ class Scheduler:
                 req.kv_len -= 1
                 self.allocator.free(successor.out_cache_loc[j : j + 1])
 
-        return self._apply_tokens(reqs, out, live, newly_prefilled=False, on_finish=give_back_ride)
+        applied = self._apply_tokens(reqs, out, live, newly_prefilled=False,
+                                     on_finish=give_back_ride)
+        if self.swa_window is not None:
+            # As after a step at a time (`process_results`), but a request riding in `successor`
+            # (its `kv_len` already counts the token that step writes) keeps what that step, in
+            # flight, still reads: the window as of its own query.
+            for req in reqs:
+                if not req.finished:
+                    self._release_swa(req, req.kv_len - (id(req) in rides))
+        return applied
 
     def _fail(self, reqs: list[Req], message: str) -> list[Req]:
         if self._inflight_loc is not None:
@@ -731,6 +740,11 @@ class Scheduler:
                     if req.kv_epoch == self.kv_epoch:  # stale chunks stay private to the request
                         (req.tree or self.tree_cache).cache_unfinished_req(req)
                     self.chunked_req = req
+                elif self.swa_window is not None:
+                    # A completed prompt (or a decode rider) keeps only its window: held until its
+                    # first decode step, a whole prompt's SWA slots would cap admission at
+                    # SWA slots / prompt length while prefills run first.
+                    self._release_swa(req)
         reqs = batch.sampled_reqs()
         riders = set(map(id, batch.reqs[len(batch.reqs) - batch.num_decode:]))
         return self._apply_tokens(reqs, out, range(len(reqs)), newly_prefilled=not batch.is_decode,
@@ -785,12 +799,13 @@ class Scheduler:
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.info("retracted request %s (KV exhausted; %s)", req.rid, self.kv_pools_summary())
 
-    def _release_swa(self, req: Req) -> None:
+    def _release_swa(self, req: Req, kv_len: int | None = None) -> None:
         """Two-pool cache: give back the SWA slots of this request's tokens that no future query can
         see (positions < kv_len - window + 1), in runs of `swa_page`: its own tokens' slots, and
-        those of cached-prefix nodes only it holds."""
+        those of cached-prefix nodes only it holds. `kv_len`: the request's, unless a launched
+        step's query (at `kv_len`) is still to read its window."""
         assert self.swa_window is not None and req.req_pool_idx is not None
-        dead = req.kv_len - self.swa_window + 1
+        dead = (req.kv_len if kv_len is None else kv_len) - self.swa_window + 1
         if dead - req.swa_evicted_len < self.swa_page:
             return
         prefix_len = len(req.prefix_indices)
