@@ -1,6 +1,7 @@
-"""Gemma's fused GPU kernels (`triton_ops.gemma_rmsnorm`, `triton_ops.gelu_tanh_and_mul`) against
-the torch references they replace, run by Triton's interpreter on CPU tensors, and compiled for
-sm_90 without a GPU. Skipped where triton is not installed.
+"""Gemma's fused GPU kernels (`triton_ops.gemma_rmsnorm`, `triton_ops.gelu_tanh_and_mul`) and the
+decode GEMV at Gemma's K (3840, 3584: one masked tile) against the torch references they replace,
+run by Triton's interpreter on CPU tensors, and compiled for sm_90 without a GPU. Skipped where
+triton is not installed.
 
 The interpreter must be chosen before triton is imported, so a plain pytest run executes this file
 again in a subprocess with `TRITON_INTERPRET=1` (`test_kernels_under_the_interpreter`).
@@ -51,6 +52,24 @@ def test_kernels_compile_for_hopper():
                      num_warps=16)
     compile_sm90(ops._gelu_tanh_mul_kernel, {"X": "*bf16", "Out": "*bf16"},
                  dict(BLOCK=1024, USE_PDL=True), num_warps=4)
+    from tide.layers import gemv
+
+    for even_k in (True, False):
+        compile_sm90(gemv._gemv_kernel,
+                     {"W": "*bf16", "X": "*bf16", "B": "*bf16", "Y": "*fp32", "N": "i32", "K": "i32"},
+                     dict(HAS_BIAS=False, BLOCK_N=1, BLOCK_K=4096, EVEN_N=True, EVEN_K=even_k,
+                          USE_PDL=True), num_warps=4)
+
+
+def test_gemv_configs_cover_gemma_shapes():
+    from tide.layers import gemv
+
+    assert gemv.config_for(3840) == (1, 4096, 4)  # Gemma-3-12B hidden: one masked tile
+    assert gemv.config_for(3584) == (1, 4096, 4)  # Gemma-2-9B hidden
+    assert gemv.config_for(4096) == (1, 4096, 4)
+    assert gemv.config_for(15360) == (1, 1024, 4)  # Gemma-3-12B intermediate
+    assert gemv.config_for(14336) == (1, 2048, 8)
+    assert gemv.config_for(100) is None and gemv.config_for(8200) is None
 
 
 def _gemma_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,3 +128,17 @@ def test_gelu_tanh_and_mul_matches_the_reference(dtype):
     # tanh(u) via exp differs from torch's tanh in the last fp32 bits; where gelu(gate) is ~1e-7
     # torch's 1 + tanh(u) cancels to 0 and the kernel's sigmoid form does not (atol).
     _ulps_close(got, ref, ulps=4, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("k,config", [(384, None), (640, (2, 256, 1)), (1280, (1, 512, 1))])
+def test_gemv_with_uneven_k_matches_linear(k, config):
+    """K not a multiple of the tile (the masked tail of the last tile); uneven N too."""
+    from tide.layers import gemv
+
+    gen = torch.Generator().manual_seed(k)
+    w = (torch.randn(37, k, generator=gen) * 0.05).half()
+    b = torch.randn(37, generator=gen).half()
+    x = torch.randn(1, k, generator=gen).half()
+    ref = (x.float() @ w.float().T + b.float()).half()
+    _ulps_close(gemv.gemv(x, w, b, config=config), ref, ulps=2, atol=1e-3)
