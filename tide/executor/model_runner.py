@@ -177,10 +177,14 @@ class ModelRunner:
         ratio = self.config.swa_full_tokens_ratio
         full_bytes, swa_bytes = per_layer * (mc.num_hidden_layers - n_swa), per_layer * n_swa
         if self.device.type == "cuda":
+            import gc
+
             from tide.memory.release import empty_device_cache
 
-            # Blocks cached by the allocator (an earlier engine in this process, the weights'
-            # load) are free for the pools: hand them back so the driver counts them.
+            # Memory of unreachable engines (reference cycles not yet collected) and blocks cached
+            # by the allocator (an earlier engine in this process, the weights' load) are free for
+            # the pools: collect and hand them back so the driver counts them.
+            gc.collect()
             empty_device_cache(reason="kv_cache_sizing", ledger=self.ledger)
             free = available_device_memory(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
