@@ -93,3 +93,23 @@ def test_rl_handover_example_runs():
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) == 1
     exec(compile(blocks[0], "docs/rl_handover.md", "exec"), {"__name__": "rl_handover_example"})
+
+
+def test_ray_engine_methods_and_parameters_are_documented():
+    """docs/parallel.md lists every public method of `RayEngine` with its parameters (its Python
+    block runs in tests/test_ray_replicas.py)."""
+    from tide.cluster.ray import RayEngine
+
+    text = (DOCS / "parallel.md").read_text()
+    section = text[text.index("### On a Ray cluster"):]
+    for name, sig in _public_methods(RayEngine).items():
+        rows = " ".join(line for line in section.splitlines() if f"`{name}(" in line)
+        assert rows, f"docs/parallel.md does not document RayEngine.{name}()"
+        for param in sig.parameters.values():
+            if param.name == "self":
+                continue
+            shown = "**" + param.name if param.kind is param.VAR_KEYWORD else param.name
+            assert shown in rows, f"RayEngine.{name}: parameter {param.name} is not documented"
+    for param in inspect.signature(RayEngine.__init__).parameters:
+        if param != "self":
+            assert param in section, f"RayEngine({param}) is not documented"

@@ -23,8 +23,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("tide.models",),
     ("tide.executor",),
     ("tide.scheduler",),
+    # data parallel: the router and the controller `tide serve --dp-size` starts (scheduler processes)
+    ("tide.cluster.router", "tide.cluster.dp_controller"),
     ("tide.engine", "tide.engine_io", "tide.server"),
-    ("tide.cli", "tide.__main__", "tide.diffusion", "tide"),
+    # tide.cluster.ray: replicas holding an Engine
+    ("tide.cli", "tide.__main__", "tide.diffusion", "tide.cluster", "tide"),
 ]
 # Same layer, but neither side may import the other.
 SEPARATE = [("tide.server", "tide.engine")]

@@ -136,3 +136,29 @@ def test_two_pools_fit_more_long_requests_than_one(hybrid_checkpoint):
         assert _free_bytes() > free - (256 << 20)
     # gemma2: half the layers slide, gemma3: two of three -> at least 1.6x / 2.3x the tokens.
     assert tokens[0.125] >= (1.6 if arch == "gemma2" else 2.3) * tokens[1.0] * 0.95
+
+
+def test_overlap_schedule_equals_one_step_at_a_time_for_hybrid_models(hybrid_checkpoint):
+    """Five windows of new tokens with CUDA graphs: out-of-window SWA slots are given back while the
+    next decode step runs on the device (a slot freed then is reused only by a later forward on the
+    same stream). Same tokens and logprobs with the overlap schedule as without, and both pools
+    whole afterwards."""
+    _require_triton_windows()
+    _, path = hybrid_checkpoint
+    prompts = random_prompts(3, [5, 9, 17, 30, 44, 8, 12, 21])
+    seeded = dict(GREEDY, temperature=1.0, seed=7)
+    outs = {}
+    for disable in (True, False):
+        engine = _engine(path, True, disable_overlap_schedule=disable)
+        sched = engine.scheduler
+        greedy = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        sampled = engine.generate(input_ids=prompts, sampling_params=seeded, return_logprob=True)
+        outs[disable] = ([o["output_ids"] for o in greedy], [o["output_ids"] for o in sampled],
+                         [o["meta_info"]["output_token_logprobs"] for o in sampled])
+        assert (sched.stats.num_overlapped_decode > 0) is (not disable)
+        sched.check_invariants()
+        assert engine.flush_cache()
+        for name, pool in sched.kv_pools().items():
+            assert pool["free"] == pool["capacity"], name
+        engine.shutdown()
+    assert outs[False] == outs[True]

@@ -145,6 +145,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
         scheduler_health_timeout=args.scheduler_health_timeout,
         scheduler_abort_timeout=args.scheduler_abort_timeout,
+        dp_size=args.dp_size,
     )
     return launch_server(server_args)
 
@@ -217,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--scheduler-abort-timeout", type=float, default=120.0, metavar="S",
                      help="in-flight requests end with reason abort once the scheduler has not "
                           "responded for S seconds (default: 120)")
+    srv.add_argument("--dp-size", type=int, default=1, metavar="N",
+                     help="data parallel: N engine replicas behind this server, each request on "
+                          "the least loaded; each replica gets its own GPU when there are N, else "
+                          "all run on CPU; handover routes act on every replica")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the model path; tide-demo for the demo)")
     limits = srv.add_argument_group("request limits", "bounds on one request's cost (docs/server.md, "

@@ -220,7 +220,7 @@ def run_scheduler_process(
     `ipc_dir` (the directory of the `ipc://` sockets) is removed however the process exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _die_with_parent(parent_pid, ipc_dir)
+    die_with_parent(parent_pid, ipc_dir)
     _setup_logging(config.log_level)
     try:
         _serve(config, input_addr, output_addr, parent_pid, ready, weight_version,
@@ -651,7 +651,7 @@ def _num_threads() -> int:
         return threading.active_count()
 
 
-def _die_with_parent(parent_pid: int, ipc_dir: str | None) -> None:
+def die_with_parent(parent_pid: int, ipc_dir: str | None) -> None:
     """Exit, removing `ipc_dir`, when the parent exits: Linux sends SIGTERM (PR_SET_PDEATHSIG; the
     handler exits through the `finally` that removes the directory), and a watcher thread checks
     the parent pid, for when the main thread cannot take the signal (stuck in native code)."""

@@ -273,6 +273,9 @@ class Scheduler:
             logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
             return self._fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
         self._commit_launch(batch, future)
+        if self.swa_window is not None:  # as process_results after the step (see _apply_launched)
+            for req in batch.reqs:
+                self._release_swa(req)
         return []
 
     def _commit_launch(self, batch: ScheduleBatch, future: SampleFuture) -> None:
@@ -307,7 +310,7 @@ class Scheduler:
         rows = {id(r): i for i, r in enumerate(prev.batch.reqs)}
         if any(id(r) not in rows for r in reqs):
             return None
-        if self.allocator.available_size() + self.tree_cache.evictable_size() < len(reqs):
+        if not self._decode_room(len(reqs)):
             return None
         batch = ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs))
         try:
@@ -375,16 +378,16 @@ class Scheduler:
                 req.kv_len -= 1
                 self.allocator.free(successor.out_cache_loc[j : j + 1])
 
-        applied = self._apply_tokens(reqs, out, live, newly_prefilled=False,
-                                     on_finish=give_back_ride)
-        if self.swa_window is not None:
-            # As after a step at a time (`process_results`), but a request riding in `successor`
-            # (its `kv_len` already counts the token that step writes) keeps what that step, in
-            # flight, still reads: the window as of its own query.
-            for req in reqs:
+        got = self._apply_tokens(reqs, out, live, newly_prefilled=False, on_finish=give_back_ride)
+        if self.swa_window is not None and successor is not None:
+            # The successor's tokens count in kv_len since its launch; its requests give back the
+            # SWA slots out of their window now that they are known to go on, as process_results
+            # does after a step (before the next step is prepared). A slot freed here may still be
+            # read by the successor: the next forward that reuses it runs after it on the stream.
+            for req in successor.reqs:
                 if not req.finished:
-                    self._release_swa(req, req.kv_len - (id(req) in rides))
-        return applied
+                    self._release_swa(req)
+        return got
 
     def _fail(self, reqs: list[Req], message: str) -> list[Req]:
         if self._inflight_loc is not None:
@@ -670,8 +673,7 @@ class Scheduler:
         token each, after the prefill rows) when KV has room for all of them; else none does."""
         if not self.config.enable_mixed_chunk or not self.running:
             return []
-        free = self.allocator.available_size() + self.tree_cache.evictable_size()
-        if free < prefill_tokens + len(self.running):
+        if not self._decode_room(prefill_tokens + len(self.running)):
             return []
         return list(self.running)
 
@@ -799,13 +801,12 @@ class Scheduler:
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.info("retracted request %s (KV exhausted; %s)", req.rid, self.kv_pools_summary())
 
-    def _release_swa(self, req: Req, kv_len: int | None = None) -> None:
+    def _release_swa(self, req: Req) -> None:
         """Two-pool cache: give back the SWA slots of this request's tokens that no future query can
         see (positions < kv_len - window + 1), in runs of `swa_page`: its own tokens' slots, and
-        those of cached-prefix nodes only it holds. `kv_len`: the request's, unless a launched
-        step's query (at `kv_len`) is still to read its window."""
+        those of cached-prefix nodes only it holds."""
         assert self.swa_window is not None and req.req_pool_idx is not None
-        dead = (req.kv_len if kv_len is None else kv_len) - self.swa_window + 1
+        dead = req.kv_len - self.swa_window + 1
         if dead - req.swa_evicted_len < self.swa_page:
             return
         prefix_len = len(req.prefix_indices)

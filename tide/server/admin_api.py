@@ -177,6 +177,8 @@ def _result(out: ControlReqOutput, param: str | None = None, code: str = "update
     if not out.success:
         raise AdminAPIError(out.message or "failed", param=param, code=code,
                             num_paused_requests=paused)
+    if "dead_replicas" in out.data:  # --dp-size: replicas that have died and were not called
+        extra["dead_replicas"] = out.data["dead_replicas"]
     return JSONResponse({"success": True, "message": out.message, "num_paused_requests": paused,
                          **extra})
 

@@ -4,6 +4,8 @@ Process layout:
 
     tide serve (HTTP process: uvicorn + FastAPI + TokenizerManager)
       └── scheduler process (spawned): Engine (model runner + scheduler), zmq PULL/PUSH
+          (with --dp-size N: a data-parallel controller speaking the same protocol, routing over N
+          scheduler processes, see `tide.cluster.dp_controller`)
 
 Shutdown (SIGINT/SIGTERM): every in-flight request is finished with an abort right away (streams end
 with finish_reason abort), uvicorn closes connections, the lifespan asks the scheduler to abort and
@@ -89,13 +91,22 @@ def launch_server(args: ServerArgs) -> int:
     ctx = mp.get_context("spawn")
     ready_recv, ready_send = ctx.Pipe(duplex=False)
     engine_config = args.engine.replace(log_level=args.log_level)
+    kwargs: dict[str, Any] = {"heartbeat_interval": min(1.0, args.scheduler_health_timeout / 4),
+                              "ipc_dir": ipc_dir}
+    target: Any = run_scheduler_process
+    if args.dp_size > 1:
+        # Looks like one scheduler process to this side; starts and routes over the replicas.
+        from tide.cluster.dp_controller import run_dp_controller_process
+
+        target = run_dp_controller_process
+        kwargs.update(dp_size=args.dp_size, startup_timeout=args.startup_timeout,
+                      replica_stall_timeout=args.scheduler_abort_timeout)
     proc = ctx.Process(
-        target=run_scheduler_process,
+        target=target,
         args=(engine_config, input_addr, output_addr, os.getpid(), ready_send, args.weight_version),
-        kwargs={"heartbeat_interval": min(1.0, args.scheduler_health_timeout / 4),
-                "ipc_dir": ipc_dir},
-        name="tide-scheduler",
-        daemon=True,
+        kwargs=kwargs,
+        name="tide-scheduler" if args.dp_size == 1 else "tide-dp-controller",
+        daemon=args.dp_size == 1,  # a daemonic process may not start the replicas' processes
     )
     previous_term = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
@@ -138,7 +149,8 @@ def launch_server(args: ServerArgs) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous_term)
-        _stop_process(proc)
+        # A data-parallel controller first waits (up to 5 s) for its replicas to exit.
+        _stop_process(proc, timeout=5.0 if args.dp_size == 1 else 10.0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 

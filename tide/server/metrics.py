@@ -92,6 +92,9 @@ class _HandoverCollector(Collector):
                 "Weight updates waiting for running requests to finish", labels=["model_name"])
             blocked.add_metric([name], float(load.get("num_pending_weight_updates", 0)))
             yield blocked
+        replicas = load.get("replicas")
+        if replicas:  # --dp-size N: one entry per replica, dead ones included
+            yield from _replica_metrics(name, replicas)
         memory = load.get("memory")
         if memory:
             yield from _memory_metrics(name, memory)
@@ -150,6 +153,19 @@ def _memory_metrics(name: str, memory: dict[str, Any]) -> Any:
     for tag, nbytes in sorted(released.items()):
         gauge.add_metric([name, tag], float(nbytes))
     yield gauge
+
+
+def _replica_metrics(name: str, replicas: list[dict[str, Any]]) -> Any:
+    """Data-parallel replicas (`--dp-size`): how many live, and which."""
+    alive = GaugeMetricFamily("tide:dp_replicas_alive", "Data-parallel replicas alive (of dp_size)",
+                              labels=["model_name"])
+    alive.add_metric([name], float(sum(1 for r in replicas if r.get("alive"))))
+    yield alive
+    up = GaugeMetricFamily("tide:dp_replica_up", "1 while a data-parallel replica lives",
+                           labels=["model_name", "replica"])
+    for replica in replicas:
+        up.add_metric([name, str(replica.get("index"))], 1.0 if replica.get("alive") else 0.0)
+    yield up
 
 
 class ServerMetrics:

@@ -47,6 +47,9 @@ class ServerArgs:
     # `scheduler_abort_timeout` seconds of that.
     scheduler_health_timeout: float = 30.0
     scheduler_abort_timeout: float = 120.0
+    # Data parallel: this many engine replicas (scheduler processes) behind one server, each
+    # request on the least loaded one (`tide.cluster.dp_controller`).
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -73,6 +76,9 @@ class ServerArgs:
             for root in self.allowed_weight_roots:
                 if not os.path.isdir(root):
                     raise ValueError(f"allowed_weight_roots: {root!r} is not a directory")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or not (
+                1 <= self.dp_size <= 64):
+            raise ValueError(f"dp_size must be an integer in [1, 64], got {self.dp_size!r}")
         if not isinstance(self.weight_version, str) or not self.weight_version:
             raise ValueError("weight_version must be a non-empty string")
         if not isinstance(self.limits, RequestLimits):
