@@ -12,6 +12,8 @@ What sets them apart from Llama, each as transformers computes it:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -129,7 +131,7 @@ class GemmaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * self.embed_scale.to(hidden.dtype)
         layers = self.layers
-        normed = layers[0].input_layernorm(hidden)
+        normed = cast(GemmaDecoderLayer, layers[0]).input_layernorm(hidden)
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             hidden, normed = layer(positions, hidden, normed, forward_batch, next_norm)
