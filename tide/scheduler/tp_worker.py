@@ -491,6 +491,9 @@ class TpWorkerGroup(ModelWorker):
                 proc.kill()
                 proc.wait()
         self._procs = []
+        local = getattr(self, "local", None)
+        if local is not None:
+            local.shutdown()  # rank 0's own model, pools and graphs
 
 
 def _free_port() -> int:
