@@ -7,7 +7,8 @@ Gemma-3-12B and Gemma-2-9B shapes (`load_format="dummy"`, bf16), the same memory
     cache (SWA pool sized for the window: `--swa-ratio`, default (window + page) / request length
     with 15% slack) vs one full-size pool (`swa_full_tokens_ratio=1`: every token keeps K/V in every
     layer, byte for byte a single pool). Reported from the pool sizes (`analytic`) and measured: the
-    peak number of running requests while `--capacity-requests` such requests are served;
+    peak number of requests holding KV while `--capacity-requests` such requests are served
+    (each generates request_len / 16 tokens, at most 128, so later admissions meet earlier ones);
 (b) bs1 decode tok/s at 1k/8k/32k context (Gemma-2: at most its 8k positions) vs the weight-read
     roofline (parameter bytes / measured copy bandwidth), and vs the roofline that also reads the KV
     each step reads (full layers: the context; sliding layers: the window);
@@ -126,10 +127,12 @@ def _engine(shape: str, plan: Plan, **kw: Any):
 
 
 def _close(engine) -> None:
+    """Shut `engine` down before the next one is built. `shutdown()` frees the weights, pools and
+    graphs in place, so the caller's own name for the engine (a loop variable) pins nothing; the
+    collection and the cache empty return what is left (cycles, scratch) to the driver."""
     from tide.memory import empty_device_cache
 
     engine.shutdown()
-    del engine
     gc.collect()
     empty_device_cache(reason="benchmark_teardown", ledger=None)
 
@@ -158,39 +161,54 @@ def part_a(shape: str, plan: Plan) -> dict[str, Any]:
                                 window)
         want = plan.capacity_requests or min(1024 if plan.request_len >= 8192 else 128,
                                              int(1.2 * cap) + 1)
-        peak = _peak_running(engine, want, plan.request_len)
+        new_tokens = _capacity_new_tokens(plan.request_len)
+        peak, retractions = _peak_running(engine, want, plan.request_len, new_tokens)
         out[name] = {"swa_full_tokens_ratio": r, "layout": layout, "analytic": cap,
-                     "requests": want, "measured_peak_running": peak}
+                     "requests": want, "new_tokens": new_tokens, "measured_peak_running": peak,
+                     "retractions": retractions}
         _close(engine)
+        del engine
         print(f"(a) {shape} {name}: {layout['full_tokens']} full tokens, analytic {cap}, "
-              f"measured peak {peak}", flush=True)
+              f"measured peak {peak} ({retractions} retractions)", flush=True)
     out["ratio_analytic"] = out["two_pool"]["analytic"] / max(1, out["one_pool"]["analytic"])
     out["ratio_measured"] = (out["two_pool"]["measured_peak_running"]
                              / max(1, out["one_pool"]["measured_peak_running"]))
     return out
 
 
-def _peak_running(engine, n: int, request_len: int) -> int:
-    """Serve n requests of request_len tokens (request_len - 32 prompt, 32 new); the most that
-    were decoding at once."""
+def _capacity_new_tokens(request_len: int) -> int:
+    """New tokens per request in (a): enough decode steps that requests admitted later (one
+    prompt per prefill step) join the earlier ones before those finish, few enough that the
+    prompts (request_len - this) dominate the cost."""
+    return max(1, min(128, request_len // 16))
+
+
+def _peak_running(engine, n: int, request_len: int, new_tokens: int) -> tuple[int, int]:
+    """Serve n requests of request_len tokens (request_len - new_tokens prompt, new_tokens new);
+    returns the most that held KV at once after any step (running, plus a prompt mid-chunk), and
+    the retractions."""
     sched = engine.scheduler
     peak = 0
-    real = sched.process_results
+    real = sched.step
+    before = sched.stats.num_retractions
 
-    def spy(batch, out):
+    def step():
         nonlocal peak
-        peak = max(peak, len(sched.running))
-        return real(batch, out)
+        done = real()
+        peak = max(peak, len(sched.running) + (sched.chunked_req is not None))
+        return done
 
-    sched.process_results = spy
+    sched.step = step
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(request_len - 32)] for _ in range(n)]
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(min(1000, vocab // 2), vocab) for _ in range(request_len - new_tokens)]
+               for _ in range(n)]
     try:
         engine.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": 32, "temperature": 0, "ignore_eos": True})
+            "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
     finally:
-        sched.process_results = real
-    return peak
+        del sched.step
+    return peak, sched.stats.num_retractions - before
 
 
 def part_b(shape: str, plan: Plan, bandwidth: float) -> dict[str, Any]:
@@ -294,6 +312,7 @@ def part_c(shape: str, plan: Plan) -> dict[str, Any]:
                             "host_translations": getattr(pool, "num_translations", 0) - before}
                 print(f"(c) {shape} bs{plan.decode_bs} {key}: {step * 1e3:.2f} ms/step", flush=True)
             _close(engine)
+            del engine, runner
     graph = out.get("graph", {}).get("step_ms")
     if graph:
         out["eager_over_graph"] = out["eager"]["step_ms"] / graph

@@ -325,3 +325,16 @@ def test_replicas_times_tp_ranks_form_one_trainer_group(model_path, base, tmp_pa
         twice = srv.post("/generate", {"text": [PROMPTS[0]] * 2, "sampling_params": GREEDY}).json()
         assert twice[0]["output_ids"] == twice[1]["output_ids"] == after[0]
         assert [r["requests_served"] - s for r, s in zip(info(srv)["replicas"], served)] == [1, 1]
+        # /metrics adds up over the replicas: the pool's capacity is the summed KV total (it was
+        # one replica's), and there is one series per TP rank (rank r summed over the replicas).
+        samples = [(s.name, s.labels, s.value)
+                   for fam in text_string_to_metric_families(srv.get("/metrics").text)
+                   for s in fam.samples]
+        total = next(v for n, _, v in samples if n == "tide:kv_total_slots")
+        capacity = next(v for n, lb, v in samples if n == "tide:kv_pool_slots"
+                        and lb["pool"] == "full" and lb["state"] == "capacity")
+        assert capacity == total == info(srv)["max_total_tokens"]
+        ranks = info(srv)["ranks"]
+        allocated = {lb["rank"]: v for n, lb, v in samples
+                     if n == "tide:rank_memory_allocated_bytes"}
+        assert set(allocated) == {"0", "1"} and [r["rank"] for r in ranks] == [0, 1]

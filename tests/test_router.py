@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from tide.cluster.dp_controller import merge_load
 from tide.cluster.router import (
     NoLiveReplicaError,
     ReplicaReply,
@@ -103,3 +104,39 @@ def test_merge_replies():
                            ReplicaReply(1, True, "", {"weight_version": "b"})])
     assert not split.success and "disagree on weight_version" in split.message
     assert not merge_replies([]).success
+
+
+def _load(free_full: int, free_swa: int, allocated: tuple[int, int]) -> dict:
+    """One replica's load reply as the scheduler sends it: hybrid two-pool KV and two TP ranks."""
+    return {
+        "num_running_reqs": 1, "max_total_tokens": 512, "kv_free_slots": free_full,
+        "kv_used_slots": 512 - free_full, "invariants_ok": True,
+        "kv_pools": {"full": {"capacity": 512, "free": free_full, "used": 512 - free_full,
+                              "cached": 4, "evictable": 2},
+                     "swa": {"capacity": 409, "free": free_swa, "used": 409 - free_swa,
+                             "cached": 3, "evictable": 1}},
+        "ranks": [{"rank": r, "reserved_bytes": 0, "allocated_bytes": allocated[r],
+                   "released_bytes": {"kv_cache": 10 * (r + 1), "weights": 0},
+                   "release_totals": {"release_memory": {"count": 1, "bytes": 7}}}
+                  for r in range(2)],
+    }
+
+
+def test_merge_load_sums_kv_pools_and_rank_memory_over_replicas():
+    """`/metrics` and `/get_server_info` of `tide serve --dp-size 2`: every pool count adds up over
+    the replicas like `max_total_tokens` does, and TP rank r's memory is the replicas' rank r."""
+    merged = merge_load([ReplicaReply(0, True, "", _load(500, 400, (100, 80))),
+                         ReplicaReply(1, True, "", _load(490, 395, (110, 90)))])
+    assert merged["max_total_tokens"] == 1024 and merged["kv_used_slots"] == 12 + 22
+    assert merged["kv_pools"] == {
+        "full": {"capacity": 1024, "free": 990, "used": 34, "cached": 8, "evictable": 4},
+        "swa": {"capacity": 818, "free": 795, "used": 23, "cached": 6, "evictable": 2}}
+    assert merged["kv_pools"]["full"]["capacity"] == merged["max_total_tokens"]
+    assert [r["rank"] for r in merged["ranks"]] == [0, 1]
+    assert [r["allocated_bytes"] for r in merged["ranks"]] == [210, 170]
+    assert [r["released_bytes"]["kv_cache"] for r in merged["ranks"]] == [20, 40]
+    assert merged["ranks"][1]["release_totals"] == {"release_memory": {"count": 2, "bytes": 14}}
+    # One replica without tensor parallelism reports no ranks; nothing is invented.
+    plain = {k: v for k, v in _load(500, 400, (0, 0)).items() if k != "ranks"}
+    assert "ranks" not in merge_load([ReplicaReply(0, True, "", plain)])
+    assert merge_load([]) == {}

@@ -60,3 +60,24 @@ def test_per_layer_translation_build_gives_the_same_tokens(tmp_path):
             counts.append(pool.num_translations)
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
     assert counts[1] == 3 * counts[0]  # once per forward + once in each of the 2 sliding layers
+
+
+def test_capacity_measurement_reaches_the_analytic_count(tmp_path):
+    """(a)'s measurement on a tiny Gemma-3 (window 8): with more requests than fit, the peak number
+    holding KV is the pools' analytic capacity (the full pool binds here), with no retraction."""
+    import tide
+
+    from test_swa_models import build_swa_checkpoint
+
+    path = build_swa_checkpoint(tmp_path / "g3", "gemma3")
+    request_len = 48
+    with tide.Engine(str(path), max_total_tokens=480, swa_full_tokens_ratio=0.4) as engine:
+        layout = engine.get_server_info()["kv_cache_layout"]
+        cap = swa.analytic_capacity(layout["full_tokens"], layout["swa_tokens"], request_len,
+                                    layout["sliding_window"])
+        assert cap == 10
+        new_tokens = swa._capacity_new_tokens(request_len)
+        peak, retractions = swa._peak_running(engine, 13, request_len, new_tokens)
+        assert new_tokens == 3 and retractions == 0
+        assert peak == cap
+        engine.scheduler.check_invariants()

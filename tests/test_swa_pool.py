@@ -448,3 +448,79 @@ def test_metrics_report_both_pools(ckpts):
            for s in fam.samples if s.name == "tide:kv_pool_slots"}
     assert got[("swa", "capacity")] == 128 and got[("full", "used")] == 31
     assert got[("swa", "evictable")] == pools["swa"]["evictable"]
+
+
+def _held_swa(req) -> int:
+    """SWA slots a live request holds itself (as `Scheduler.check_invariants` counts them)."""
+    return req.kv_len - max(len(req.prefix_indices), req.swa_evicted_len) if req.kv_len else 0
+
+
+def test_prefilled_requests_keep_only_their_window_so_prompts_do_not_cap_admission(ckpts,
+                                                                                   hf_models):
+    """Prefill runs first while requests wait, so requests are admitted one 40-token prompt per
+    step before any decodes. Each keeps only its window of SWA slots once its prompt is in (not
+    the whole prompt until its first decode step): all 8 run at once in a 160-slot SWA pool,
+    where whole prompts would let 3 in. Free SWA slots hold NaN after every step, so giving back
+    a slot still in the window would show in the logprobs."""
+    engine = tide.Engine(str(ckpts["gemma3"]), max_total_tokens=1024,
+                         swa_full_tokens_ratio=0.15625, chunked_prefill_size=40,
+                         max_prefill_tokens=40)
+    sched = engine.scheduler
+    assert sched.kv_pools()["swa"]["capacity"] == 160
+    page = sched.swa_page
+    running: list[int] = []
+    held: list[int] = []
+    real = sched.process_results
+
+    def spy(batch, out):
+        done = real(batch, out)
+        sched.check_invariants()
+        running.append(len(sched.running))
+        held.extend(_held_swa(r) for r in sched.running)
+        _poison_free_swa_slots(engine)
+        return done
+
+    sched.process_results = spy
+    prompts = random_prompts(903, [40] * 8)
+    greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True)
+    assert max(held) <= WINDOW + page
+    assert max(running) == 8 and sched.stats.num_retractions == 0
+    for prompt, out in zip(prompts[:3], outs[:3]):
+        _check_hf(hf_models["gemma3"], prompt, out, 4)
+    _assert_empty_after_flush(engine)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_overlapped_decode_keeps_the_swa_footprint_to_a_window(arch, ckpts, hf_models):
+    """The overlap schedule (on CPU the same logic, run synchronously) gives back out-of-window
+    SWA slots as a step at a time does: a request holds at most window + page + 1 (the token of
+    the step in flight) of them, and the outputs equal transformers' with NaN in every free SWA
+    slot."""
+    engine = tide.Engine(str(ckpts[arch]), max_total_tokens=256, swa_full_tokens_ratio=0.25)
+    sched = engine.scheduler
+    sched.overlap = True
+    page = sched.swa_page
+    held: list[int] = []
+    real = sched.step
+
+    def step():
+        done = real()
+        sched.check_invariants()
+        held.extend(_held_swa(r) for r in sched.running)
+        _poison_free_swa_slots(engine)
+        return done
+
+    sched.step = step
+    prompts = random_prompts(904, [6, 13])
+    max_new = 4 * WINDOW
+    outs = engine.generate(input_ids=prompts, sampling_params={
+        "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}, return_logprob=True)
+    assert sched.stats.num_overlapped_decode > max_new // 2
+    assert max(held) <= WINDOW + page + 1
+    for prompt, out in zip(prompts, outs):
+        _check_hf(hf_models[arch], prompt, out, max_new)
+    sched.settle()
+    _assert_empty_after_flush(engine)
+    engine.shutdown()

@@ -5,7 +5,10 @@ a hybrid-SWA Gemma-3, and a GQA model with fewer KV heads than ranks (with a voc
 not divide and biases on every projection);
 batches mix a cached prefix and a chunked prompt, so the request-table writes reach every rank. Every
 weight-update path at TP=2 gives what the same update gives at TP=1; an update that fails on one rank
-changes no rank; release/resume act on every rank.
+changes no rank; release/resume act on every rank (with a CPU backup, each rank's host buffer is
+reused across cycles and every rank refuses updates while released). The hybrid-SWA model also goes
+through release/resume, flush and an update while paused in place. In deterministic mode the ranks'
+sum is batch-invariant at three ranks too.
 
 Run alone: `python -m pytest -q tests/test_tp.py` (about a minute on two cores).
 """
@@ -79,12 +82,6 @@ def gqa_path(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tp2_matches_tp1(arch, checkpoints):
     _parity(checkpoints[arch])
-
-
-def test_tp2_matches_tp1_hybrid_swa_gemma3(tmp_path):
-    from test_swa_models import build_swa_checkpoint
-
-    _parity(build_swa_checkpoint(tmp_path / "gemma3", "gemma3"))
 
 
 def test_tp2_matches_tp1_fewer_kv_heads_than_ranks(gqa_path):
@@ -180,10 +177,13 @@ def test_every_update_path_at_tp2_matches_tp1(pair, trained, checkpoints):
 
 def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
     """One trainer group spans the trainer (rank 0), the TP=1 engine (rank 1) and the two ranks of
-    the TP=2 engine (rank_offset 2: ranks 2 and 3)."""
+    the TP=2 engine (rank_offset 2: ranks 2 and 3). Flattened buffers travel in the smallest pieces,
+    so tensors straddle pieces and the two receive buffers, including tensors a rank keeps part of."""
+    from tide.weights.distributed import MIN_BUCKET_BYTES
+
     port, name = free_port(), "tp_trainer"
     trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 4, name,
-                       timeout_s=JOIN_S, name="trainer-join")
+                       timeout_s=JOIN_S, bucket_bytes=MIN_BUCKET_BYTES, name="trainer-join")
     joins = [InThread(pair.one.init_weights_update_group, "127.0.0.1", port, 1, 4, name, "gloo"),
              InThread(pair.two.init_weights_update_group, "127.0.0.1", port, 2, 4, name, "gloo")]
     for j in joins:
@@ -210,6 +210,9 @@ def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
                 res = r.result(JOIN_S)
                 assert res["success"], res["message"]
             assert not _close(pair.assert_same(), before)
+            for n, t in a:  # bit-exact on every rank, gathered
+                assert torch.equal(torch.tensor(pair.two.get_weights_by_name(n, t.numel())),
+                                   t.reshape(-1)), n
             pair.both("update_weights_from_disk", str(checkpoints["llama"]))
     finally:
         pair.both("destroy_weights_update_group", name)
@@ -341,3 +344,123 @@ def test_server_at_tp2_serves_reports_per_rank_and_stops_every_rank(llama_path, 
         left = srv.group_pids()
         srv.stop()
     assert left == [], left
+
+
+# ---- deterministic mode: the ranks' sum does not depend on the batch
+
+
+def _all_reduce_rows(rank: int, size: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from tide.parallel import TpGroup
+
+    torch.set_num_threads(1)  # a forked child: no intra-op pool of the parent's
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        gen = torch.Generator().manual_seed(rank)
+        # Values over seven decades: a different order of the ranks' adds shows in the last bits.
+        rows = torch.randn(300, 48, generator=gen) * 10.0 ** torch.randint(-3, 4, (300, 48),
+                                                                          generator=gen)
+        result = {}
+        for invariant in (False, True):
+            group = TpGroup(rank, size, pg, batch_invariant=invariant)
+            result[invariant] = [group.all_reduce(rows[:m].clone()) for m in (1, 5, 64, 300)]
+        parts = [None] * size
+        dist.all_gather_object(parts, rows)
+        if rank == 0:
+            torch.save({"result": result, "parts": parts}, f"{out_dir}/rows.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deterministic_all_reduce_of_three_ranks_is_batch_invariant(tmp_path):
+    """With three ranks gloo's (and NCCL's) all-reduce adds the ranks in an order that follows how
+    the buffer is cut, so a row's sum changed with the number of rows reduced with it. In
+    deterministic mode every rank adds the gathered parts in rank order: bit-equal for any batch."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_all_reduce_rows, args=(3, free_port(), str(tmp_path)), nprocs=3,
+                       start_method="fork")
+    saved = torch.load(tmp_path / "rows.pt")
+    parts = saved["parts"]
+    ordered = parts[0] + parts[1] + parts[2]
+    for got in saved["result"][True]:
+        assert torch.equal(got, ordered[: got.shape[0]])
+    for got in saved["result"][False]:  # the backend's sum: right up to rounding
+        torch.testing.assert_close(got, ordered[: got.shape[0]])
+
+
+def test_release_resume_with_cpu_backup_reuses_every_ranks_buffer(checkpoints, trained):
+    """enable_cpu_backup at TP=2: two release/resume cycles; every rank allocates its host backup
+    once and restores from it; while released every rank refuses an update (rank 1 too, with its own
+    payload), and after resume updates go through on all ranks."""
+    from tide.scheduler.tp_worker import RankError
+
+    path = checkpoints["llama"]
+    (a, _), _ = trained
+    with tide.Engine(str(path), tp_size=1, **OPTIONS) as one:
+        want = _run(one)
+    with tide.Engine(str(path), tp_size=2, enable_memory_saver=True, enable_cpu_backup=True,
+                     **OPTIONS) as two:
+        payload = serialize_named_tensors(a)
+        for cycle in range(2):
+            assert two.release_memory_occupation()["success"]
+            res = two.update_weights_from_tensor(named_tensors=a)
+            assert res["success"] is False and "released" in res["message"], res["message"]
+            with pytest.raises(RankError) as refused:
+                two.worker.call_each("prepare", [(10_000 + cycle, "serialized", (payload, None))] * 2)
+            assert set(refused.value.errors) == {0, 1}
+            assert all("released" in m for _, m in refused.value.errors.values())
+            assert two.resume_memory_occupation()["success"]
+            _assert_same(_run(two), want)  # every rank's weights came back from its backup
+        report = two.worker.rank_memory()
+        assert [r["cpu_backup_allocations"] for r in report] == [1, 1], report
+        assert all(r["cpu_backup_bytes"] > 0 for r in report)
+        res = two.update_weights_from_tensor(serialized_named_tensors=[payload, payload])
+        assert res["success"], res["message"]
+        assert not _close(_run(two), want)
+
+
+def test_tp2_matches_tp1_hybrid_swa_gemma3(tmp_path):
+    """Gemma-3 (sliding and full layers) at TP=2, with mixed batches and a CPU backup: outputs equal
+    TP=1, and still do after a full release/resume, a flush, and a weight update made while
+    generation is paused in place (TP=1 given the same update)."""
+    import threading
+
+    import transformers
+
+    from test_swa_models import build_swa_checkpoint
+
+    path = build_swa_checkpoint(tmp_path / "gemma3", "gemma3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sgd_steps(hf, steps=1, lr=0.5, seed=3)
+    new = named_weights(hf)
+    options = dict(OPTIONS, enable_mixed_chunk=True, enable_memory_saver=True,
+                   enable_cpu_backup=True)
+    with tide.Engine(str(path), tp_size=1, **options) as one:
+        want = _run(one)
+        assert one.update_weights_from_tensor(named_tensors=new)["success"]
+        want_new = _run(one)
+    assert not _close(want_new, want)
+    with tide.Engine(str(path), tp_size=2, **options) as two:
+        _assert_same(_run(two), want)
+        _assert_same(_run(two), want)  # again: prefixes now come from the radix cache
+        assert two.release_memory_occupation()["success"]
+        assert two.resume_memory_occupation()["success"]
+        _assert_same(_run(two), want)
+        assert two.flush_cache() is True
+        _assert_same(_run(two), want)
+        done = threading.Event()
+        longer = {**GREEDY, "max_new_tokens": 24}
+        worker = threading.Thread(target=lambda: (two.generate(input_ids=PROMPTS,
+                                                               sampling_params=longer),
+                                                  done.set()))
+        worker.start()
+        assert two.pause_generation("in_place")["success"]
+        res = two.update_weights_from_tensor(named_tensors=new)
+        assert res["success"], res["message"]
+        assert two.continue_generation()["success"]
+        worker.join(JOIN_S)
+        assert done.is_set()
+        _assert_same(_run(two), want_new)

@@ -3,7 +3,8 @@ the captured decode graphs too.
 
 TP=2 against TP=1 in fp32 (greedy tokens equal, logprobs close) with CUDA graphs and eagerly; a tensor
 update and an IPC update (one payload per rank, each rank mapping its own handles) at TP=2; release
-and resume of every tag on both GPUs with the memory saver.
+and resume of every tag on both GPUs with the memory saver. With four GPUs: deterministic mode at
+tp_size 4 is batch-invariant.
 
 Run on a 2-GPU host: `python -m pytest -q -m gpu tests/test_tp_gpu.py`.
 """
@@ -118,3 +119,23 @@ def test_release_and_resume_on_both_gpus(path, reference):
         assert engine.resume_memory_occupation()["success"]
         assert engine.continue_generation()["success"]
         _assert_close(_run(engine), reference)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA GPUs")
+def test_deterministic_tp4_is_batch_invariant(path):
+    """enable_deterministic_inference at tp_size 4 (bf16, CUDA graphs): each prompt alone and all of
+    them in one batch give the same tokens and logprobs bit for bit. With three ranks or more NCCL's
+    all-reduce adds the ranks in an order that follows the message size; the ranks' partials are
+    therefore gathered and added in rank order (`TpGroup.batch_invariant`)."""
+    options = dict(OPTIONS, dtype="bfloat16")
+    options.pop("attention_backend")
+    with tide.Engine(str(path), tp_size=4, enable_deterministic_inference=True,
+                     **options) as engine:
+        alone = []
+        for prompt in PROMPTS:
+            engine.flush_cache()
+            out = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
+            alone.append((out["output_ids"],
+                          [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]))
+        engine.flush_cache()
+        assert _run(engine) == alone

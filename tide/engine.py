@@ -76,6 +76,7 @@ class Engine:
         # plain lock is not fair: the stepping thread would re-take it before anyone else).
         self._controls_waiting = 0
         self._controls_lock = threading.Lock()
+        self._shut_down = False
 
     @property
     def worker(self) -> ModelWorker:
@@ -109,6 +110,8 @@ class Engine:
         Every item is validated before any is submitted, so bad input raises `ValueError` and leaves
         the engine as it was.
         """
+        if self._shut_down:
+            raise RuntimeError("the engine is shut down")
         blocked = self.handover.memory_block_reason
         if blocked is not None:
             raise ValueError(blocked)
@@ -283,8 +286,15 @@ class Engine:
                                            "device", "dtype", "kv_cache_layout")}
 
     def shutdown(self) -> None:
-        """Abort every request, leave trainer groups, stop the rank processes (tp_size > 1)."""
+        """Abort every request, leave trainer groups, stop the rank processes (tp_size > 1) and
+        give the device memory back: weights, KV pools, CUDA graphs and scratch are freed in place
+        (`ModelRunner.close`), so references still held to the engine or its parts pin none of
+        it, and the next engine in this process sizes its KV cache from the freed memory. The
+        engine cannot generate afterwards; a second call does nothing."""
         with self._control():
+            if self._shut_down:
+                return
+            self._shut_down = True
             self.handover.shutdown("engine shutdown")
             self.worker.shutdown()
 

@@ -484,19 +484,7 @@ class DataParallelController:
         per replica (dead ones included) under `replicas`."""
         missing = {r.index: r.message for r in replies if not r.success}
         replies = [r for r in replies if r.success]
-        if not replies:
-            data: dict[str, Any] = {}
-        else:
-            data = dict(replies[0].data)
-            for key in LOAD_COUNTERS:
-                values = [r.data[key] for r in replies if isinstance(r.data.get(key), int)]
-                if values:
-                    data[key] = sum(values)
-            data["invariants_ok"] = all(r.data.get("invariants_ok", True) for r in replies)
-            data["admission_blocked"] = any(r.data.get("admission_blocked") for r in replies)
-            data["memory"] = _sum_memory([r.data.get("memory") or {} for r in replies])
-            data["memory_ledger"] = _sum_ledgers([r.data.get("memory_ledger") or {}
-                                                  for r in replies])
+        data = merge_load(replies)
         by_index = {r.index: r.data for r in replies}
         now = time.monotonic()
         entries = []
@@ -565,6 +553,62 @@ class DataParallelController:
 
     def _send_up(self, msg: msgspec.Struct) -> None:
         self.up_send.send(encode_message(msg))
+
+
+def merge_load(replies: list[ReplicaReply]) -> dict[str, Any]:
+    """One load (or server-info) reply for the replicas that answered: counters, KV pools, memory,
+    per-rank memory and release totals summed over them (so `kv_pools` adds up to `max_total_tokens`
+    and the `kv_*` counters), flags combined, everything else from the first."""
+    if not replies:
+        return {}
+    datas = [r.data for r in replies]
+    data = dict(datas[0])
+    for key in LOAD_COUNTERS:
+        values = [d[key] for d in datas if isinstance(d.get(key), int)]
+        if values:
+            data[key] = sum(values)
+    data["invariants_ok"] = all(d.get("invariants_ok", True) for d in datas)
+    data["admission_blocked"] = any(d.get("admission_blocked") for d in datas)
+    data["memory"] = _sum_memory([d.get("memory") or {} for d in datas])
+    data["memory_ledger"] = _sum_ledgers([d.get("memory_ledger") or {} for d in datas])
+    if any("kv_pools" in d for d in datas):
+        data["kv_pools"] = _sum_kv_pools([d.get("kv_pools") or {} for d in datas])
+    if any(d.get("ranks") for d in datas):
+        data["ranks"] = _sum_ranks([d.get("ranks") or [] for d in datas])
+    return data
+
+
+def _sum_kv_pools(pools: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Each pool's counts (capacity, free, used, cached, evictable) summed over the replicas."""
+    out: dict[str, dict[str, int]] = {}
+    for replica in pools:
+        for pool, counts in replica.items():
+            merged = out.setdefault(pool, {})
+            for key, value in counts.items():
+                merged[key] = merged.get(key, 0) + int(value)
+    return out
+
+
+def _sum_ranks(ranks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Tensor-parallel rank r's memory summed over the replicas (each replica has ranks 0..tp-1)."""
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for replica in ranks:
+        for entry in replica:
+            by_rank.setdefault(int(entry.get("rank", 0)), []).append(entry)
+    out = []
+    for _, entries in sorted(by_rank.items()):
+        merged = dict(entries[0])
+        for key in ("reserved_bytes", "allocated_bytes", "cpu_backup_bytes",
+                    "cpu_backup_allocations"):
+            merged[key] = sum(int(e.get(key, 0)) for e in entries)
+        released: dict[str, int] = {}
+        for e in entries:
+            for tag, nbytes in (e.get("released_bytes") or {}).items():
+                released[tag] = released.get(tag, 0) + int(nbytes)
+        merged["released_bytes"] = released
+        merged["release_totals"] = _sum_ledgers([e.get("release_totals") or {} for e in entries])
+        out.append(merged)
+    return out
 
 
 def _sub_id(req_id: str, index: int) -> str:

@@ -47,6 +47,21 @@ def resolve_device(name: str, tp_rank: int = 0) -> torch.device:
     return device
 
 
+def _owned_tensors(owners: list[object]) -> list[torch.Tensor]:
+    """The tensors held by the owners' attributes, directly or in a list, tuple or dict (one level:
+    nested objects are listed as owners themselves)."""
+    out: list[torch.Tensor] = []
+    for owner in owners:
+        if owner is None:
+            continue
+        for value in vars(owner).values():
+            if isinstance(value, dict):
+                value = list(value.values())
+            items = value if isinstance(value, (list, tuple)) else [value]
+            out += [t for t in items if isinstance(t, torch.Tensor)]
+    return out
+
+
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -83,6 +98,7 @@ class ModelRunner:
             )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.closed = False  # close(): the device memory is given back, nothing runs any more
         self.model = self._load_model()
         if config.enable_deterministic_inference:
             set_batch_invariant(self.model)
@@ -161,6 +177,15 @@ class ModelRunner:
         ratio = self.config.swa_full_tokens_ratio
         full_bytes, swa_bytes = per_layer * (mc.num_hidden_layers - n_swa), per_layer * n_swa
         if self.device.type == "cuda":
+            import gc
+
+            from tide.memory.release import empty_device_cache
+
+            # Memory of unreachable engines (reference cycles not yet collected) and blocks cached
+            # by the allocator (an earlier engine in this process, the weights' load) are free for
+            # the pools: collect and hand them back so the driver counts them.
+            gc.collect()
+            empty_device_cache(reason="kv_cache_sizing", ledger=self.ledger)
             free = available_device_memory(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = free - total * (1.0 - self.config.mem_fraction_static)
@@ -219,6 +244,51 @@ class ModelRunner:
             region=region,
         )
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * full_bytes / 2**20)
+
+    def close(self) -> None:
+        """Give back this runner's device memory (engine shutdown): captured graphs and their pool,
+        KV pools and request tables, allocator state, attention scratch and weights. Storages are
+        resized to 0 in place and VMM regions freed, so a reference kept anywhere (a test's
+        `runner`, a fixture, a `with` target) to the model, a pool or one of their tensors pins no
+        device memory; the allocator cache is then emptied (`engine_shutdown`). The runner cannot
+        run afterwards; a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self._staging = None
+        self.last_greedy_ids = None
+        owners: list[object] = [*self.model.modules(), self.req_to_token_pool,
+                                self.token_to_kv_pool, self.attn_backend, self,
+                                getattr(self.attn_backend, "_det_scratch", None)]
+        # The allocators' free lists and the full->SWA map stay (a few bytes per slot): the
+        # scheduler's accounting (`check_invariants`, `flush_cache`) still reads them.
+        allocator = self.token_to_kv_pool_allocator
+        kept = {t.untyped_storage().data_ptr() for t in _owned_tensors(
+            [allocator, *(getattr(allocator, name, None) for name in ("full", "swa"))])}
+        regions = [self.weights_region, self.token_to_kv_pool.region]
+        graphs = self.cuda_graph_runner
+        if graphs is not None:
+            owners += [graphs, graphs.buffers]
+            regions.append(graphs.logits_region)
+            graphs.graphs.clear()  # the graphs and their memory pool
+            graphs.pool = None
+            self.cuda_graph_runner = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        freed: set[int] = kept
+        for tensor in _owned_tensors(owners):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in freed or not storage.resizable():
+                continue  # shared and already freed, or a view of a VMM region (freed below)
+            freed.add(storage.data_ptr())
+            storage.resize_(0)
+        for region in regions:
+            if region is not None:
+                region.free()
+        if self.device.type == "cuda":
+            from tide.memory.release import empty_device_cache
+
+            empty_device_cache(reason="engine_shutdown", ledger=self.ledger)
 
     def kv_layout(self) -> dict[str, object]:
         """The KV pools as `/get_server_info` shows them."""

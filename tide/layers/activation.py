@@ -16,5 +16,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """gelu(gate) * up for a fused [gate | up] projection output; `approximate="tanh"` is
     transformers' `gelu_pytorch_tanh`, `"none"` its exact `gelu`."""
+    if x.is_cuda and approximate == "tanh":
+        from tide.layers import triton_ops
+
+        return triton_ops.gelu_tanh_and_mul(x)
     d = x.shape[-1] // 2
     return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]

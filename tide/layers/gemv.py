@@ -6,7 +6,7 @@ program per output row streaming K in `block_k` chunks, reaches 85-106% (a read-
 copy's read+write rate). Measured with `python -m benchmarks.gemv_sweep` on an H200. With PDL (see
 `tide.layers.pdl`) each program loads its first weight tile before waiting on the previous kernel.
 
-`supported()` says whether a product qualifies (one CUDA row, contiguous weight, K a multiple of 256);
+`supported()` says whether a product qualifies (one CUDA row, contiguous weight, a K `config_for` takes);
 `Linear` falls back to `F.linear` otherwise. The output is rounded to the weight dtype like cuBLAS's.
 """
 
@@ -21,7 +21,8 @@ from tide.layers import pdl
 
 @triton.jit
 def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -29,20 +30,27 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
     w_ptrs = W + rows[:, None].to(tl.int64) * K + cols[None, :]
     # The first weight tile does not depend on the previous kernel: with PDL it streams in while
     # that kernel finishes.
-    if EVEN_N:
+    if EVEN_N and EVEN_K:
         w = tl.load(w_ptrs)
     else:
-        w = tl.load(w_ptrs, mask=row_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    acc = w.to(tl.float32) * tl.load(X + cols).to(tl.float32)[None, :]
+    if EVEN_K:
+        x = tl.load(X + cols).to(tl.float32)
+    else:
+        x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        x = tl.load(X + k0 + cols).to(tl.float32)
-        if EVEN_N:
+        if EVEN_K:
+            x = tl.load(X + k0 + cols).to(tl.float32)
+        else:
+            x = tl.load(X + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        if EVEN_N and EVEN_K:
             w = tl.load(w_ptrs + k0)
         else:
-            w = tl.load(w_ptrs + k0, mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & (k0 + cols < K)[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
@@ -51,13 +59,14 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 def config_for(k: int) -> tuple[int, int, int] | None:
-    """(block_n, block_k, num_warps), one row per program. A power-of-two K up to 4096 is one tile, so
-    with PDL a program holds its whole weight row before the previous kernel ends; K > 8192 goes in
-    2048-column chunks (8 warps); any other K in the widest of 1024/512/256 that divides it. The first
-    two measured best in decode on an H200 (benchmarks/RESULTS.md). None: K is not a multiple of 256.
-    (`block_n` > 1 and uneven N are for `gemv(config=...)`, which the sweep uses.)"""
-    if 256 <= k <= 4096 and k & (k - 1) == 0:
-        return 1, k, 4
+    """(block_n, block_k, num_warps), one row per program. K from 256 to 4096 is one tile (the next
+    power of two, the columns past K masked: Gemma's 3840 and 3584 too), so with PDL a program holds
+    its whole weight row before the previous kernel ends; K > 8192 goes in 2048-column chunks
+    (8 warps); any other K in the widest of 1024/512/256 that divides it. The first two measured
+    best in decode on an H200 (benchmarks/RESULTS.md). None: K is none of these.
+    (`block_n` > 1, uneven N and K are for `gemv(config=...)`, which the sweep uses.)"""
+    if 256 <= k <= 4096:
+        return 1, triton.next_power_of_2(k), 4
     if k > 8192 and k % 2048 == 0:
         return 1, 2048, 8
     for block_k in (1024, 512, 256):
@@ -68,7 +77,7 @@ def config_for(k: int) -> tuple[int, int, int] | None:
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` serves `x @ weight.T`: one CUDA row of K and a contiguous [N, K] weight with
-    K % 256 == 0."""
+    a K that `config_for` takes."""
     return (
         x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2
         and x.shape[1] == weight.shape[1] and weight.is_contiguous()
@@ -83,8 +92,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     dtype, in `out` (any float dtype) or a new tensor."""
     n, k = weight.shape
     block_n, block_k, warps = config or config_for(k)  # type: ignore[misc]
-    if k % block_k:
-        raise ValueError(f"config block_k {block_k} does not divide K = {k}")
     if out is None:
         out = torch.empty(1, n, dtype=weight.dtype, device=weight.device)
     x = x.contiguous()
@@ -92,6 +99,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight, x, bias if bias is not None else x, out, n, k,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
-        USE_PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
+        EVEN_K=k % block_k == 0, USE_PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
     )
     return out

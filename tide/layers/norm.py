@@ -50,10 +50,28 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant and x.is_cuda:
-            from tide.layers import batch_invariant_triton
+        if x.is_cuda:
+            if self.batch_invariant:
+                from tide.layers import batch_invariant_triton
 
-            return batch_invariant_triton.rms_norm(x, self.weight, self.eps, offset=1.0)
+                return batch_invariant_triton.rms_norm(x, self.weight, self.eps, offset=1.0)
+            from tide.layers import triton_ops
+
+            return triton_ops.gemma_rmsnorm(x, self.weight, self.eps)  # type: ignore[return-value]
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     then: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + self(x), then(that sum)): a sandwich norm's output added to the residual
+        stream, and the next norm of the stream, rounded as transformers rounds them. One launch
+        on CUDA (outside batch-invariant mode, which keeps its one-norm kernel)."""
+        if (x.is_cuda and not self.batch_invariant and not then.batch_invariant
+                and then.eps == self.eps):
+            from tide.layers import triton_ops
+
+            return triton_ops.gemma_rmsnorm(  # type: ignore[return-value]
+                x, self.weight, self.eps, residual, then.weight)
+        total = residual + self(x)
+        return total, then(total)

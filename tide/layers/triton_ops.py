@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the GPU path: add+RMSNorm, RoPE+KV store, SiLU-and-mul, row argmax.
+"""Fused Triton kernels for the GPU path: add+RMSNorm, Gemma's RMSNorm (+ residual add + the next
+norm), RoPE+KV store, SiLU-and-mul, GELU(tanh)-and-mul, row argmax.
 
 Each op has the torch reference in `tide.layers` (norm.py, rotary.py, activation.py); these compute the
 same function with one launch instead of several, rounding like the reference where the reference
@@ -55,6 +56,62 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                     HAS_RESIDUAL=True, BLOCK=block, num_warps=warps,
                                     USE_PDL=use_pdl, launch_pdl=use_pdl)
     return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _gemma_rmsnorm_kernel(X, W, R, W2, Out, Out2, stride_x, stride_r, stride_o, stride_o2, n_cols,
+                          eps, HAS_RESIDUAL: tl.constexpr, HAS_NEXT: tl.constexpr,
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps) * (1.0 + w)).to(Out.dtype.element_ty)
+    if HAS_RESIDUAL:
+        # residual + norm(x): the norm rounded first, the sum rounded once (a dtype add).
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + r).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, y, mask=mask)
+    if HAS_NEXT:
+        s = y.to(tl.float32)
+        w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+        y2 = s * tl.rsqrt(tl.sum(s * s, 0) / n_cols + eps) * (1.0 + w2)
+        tl.store(Out2 + row * stride_o2 + cols, y2.to(Out2.dtype.element_ty), mask=mask)
+
+
+def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None, next_weight: torch.Tensor | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm, x * rsqrt(mean(x^2) + eps) * (1 + weight) in fp32 rounded once, in one
+    launch. With `residual`: residual + norm(x) (as `residual + GemmaRMSNorm(x)` rounds); with
+    `next_weight` too: (that sum, the sum normed with `next_weight`), the next sandwich norm."""
+    shape = x.shape
+    n_cols = shape[-1]
+    x2 = x.reshape(-1, n_cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    r2 = residual.reshape(-1, n_cols) if residual is not None else x2
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    has_next = next_weight is not None
+    if has_next and residual is None:
+        raise ValueError("next_weight needs a residual")
+    out2 = torch.empty_like(out) if has_next else out
+    if x2.shape[0] == 0:
+        return (out.view(shape), out2.view(shape)) if has_next else out.view(shape)
+    block = triton.next_power_of_2(n_cols)
+    use_pdl = pdl.enabled(x)
+    _gemma_rmsnorm_kernel[(x2.shape[0],)](
+        x2, weight, r2, next_weight if has_next else weight, out, out2, x2.stride(0), r2.stride(0),
+        out.stride(0), out2.stride(0), n_cols, eps, HAS_RESIDUAL=residual is not None,
+        HAS_NEXT=has_next, BLOCK=block, num_warps=min(16, max(1, block // 256)), USE_PDL=use_pdl,
+        launch_pdl=use_pdl)
+    return (out.view(shape), out2.view(shape)) if has_next else out.view(shape)
 
 
 @triton.jit
@@ -136,6 +193,40 @@ def _silu_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
     up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
     tl.store(Out + row * stride_o + cols, act * up, mask=mask)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) * (...)
+    # 0.5 * (1 + tanh(u)) = sigmoid(2u): no cancellation where tanh(u) is near -1.
+    act = (gate / (1.0 + tl.exp(-2.0 * inner))).to(Out.dtype.element_ty)
+    tl.store(Out + row * stride_o + cols, (act.to(tl.float32) * up).to(Out.dtype.element_ty),
+             mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for a fused [gate | up] projection output, in one launch; rounds where
+    `F.gelu(gate, approximate="tanh") * up` does (the activation, then the product)."""
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    block = 1024
+    use_pdl = pdl.enabled(x)
+    _gelu_tanh_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, USE_PDL=use_pdl,
+        launch_pdl=use_pdl)
+    return out.view(*x.shape[:-1], d)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

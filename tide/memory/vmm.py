@@ -86,6 +86,8 @@ class VmmRegion:
 
         if self._handle is not None:
             return
+        if self._ptr is None:
+            raise RuntimeError("the region was freed")
         self._handle = _check(cu.cuMemCreate(self.size, self._prop, 0))
         _check(cu.cuMemMap(self._ptr, self.size, 0, self._handle, 0))
         access = cu.CUmemAccessDesc()
@@ -103,6 +105,17 @@ class VmmRegion:
         _check(cu.cuMemUnmap(self._ptr, self.size))
         _check(cu.cuMemRelease(self._handle))
         self._handle = None
+
+    def free(self) -> None:
+        """Unmap the physical memory and give the address range back (engine shutdown). Every
+        tensor viewing the region is invalid afterwards; `remap()` is refused."""
+        from cuda.bindings import driver as cu
+
+        if self._ptr is None:
+            return
+        self.unmap()
+        _check(cu.cuMemAddressFree(self._ptr, self.size))
+        self._ptr = None
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next aligned piece of the region as a tensor of `shape`/`dtype`."""

@@ -12,6 +12,8 @@ What sets them apart from Llama, each as transformers computes it:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -39,10 +41,10 @@ class GemmaAttention(nn.Module):
                                         config.hidden_size, bias=bias)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = [rotary]  # shared; a list keeps it out of this module's state dict
+        # The backend applies RoPE as it stores k and v (one fused launch on the Triton backend).
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scaling, layer_id,
-            sliding_window=config.layer_kind(layer_id).sliding_window,
+            rotary=rotary, sliding_window=config.layer_kind(layer_id).sliding_window,
             logit_cap=config.attn_logit_softcapping,
         )
 
@@ -50,14 +52,11 @@ class GemmaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, forward_batch)
-        return self.o_proj(out)
+            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(
+                -1, self.kv_size)
+        return self.o_proj(self.attn(q, k, v, forward_batch, positions))
 
 
 class GemmaMLP(nn.Module):
@@ -85,12 +84,16 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(hidden), forward_batch)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp)
+        self, positions: torch.Tensor, hidden: torch.Tensor, normed: torch.Tensor,
+        forward_batch: ForwardBatch, next_norm: GemmaRMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`normed`: `input_layernorm(hidden)`, computed by the layer before (fused with its
+        residual add). Returns the residual stream and `next_norm` of it (the next layer's input
+        norm, or the final norm)."""
+        attn = self.self_attn(positions, normed, forward_batch)
+        hidden, mlp_in = self.post_attention_layernorm.add_and_norm(
+            attn, hidden, self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm.add_and_norm(self.mlp(mlp_in), hidden, next_norm)
 
 
 class GemmaModel(nn.Module):
@@ -127,9 +130,12 @@ class GemmaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * self.embed_scale.to(hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(positions, hidden, forward_batch)
-        return self.norm(hidden)
+        layers = self.layers
+        normed = cast(GemmaDecoderLayer, layers[0]).input_layernorm(hidden)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            hidden, normed = layer(positions, hidden, normed, forward_batch, next_norm)
+        return normed
 
 
 class Gemma2ForCausalLM(nn.Module):

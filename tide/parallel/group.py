@@ -22,11 +22,19 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TpGroup:
-    """Rank `rank` of `size` ranks; `pg` is the process group (None when `size == 1`)."""
+    """Rank `rank` of `size` ranks; `pg` is the process group (None when `size == 1`).
+
+    `batch_invariant` (`enable_deterministic_inference`): `all_reduce` gathers every rank's tensor
+    and adds them in rank order on each rank, so an element's sum never depends on the tensor's
+    size. A backend's all-reduce (NCCL's ring or tree, gloo's ring) cuts the buffer into chunks by
+    its size and, with three ranks or more, adds the ranks' values in an order that follows the
+    chunk an element falls in: a row's bits then change with the batch it shares the step with.
+    """
 
     rank: int = 0
     size: int = 1
     pg: Any = None
+    batch_invariant: bool = False
 
     def split(self, total: int, name: str) -> tuple[int, int]:
         """(start, size) of this rank's even share of `total` (ValueError if it does not divide)."""
@@ -56,10 +64,23 @@ class TpGroup:
         """Sum `x` over the ranks, in place; returns `x`."""
         if self.size == 1:
             return x
+        if self.batch_invariant and self.size > 2:  # two ranks: a + b whatever the algorithm
+            parts = self._gather_parts(x)
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            return x.copy_(total)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         self.pg.allreduce([x], opts).wait()
         return x
+
+    def _gather_parts(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's `x`, rank r's at index r."""
+        flat = x.contiguous().reshape(-1)
+        out = torch.empty(self.size * flat.numel(), dtype=x.dtype, device=x.device)
+        self.pg._allgather_base(out, flat).wait()
+        return out.view(self.size, *x.shape)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., size * n], rank r's columns at [r * n, (r + 1) * n)."""

@@ -742,6 +742,11 @@ class Scheduler:
                     if req.kv_epoch == self.kv_epoch:  # stale chunks stay private to the request
                         (req.tree or self.tree_cache).cache_unfinished_req(req)
                     self.chunked_req = req
+                elif self.swa_window is not None:
+                    # A completed prompt (or a decode rider) keeps only its window: held until its
+                    # first decode step, a whole prompt's SWA slots would cap admission at
+                    # SWA slots / prompt length while prefills run first.
+                    self._release_swa(req)
         reqs = batch.sampled_reqs()
         riders = set(map(id, batch.reqs[len(batch.reqs) - batch.num_decode:]))
         return self._apply_tokens(reqs, out, range(len(reqs)), newly_prefilled=not batch.is_decode,

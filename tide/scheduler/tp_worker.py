@@ -220,9 +220,12 @@ class RankRuntime:
 
     def memory_report(self) -> dict[str, Any]:
         stats = device_memory_stats()
+        backup = self.worker.memory_occupation.backup
         return {"rank": self.tp.rank, "reserved_bytes": stats["reserved"],
                 "allocated_bytes": stats["allocated"], "released_bytes": self.released_bytes(),
-                "release_totals": self.worker.ledger.totals()}
+                "release_totals": self.worker.ledger.totals(),
+                "cpu_backup_bytes": backup.host_bytes,
+                "cpu_backup_allocations": backup.allocations}
 
     def max_total_tokens(self) -> int:
         return self.worker.max_total_tokens
@@ -237,7 +240,8 @@ def _connect_group(config: EngineConfig, rank: int, port: int) -> TpGroup:
         "nccl" if device.type == "cuda" else "gloo", "127.0.0.1", port, rank, config.tp_size, "tp",
         timeout_s=_COLLECTIVE_TIMEOUT_S, join_timeout_s=_START_TIMEOUT_S,
         device=device if device.type == "cuda" else None)
-    return TpGroup(rank, config.tp_size, group.pg)
+    return TpGroup(rank, config.tp_size, group.pg,
+                   batch_invariant=config.enable_deterministic_inference)
 
 
 def rank_main() -> None:
@@ -487,6 +491,9 @@ class TpWorkerGroup(ModelWorker):
                 proc.kill()
                 proc.wait()
         self._procs = []
+        local = getattr(self, "local", None)
+        if local is not None:
+            local.shutdown()  # rank 0's own model, pools and graphs
 
 
 def _free_port() -> int:

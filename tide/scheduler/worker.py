@@ -92,8 +92,8 @@ class ModelWorker(ABC):
         reason (`/metrics` reports them per rank); empty for one rank."""
         return []
 
-    def shutdown(self) -> None:  # noqa: B027 - a no-op unless the worker started processes
-        """Stop whatever the worker started (rank processes); the in-process worker has none."""
+    def shutdown(self) -> None:  # noqa: B027 - a no-op unless the worker holds something
+        """Stop whatever the worker started (rank processes) and give its device memory back."""
     # Whether `forward_launch` returns before the device finishes (the overlap scheduler pays off).
     supports_overlap: bool = False
 
@@ -126,6 +126,10 @@ class TpModelWorker(ModelWorker):
         self.weight_updater = WeightUpdater(runner.model, runner.device)
         self.memory_occupation = MemoryOccupation(runner, config.enable_cpu_backup, ledger)
         self.supports_overlap = runner.device.type == "cuda"
+
+    def shutdown(self) -> None:
+        """Give the model's, the pools' and the graphs' device memory back (`ModelRunner.close`)."""
+        self.model_runner.close()
 
     def kv_layout(self) -> dict[str, object]:
         return self.model_runner.kv_layout()

@@ -1,0 +1,144 @@
+"""Gemma's fused GPU kernels (`triton_ops.gemma_rmsnorm`, `triton_ops.gelu_tanh_and_mul`) and the
+decode GEMV at Gemma's K (3840, 3584: one masked tile) against the torch references they replace,
+run by Triton's interpreter on CPU tensors, and compiled for sm_90 without a GPU. Skipped where
+triton is not installed.
+
+The interpreter must be chosen before triton is imported, so a plain pytest run executes this file
+again in a subprocess with `TRITON_INTERPRET=1` (`test_kernels_under_the_interpreter`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+
+
+def test_kernels_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" in proc.stdout
+
+
+def test_kernels_compile_for_hopper():
+    if INTERPRETED:
+        pytest.skip("kernels are interpreted in this process")
+    from tide.layers import triton_ops as ops
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int) -> None:
+        sig = {n: types.get(n, "i32" if n.startswith("stride") or n == "n_cols" else "constexpr")
+               for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+    bf16 = {name: "*bf16" for name in ("X", "W", "R", "W2", "Out", "Out2")}
+    for has_residual, has_next in ((False, False), (True, False), (True, True)):
+        compile_sm90(ops._gemma_rmsnorm_kernel, {**bf16, "eps": "fp32"},
+                     dict(HAS_RESIDUAL=has_residual, HAS_NEXT=has_next, BLOCK=4096, USE_PDL=True),
+                     num_warps=16)
+    compile_sm90(ops._gelu_tanh_mul_kernel, {"X": "*bf16", "Out": "*bf16"},
+                 dict(BLOCK=1024, USE_PDL=True), num_warps=4)
+    from tide.layers import gemv
+
+    for even_k in (True, False):
+        compile_sm90(gemv._gemv_kernel,
+                     {"W": "*bf16", "X": "*bf16", "B": "*bf16", "Y": "*fp32", "N": "i32", "K": "i32"},
+                     dict(HAS_BIAS=False, BLOCK_N=1, BLOCK_K=4096, EVEN_N=True, EVEN_K=even_k,
+                          USE_PDL=True), num_warps=4)
+
+
+def test_gemv_configs_cover_gemma_shapes():
+    from tide.layers import gemv
+
+    assert gemv.config_for(3840) == (1, 4096, 4)  # Gemma-3-12B hidden: one masked tile
+    assert gemv.config_for(3584) == (1, 4096, 4)  # Gemma-2-9B hidden
+    assert gemv.config_for(4096) == (1, 4096, 4)
+    assert gemv.config_for(15360) == (1, 1024, 4)  # Gemma-3-12B intermediate
+    assert gemv.config_for(14336) == (1, 2048, 8)
+    assert gemv.config_for(100) is None and gemv.config_for(8200) is None
+
+
+def _gemma_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + w.float())).to(x.dtype)
+
+
+def _ulps_close(a: torch.Tensor, b: torch.Tensor, ulps: int = 1, atol: float = 1e-6) -> None:
+    """Equal up to `ulps` rounding steps of the dtype (the kernel's fp32 math runs in another
+    order) or `atol`."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    tol = ulps * torch.finfo(a.dtype).eps * b.float().abs() + atol
+    assert ((a.float() - b.float()).abs() <= tol).all(), (a.float() - b.float()).abs().max()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("cols", [80, 256])  # a masked block, and Gemma's head_dim (q/k norm)
+def test_gemma_rmsnorm_matches_the_reference_with_residual_and_next_norm(dtype, cols):
+    from tide.layers import triton_ops as ops
+
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(7, cols, generator=gen) * 3).to(dtype)
+    r = torch.randn(7, cols, generator=gen).to(dtype)
+    w = (torch.randn(cols, generator=gen) * 0.2).to(dtype)
+    w2 = (torch.randn(cols, generator=gen) * 0.2).to(dtype)
+    eps = 1e-6
+    _ulps_close(ops.gemma_rmsnorm(x, w, eps), _gemma_norm_ref(x, w, eps))
+    heads = x.view(7, -1, 16)  # per-head rows (q/k norm): [T, H, D] in, same shape out
+    got = ops.gemma_rmsnorm(heads, w[:16], eps)
+    assert got.shape == heads.shape
+    _ulps_close(got, _gemma_norm_ref(heads, w[:16], eps))
+    total = r + _gemma_norm_ref(x, w, eps)
+    _ulps_close(ops.gemma_rmsnorm(x, w, eps, r), total)
+    got_total, got_next = ops.gemma_rmsnorm(x, w, eps, r, w2)
+    _ulps_close(got_total, total)
+    _ulps_close(got_next, _gemma_norm_ref(got_total, w2, eps))
+    with pytest.raises(ValueError, match="residual"):
+        ops.gemma_rmsnorm(x, w, eps, None, w2)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gelu_tanh_and_mul_matches_the_reference(dtype):
+    from tide.layers import triton_ops as ops
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 2 * 1100, generator=gen) * 4).to(dtype)  # two column blocks, one masked
+    x[0, :8] = torch.tensor([0.0, 1e-4, -1e-4, 20.0, -20.0, 60.0, -60.0, 3.0])  # tails saturate
+    d = x.shape[-1] // 2
+    ref = torch.nn.functional.gelu(x[..., :d].float(), approximate="tanh").to(dtype)
+    ref = (ref.float() * x[..., d:].float()).to(dtype)
+    got = ops.gelu_tanh_and_mul(x)
+    assert torch.isfinite(got).all()
+    # tanh(u) via exp differs from torch's tanh in the last fp32 bits; where gelu(gate) is ~1e-7
+    # torch's 1 + tanh(u) cancels to 0 and the kernel's sigmoid form does not (atol).
+    _ulps_close(got, ref, ulps=4, atol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("k,config", [(384, None), (640, (2, 256, 1)), (1280, (1, 512, 1))])
+def test_gemv_with_uneven_k_matches_linear(k, config):
+    """K not a multiple of the tile (the masked tail of the last tile); uneven N too."""
+    from tide.layers import gemv
+
+    gen = torch.Generator().manual_seed(k)
+    w = (torch.randn(37, k, generator=gen) * 0.05).half()
+    b = torch.randn(37, generator=gen).half()
+    x = torch.randn(1, k, generator=gen).half()
+    ref = (x.float() @ w.float().T + b.float()).half()
+    _ulps_close(gemv.gemv(x, w, b, config=config), ref, ulps=2, atol=1e-3)
