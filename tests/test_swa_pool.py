@@ -36,11 +36,11 @@ def test_allocator_maps_frees_and_counts_both_pools():
     alloc.free_swa(full[:2])
     assert alloc.swa_available_size() == 3 and alloc.full_available_size() == 7
     assert mapping[full[:2]].tolist() == [0, 0]
-    alloc.free_swa(full[:2])  # already freed: nothing happens twice
-    assert alloc.swa_available_size() == 3
-    alloc.free(full)  # full slots all back, and the one SWA slot still mapped
+    alloc.check_consistency()
+    alloc.free(full, swa_freed=2)  # full slots all back, and the one SWA slot still mapped
     assert alloc.full_available_size() == 10 and alloc.swa_available_size() == 4
     assert int(mapping.abs().sum()) == 0
+    alloc.check_consistency()
     assert alloc.alloc(4) is not None and alloc.alloc(1) is None
     alloc.clear()
     assert alloc.available_size() == 4 and int(mapping.abs().sum()) == 0

@@ -267,7 +267,7 @@ class RadixCache:
             leaf = heapq.heappop(leaves)
             parent = leaf.parent
             assert parent is not None and leaf.value is not None
-            self.allocator.free(leaf.value)
+            self._free_kv(leaf.value, leaf.swa_freed)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             if self.window is not None:
@@ -308,6 +308,14 @@ class RadixCache:
             self._swa_protected -= n
         return n
 
+    def _free_kv(self, slots: torch.Tensor, swa_freed: int) -> None:
+        """Free full slots (and, two-pool cache, their SWA slots but for the first `swa_freed`,
+        which gave theirs back already: host-side knowledge, so nothing reads the device)."""
+        if isinstance(self.allocator, SWATokenToKVPoolAllocator):
+            self.allocator.free(slots, swa_freed)
+        else:
+            self.allocator.free(slots)
+
     def release_swa_before(self, node: TreeNode | None, position: int) -> None:
         """Two-pool cache: a request whose cached prefix ends at `node` no longer needs SWA K/V
         before `position`; free it in the nodes of that path no other request holds (lock_ref 1).
@@ -344,17 +352,18 @@ class RadixCache:
         assert slot is not None
         kv = self.req_to_token_pool.req_to_token[slot, : req.kv_len].clone()
         prefix_len = len(req.prefix_indices)
+        own_swa_freed = req.swa_evicted_len - prefix_len  # own tokens that gave their SWA slot back
         if self.disable:
-            self.allocator.free(kv)
+            self._free_kv(kv, req.swa_evicted_len)
         elif self.retired or not insert:
-            self.allocator.free(kv[prefix_len:])
+            self._free_kv(kv[prefix_len:], own_swa_freed)
             self.dec_lock_ref(req.last_node)
             if self.retired:
                 self.evict(self.evictable_size())
         else:
             tokens = req.all_token_ids()[: req.kv_len]
             cached = self.insert(tokens, kv, req.swa_evicted_len)
-            self.allocator.free(kv[prefix_len:cached])
+            self._free_kv(kv[prefix_len:cached], own_swa_freed)
             self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(slot)
         req.req_pool_idx = None
@@ -377,7 +386,7 @@ class RadixCache:
         kv = self.req_to_token_pool.req_to_token[slot, : req.kv_len].clone()
         prefix_len = len(req.prefix_indices)
         cached = self.insert(tokens, kv, req.swa_evicted_len)
-        self.allocator.free(kv[prefix_len:cached])
+        self._free_kv(kv[prefix_len:cached], req.swa_evicted_len - prefix_len)
         indices, node = self.match_prefix(tokens)
         self.req_to_token_pool.write(slot, prefix_len, indices[prefix_len:])
         self.dec_lock_ref(req.last_node)

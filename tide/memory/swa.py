@@ -8,8 +8,15 @@ entry 0 and every freed entry are 0: SWA slot 0 is the reserved dummy slot, neve
 
 Invariants:
 - `SWATokenToKVPoolAllocator.alloc(n)` takes n slots from both pools at once and records the mapping;
-  `free(full_slots)` gives back both (the SWA slot only where it is still mapped), `free_swa`
-  gives back only the SWA slots of tokens no query can see any more and zeroes their mapping.
+  `free(full_slots, swa_freed)` gives back both (the SWA slot of all but the first `swa_freed`),
+  `free_swa` gives back only the SWA slots of tokens no query can see any more and zeroes their
+  mapping.
+- Which full slots still hold an SWA slot is known on the host (`Req.swa_evicted_len`,
+  `TreeNode.swa_freed`: always a prefix of a request's own tokens or of a node), and the callers
+  pass it in; freeing never reads the device (no boolean mask, `.item()`, `nonzero`: each would wait
+  for the GPU, which the overlap schedule keeps a step ahead). A wrong count shows as a free/held
+  mismatch in `Scheduler.check_invariants`; `check_consistency` (tests) reads the device to verify
+  every slot.
 - Every SWA slot is in exactly one place: the SWA free list, a live request's window, or a
   radix-cache node's window (`RadixCache` with `window` set counts them).
 - `SWAKVPool.k_buffer[l]` / `v_buffer[l]` hold layer l's K/V: full-pool rows for full layers,
@@ -96,23 +103,46 @@ class SWATokenToKVPoolAllocator:
         self.full_to_swa_index_mapping[full] = swa.to(torch.int32)
         return full
 
-    def free(self, slots: torch.Tensor) -> None:
-        """Give back full slots and the SWA slots still mapped to them."""
+    def free(self, slots: torch.Tensor, swa_freed: int = 0) -> None:
+        """Give back full slots and their SWA slots. The first `swa_freed` of `slots` already gave
+        their SWA slot back (`free_swa`); every later one must still hold one. Never syncs."""
         if not slots.numel():
             return
-        self.free_swa(slots)
+        self.free_swa(slots[max(0, swa_freed):])
         self.full.free(slots)
 
     def free_swa(self, slots: torch.Tensor) -> None:
-        """Give back only the SWA slots of these full slots (those already freed are skipped)."""
+        """Give back the SWA slots of these full slots, each of which must still hold one (the
+        caller knows which do from host-side bookkeeping). One device gather and one scatter,
+        queued on the stream: nothing waits for the device, so the overlap schedule may call it
+        while a step is in flight (the freed slots are reused only by a later forward)."""
         if not slots.numel():
             return
         slots = slots.to(torch.int64)
-        swa = self.full_to_swa_index_mapping[slots]
-        live = swa[swa > 0]
-        if live.numel():
-            self.swa.free(live.to(torch.int64))
+        self.swa.free(self.full_to_swa_index_mapping[slots].to(torch.int64))
         self.full_to_swa_index_mapping[slots] = 0
+
+    def check_consistency(self) -> None:
+        """Raise unless every SWA slot is exactly once either free or mapped from one full slot, no
+        free list holds slot 0 or a slot twice, and no free full slot keeps a mapping. Reads the
+        whole mapping back from the device: for tests, never on the serving path."""
+        for name, pool, size in (("full", self.full, self.size), ("swa", self.swa, self.size_swa)):
+            free = pool.all_free_slots().cpu()
+            if free.numel() and (int(free.min()) < 1 or int(free.max()) > size):
+                raise RuntimeError(f"{name} free list holds a slot outside 1..{size}")
+            if torch.unique(free).numel() != free.numel():
+                raise RuntimeError(f"{name} free list holds a slot twice")
+        mapping = self.full_to_swa_index_mapping.cpu().to(torch.int64)
+        if int(mapping[0]) != 0:
+            raise RuntimeError("full slot 0 maps to an SWA slot")
+        if int(mapping[self.full.all_free_slots().cpu()].abs().sum()) != 0:
+            raise RuntimeError("a free full slot still maps to an SWA slot")
+        mapped = mapping[mapping != 0]
+        owners = torch.cat([mapped, self.swa.all_free_slots().cpu()])
+        if torch.unique(owners).numel() != owners.numel() or owners.numel() != self.size_swa:
+            raise RuntimeError(
+                f"SWA slots: {mapped.numel()} mapped + {self.swa.available_size()} free != "
+                f"{self.size_swa} distinct slots (one freed twice, leaked, or mapped twice)")
 
 
 class SWAKVPool:
