@@ -155,7 +155,7 @@ class TritonAttnBackend(AttentionBackend):
         batch_invariant_triton.attention(
             q, fb.token_to_kv_pool.get_key_buffer(layer.layer_id),
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id), out,
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
+            fb.req_to_token_for(layer.layer_id), fb.req_pool_indices, fb.seq_lens, layer.scaling,
             extend=extend, scratch=self._det_scratch, sliding_window=layer.sliding_window,
             logit_cap=layer.logit_cap,
         )
