@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,26 +38,12 @@ from tide.diffusion.stages import MAX_SEED
 from tide.diffusion.weights import DenoiserWeights
 from tide.io_struct import WeightUpdateOptions
 from tide.memory.ledger import MemoryLedger
+from tide.memory.occupation import parse_tags
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_INFERENCE_STEPS = 28
 MEMORY_TAGS = ("weights", "activations")
-
-
-def parse_memory_tags(tags: Iterable[str] | str | None) -> list[str]:
-    """None means every tag; otherwise known tags (ValueError naming `tags`), in `MEMORY_TAGS` order."""
-    if tags is None:
-        return list(MEMORY_TAGS)
-    if isinstance(tags, str):
-        tags = [tags]
-    tags = list(tags)
-    if not tags or not all(isinstance(t, str) for t in tags):
-        raise ValueError(f"tags must be null or a non-empty list of {list(MEMORY_TAGS)}")
-    unknown = [t for t in tags if t not in MEMORY_TAGS]
-    if unknown:
-        raise ValueError(f"tags {unknown} are not known; allowed tags: {list(MEMORY_TAGS)}")
-    return [t for t in MEMORY_TAGS if t in tags]
 
 
 class DiffusionEngine:
@@ -322,7 +308,7 @@ class DiffusionEngine:
         allocator's cached blocks. One release point (`release_memory`); generation waits until
         `resume_memory_occupation`. Releasing a released tag again is a no-op."""
         try:
-            wanted = parse_memory_tags(tags)
+            wanted = parse_tags(tags, MEMORY_TAGS)
         except ValueError as e:
             return {"success": False, "message": str(e)}
         with self._lock:
@@ -340,7 +326,7 @@ class DiffusionEngine:
         """Take the memory of `tags` again (`weights`: resident components back on the device from
         their host copies; offloaded ones come back at their stages)."""
         try:
-            wanted = parse_memory_tags(tags)
+            wanted = parse_tags(tags, MEMORY_TAGS)
         except ValueError as e:
             return {"success": False, "message": str(e)}
         with self._lock:

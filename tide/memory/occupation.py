@@ -80,19 +80,20 @@ logger = logging.getLogger(__name__)
 TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
-def parse_tags(tags: Iterable[str] | str | None) -> list[str]:
-    """None means every tag; otherwise a list of known tags (ValueError naming `tags`)."""
+def parse_tags(tags: Iterable[str] | str | None, allowed: tuple[str, ...] = TAGS) -> list[str]:
+    """None means every tag of `allowed`; otherwise a list of known tags (ValueError naming `tags`),
+    in `allowed` order. The diffusion engine passes its own tags."""
     if tags is None:
-        return list(TAGS)
+        return list(allowed)
     if isinstance(tags, str):
         tags = [tags]
     tags = list(tags)
     if not tags or not all(isinstance(t, str) for t in tags):
-        raise ValueError(f"tags must be null or a non-empty list of {list(TAGS)}")
-    unknown = [t for t in tags if t not in TAGS]
+        raise ValueError(f"tags must be null or a non-empty list of {list(allowed)}")
+    unknown = [t for t in tags if t not in allowed]
     if unknown:
-        raise ValueError(f"tags {unknown} are not known; allowed tags: {list(TAGS)}")
-    return [t for t in TAGS if t in tags]
+        raise ValueError(f"tags {unknown} are not known; allowed tags: {list(allowed)}")
+    return [t for t in allowed if t in tags]
 
 _SPAN_ALIGN = 256
 
