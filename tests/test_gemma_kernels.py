@@ -50,6 +50,12 @@ def test_kernels_compile_for_hopper():
         compile_sm90(ops._gemma_rmsnorm_kernel, {**bf16, "eps": "fp32"},
                      dict(HAS_RESIDUAL=has_residual, HAS_NEXT=has_next, BLOCK=4096, USE_PDL=True),
                      num_warps=16)
+    rope = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Pos": "*i64", "Cos": "*fp32", "Sin": "*fp32",
+            "Loc": "*i64", "KBuf": "*bf16", "VBuf": "*bf16", "QW": "*bf16", "KW": "*bf16",
+            "norm_eps": "fp32"}
+    compile_sm90(ops._rope_store_kernel, rope,
+                 dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, QH_P2=16, KH_P2=8, HEAD_DIM=256, HALF=128,
+                      HALF_P2=128, STORE_KV=True, QK_NORM=True, USE_PDL=True), num_warps=4)
     compile_sm90(ops._gelu_tanh_mul_kernel, {"X": "*bf16", "Out": "*bf16"},
                  dict(BLOCK=1024, USE_PDL=True), num_warps=4)
     from tide.layers import gemv
@@ -142,3 +148,39 @@ def test_gemv_with_uneven_k_matches_linear(k, config):
     x = torch.randn(1, k, generator=gen).half()
     ref = (x.float() @ w.float().T + b.float()).half()
     _ulps_close(gemv.gemv(x, w, b, config=config), ref, ulps=2, atol=1e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("head_dim", [16, 256])
+def test_rope_store_with_qk_norm_equals_norm_then_rope(head_dim):
+    """Gemma-3's q/k norms fused into the rope-and-store launch give what a separate norm launch
+    followed by the plain launch gives (up to the fp32 sum order of the norm)."""
+    from tide.layers import triton_ops as ops
+
+    gen = torch.Generator().manual_seed(head_dim)
+    hq, hk, t, slots = 4, 2, 5, 12
+    dtype = torch.float16
+    qkv = (torch.randn(t, (hq + 2 * hk) * head_dim, generator=gen) * 3).to(dtype)
+    qw = (torch.randn(head_dim, generator=gen) * 0.2).to(dtype)
+    kw = (torch.randn(head_dim, generator=gen) * 0.2).to(dtype)
+    positions = torch.tensor([0, 3, 7, 8, 30])
+    angles = torch.arange(64).float()[:, None] / 10000 ** (torch.arange(head_dim // 2) / (head_dim // 2))
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+    loc = torch.tensor([3, 1, 7, 9, 11])
+    eps = 1e-6
+    outs = []
+    for fused in (True, False):
+        buf = qkv.clone()
+        q, k, v = buf.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+        if not fused:
+            q.copy_(ops.gemma_rmsnorm(q.reshape(t, hq, head_dim), qw, eps).reshape(t, -1))
+            k.copy_(ops.gemma_rmsnorm(k.reshape(t, hk, head_dim), kw, eps).reshape(t, -1))
+        kb = torch.zeros(slots, hk, head_dim, dtype=dtype)
+        vb = torch.zeros(slots, hk, head_dim, dtype=dtype)
+        ops.rope_and_store_kv(positions, q, k, v, cos, sin, hq, hk, head_dim, loc, kb, vb,
+                              qk_norm=(qw, kw, eps) if fused else None)
+        outs.append((q.clone(), kb, vb))
+    for got, ref in zip(outs[0], outs[1]):
+        _ulps_close(got, ref, ulps=2, atol=1e-3)
+    assert not torch.equal(outs[0][0], qkv[:, : hq * head_dim])  # q was rotated in place

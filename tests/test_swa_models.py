@@ -480,3 +480,32 @@ def test_cuda_auto_backend_runs_windowed_models_exactly(arch, swa_checkpoints, h
             assert (ours - ref).abs().max().item() <= 5e-3
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_final_soft_cap_is_the_same_into_the_graphs_logits_buffer(arch, swa_checkpoints, monkeypatch):
+    """A CUDA-graph decode writes logits into a shared fp32 buffer (`logits_out`); the final soft-cap
+    must round there as the eager path (and transformers) rounds it, in the model dtype, or greedy
+    tokens of graph and eager decode part ways."""
+    engine = tide.Engine(str(swa_checkpoints[arch]), dtype="bfloat16")
+    try:
+        model = engine.model_runner.model
+        assert model.final_logit_cap is not None
+        hidden = (torch.randn(6, _COMMON["hidden_size"], generator=torch.Generator().manual_seed(0))
+                  * 4).to(torch.bfloat16)
+        monkeypatch.setattr(model.model, "forward", lambda *args: hidden)
+
+        class Batch:
+            logits_out: torch.Tensor | None = None
+
+            def last_token_indices(self) -> torch.Tensor:
+                return torch.arange(hidden.shape[0])
+
+        eager = model(None, None, Batch())
+        into = Batch()
+        into.logits_out = torch.full((hidden.shape[0], _COMMON["vocab_size"]), float("nan"))
+        graph_like = model(None, None, into)
+    finally:
+        engine.shutdown()
+    assert graph_like.data_ptr() == into.logits_out.data_ptr()
+    assert torch.equal(graph_like, eager)

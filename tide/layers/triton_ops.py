@@ -115,11 +115,21 @@ def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf,
-                       stride_qt, stride_kt, stride_vt, stride_cos, stride_kb, stride_vb,
+def _gemma_head_norm(x1, x2, W, offs, mask_d, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """Gemma's RMSNorm (fp32, unrounded) of each head row given as its two halves (fp32)."""
+    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+    w1 = 1.0 + tl.load(W + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    w2 = 1.0 + tl.load(W + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    return x1 * r * w1, x2 * r * w2
+
+
+@triton.jit
+def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
+                       stride_qt, stride_kt, stride_vt, stride_cos, stride_kb, stride_vb, norm_eps,
                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QH_P2: tl.constexpr,
                        KH_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       HALF_P2: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr):
+                       HALF_P2: tl.constexpr, STORE_KV: tl.constexpr, QK_NORM: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -134,6 +144,11 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf,
     pq = Q + t * stride_qt + heads_q[:, None] * HEAD_DIM + offs[None, :]
     q1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
     q2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
+    if QK_NORM:
+        # Rounded to q's dtype, as a separate norm launch leaves it for RoPE to read.
+        q1, q2 = _gemma_head_norm(q1, q2, QW, offs, mask_d, norm_eps, HEAD_DIM, HALF)
+        q1 = q1.to(Q.dtype.element_ty).to(tl.float32)
+        q2 = q2.to(Q.dtype.element_ty).to(tl.float32)
     tl.store(pq, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=mq)
     tl.store(pq + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=mq)
     heads_k = tl.arange(0, KH_P2)
@@ -141,6 +156,10 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf,
     hk = heads_k[:, None] * HEAD_DIM + offs[None, :]
     k1 = tl.load(K + t * stride_kt + hk, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(K + t * stride_kt + hk + HALF, mask=mk, other=0.0).to(tl.float32)
+    if QK_NORM:
+        k1, k2 = _gemma_head_norm(k1, k2, KW, offs, mask_d, norm_eps, HEAD_DIM, HALF)
+        k1 = k1.to(K.dtype.element_ty).to(tl.float32)
+        k2 = k2.to(K.dtype.element_ty).to(tl.float32)
     r1 = (k1 * cos - k2 * sin).to(K.dtype.element_ty)
     r2 = (k2 * cos + k1 * sin).to(K.dtype.element_ty)
     if STORE_KV:
@@ -160,23 +179,28 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                       head_dim: int, out_cache_loc: torch.Tensor | None = None,
                       k_buffer: torch.Tensor | None = None,
-                      v_buffer: torch.Tensor | None = None) -> None:
+                      v_buffer: torch.Tensor | None = None,
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """Rotate q in place; rotate k and, with `out_cache_loc`, write k and v straight into the KV
     pool (else rotate k in place). q/k/v: [T, heads * head_dim] views with unit stride in the last
-    dim; cos/sin: [max_pos, head_dim] tables (the first half is used: neox layout)."""
+    dim; cos/sin: [max_pos, head_dim] tables (the first half is used: neox layout).
+    `qk_norm` = (q weight, k weight, eps): first Gemma's RMSNorm of every q and k head (Gemma-3),
+    rounded to the weights' dtype as a separate `gemma_rmsnorm` launch would leave it."""
     store = out_cache_loc is not None
     use_pdl = pdl.enabled(q)
     kb = k_buffer if store else k
     vb = v_buffer if store else v
     assert kb is not None and vb is not None, "storing needs both KV buffers"
+    qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _rope_store_kernel[(q.shape[0],)](
-        q, k, v, positions, cos, sin, out_cache_loc if store else positions, kb, vb,
+        q, k, v, positions, cos, sin, out_cache_loc if store else positions, kb, vb, qw, kw,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-        kb.stride(0), vb.stride(0),
+        kb.stride(0), vb.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         QH_P2=triton.next_power_of_2(num_q_heads), KH_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
-        STORE_KV=store, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        STORE_KV=store, QK_NORM=qk_norm is not None, USE_PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )
 
 

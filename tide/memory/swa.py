@@ -120,7 +120,9 @@ class SWATokenToKVPoolAllocator:
             return
         slots = slots.to(torch.int64)
         self.swa.free(self.full_to_swa_index_mapping[slots].to(torch.int64))
-        self.full_to_swa_index_mapping[slots] = 0
+        # index_fill_ takes the 0 as a kernel argument: `mapping[slots] = 0` would first copy a
+        # host scalar tensor to the device, which waits for the stream.
+        self.full_to_swa_index_mapping.index_fill_(0, slots, 0)
 
     def check_consistency(self) -> None:
         """Raise unless every SWA slot is exactly once either free or mapped from one full slot, no

@@ -46,16 +46,15 @@ class GemmaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scaling, layer_id,
             rotary=rotary, sliding_window=config.layer_kind(layer_id).sliding_window,
             logit_cap=config.attn_logit_softcapping,
+            qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None
+            else None,
         )
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(
-                -1, self.kv_size)
+        # q/k norms (Gemma-3) run inside the attention backend, before RoPE.
         return self.o_proj(self.attn(q, k, v, forward_batch, positions))
 
 
@@ -164,9 +163,9 @@ class Gemma2ForCausalLM(nn.Module):
             if cap is not None:  # in the model dtype, as transformers does
                 logits = torch.tanh(logits / cap) * cap
             return logits.float()
-        logits = self.lm_head(hidden, out=out)
-        if cap is not None:
-            logits.div_(cap).tanh_().mul_(cap)
+        logits = self.lm_head(hidden, out=out)  # model-dtype values in the fp32 buffer
+        if cap is not None:  # capped in the model dtype too, so a graph replay equals eager
+            logits.copy_(torch.tanh(logits.to(hidden.dtype) / cap) * cap)
         return logits
 
 

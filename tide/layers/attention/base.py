@@ -62,9 +62,14 @@ class AttentionBackend:
         forward_batch: "ForwardBatch",
         positions: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Rotate q and k with the layer's rotary table (if any) at `positions`, write k and v into
+        """Norm q and k per head (`layer.qk_norm`, if any), rotate them with the layer's rotary
+        table (if any) at `positions`, write k and v into
         the KV pool at `out_cache_loc` (its SWA slots for a sliding layer of a two-pool cache), and
         return q as attention reads it."""
+        if layer.qk_norm is not None:
+            q_norm, k_norm = layer.qk_norm
+            q = q_norm(q.reshape(-1, layer.num_heads, layer.head_dim)).reshape(q.shape)
+            k = k_norm(k.reshape(-1, layer.num_kv_heads, layer.head_dim)).reshape(k.shape)
         rotary = layer.rotary
         if rotary is not None:
             if positions is None:

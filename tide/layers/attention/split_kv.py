@@ -12,6 +12,24 @@ MIN_SPLIT_LEN = 64
 # Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
 # H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
 DECODE_BLOCK_N = 32
+# Few splits (large batches, each program reading a request's whole context): longer blocks and a
+# deeper pipeline keep more bytes in flight. Measured on an H200 (benchmarks/attn_batch.py, 256
+# requests of ~830 tokens, head dim 128): 128-token blocks with 3 stages read at 0.93 of copy
+# bandwidth, 32-token blocks with 2 stages at 0.80.
+FEW_SPLITS = 4
+WIDE_BLOCK_BYTES = 128 * 128  # keys x head dim per block (64 KB of K and V at bf16)
+
+
+def decode_block_config(num_splits: int, head_dim: int) -> tuple[int, int]:
+    """(keys per stage-1 iteration, software-pipeline stages) of split-KV decode."""
+    if num_splits > FEW_SPLITS:
+        return DECODE_BLOCK_N, 2
+    block_d = 1 << max(head_dim - 1, 1).bit_length()
+    if block_d <= 128:
+        return 128, 3
+    return max(DECODE_BLOCK_N, WIDE_BLOCK_BYTES // block_d), 2
+
+
 # Extend: new tokens (query rows) per program, keys per iteration.
 EXTEND_BLOCK_M = 64
 EXTEND_BLOCK_N = 64
@@ -52,9 +70,11 @@ def decode_split_bounds(
     return bounds
 
 
-def decode_blocks_visited(seq_len: int, sliding_window: int | None, num_splits: int) -> int:
-    """Stage-1 key blocks (of DECODE_BLOCK_N) one decode query visits per kv head."""
-    return sum(-(-(e - s) // DECODE_BLOCK_N) for s, e in decode_split_bounds(
+def decode_blocks_visited(seq_len: int, sliding_window: int | None, num_splits: int,
+                          head_dim: int = 128) -> int:
+    """Stage-1 key blocks (of `decode_block_config`'s size) one decode query visits per kv head."""
+    block = decode_block_config(num_splits, head_dim)[0]
+    return sum(-(-(e - s) // block) for s, e in decode_split_bounds(
         seq_len, sliding_window, num_splits))
 
 

@@ -64,9 +64,13 @@ class TritonAttnBackend(AttentionBackend):
 
     def store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
                  fb: "ForwardBatch", positions: torch.Tensor | None) -> torch.Tensor:
-        """One fused launch: rotate q in place, write rotated k and v into the KV pool."""
+        """One fused launch: norm (Gemma-3) and rotate q in place, write rotated k and v into the
+        KV pool."""
         rotary = layer.rotary
         if rotary is None or positions is None:
+            return super().store_kv(q, k, v, layer, fb, positions)
+        norms = layer.qk_norm
+        if norms is not None and norms[0].eps != norms[1].eps:
             return super().store_kv(q, k, v, layer, fb, positions)
         from tide.layers import triton_ops
 
@@ -75,6 +79,7 @@ class TritonAttnBackend(AttentionBackend):
             positions, q, k, v, rotary.cos_cache, rotary.sin_cache, layer.num_heads,
             layer.num_kv_heads, layer.head_dim, fb.cache_loc(layer.layer_id),
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            qk_norm=None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps),
         )
         return q
 

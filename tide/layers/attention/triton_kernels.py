@@ -30,10 +30,10 @@ import triton.language as tl
 
 from tide.layers import pdl
 from tide.layers.attention.split_kv import (
-    DECODE_BLOCK_N,
     EXTEND_BLOCK_M,
     EXTEND_BLOCK_N,
     MIN_SPLIT_LEN,
+    decode_block_config,
     num_kv_splits,
 )
 
@@ -215,16 +215,17 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
+    block_n, stages = decode_block_config(num_splits, head_dim)
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         sm_scale, window, logit_cap if logit_cap is not None else 1.0,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
-        USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl,
+        USE_PDL=use_pdl, num_warps=4, num_stages=stages, launch_pdl=use_pdl,
     )
     _decode_stage2[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens,

@@ -1,0 +1,164 @@
+"""Tune the Triton attention kernels at large batch: `python -m benchmarks.attn_batch`.
+
+Decode: 64 and 256 requests with contexts uniform in [100, 1600] (each request's KV in one
+contiguous run of pool slots, runs in random order), Qwen3-0.6B (16/8 heads) and Llama-3.1-8B (32/8)
+head shapes; times stage 1 + stage 2 in a CUDA graph for each (splits, tokens per block, warps,
+stages) and prints the fastest next to the current default, as a fraction of copy bandwidth (KV bytes
+read / time). Extend: one 8k-token prefill chunk of prompts uniform in [100, 1024], no prefix, against
+torch's varlen flash attention on the same tensors, in TFLOP/s of causal attention.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+import triton
+
+from benchmarks.run import measure_copy_bandwidth
+from benchmarks.timing import capture, replay_seconds
+from tide.layers.attention import triton_kernels as tk
+
+D = 128
+
+
+def _pool(lens: list[int], hk: int, seed: int, d: int = D):
+    total = sum(lens) + 1
+    k = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16)
+    order = list(range(len(lens)))
+    random.Random(seed).shuffle(order)
+    starts = [0] * len(lens)
+    pos = 1
+    for i in order:
+        starts[i] = pos
+        pos += lens[i]
+    width = max(lens)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, (s, n) in enumerate(zip(starts, lens)):
+        table[i, :n] = torch.arange(s, s + n, dtype=torch.int32)
+    return k, v, table.cuda()
+
+
+def decode_sweep(bw: float) -> None:
+    cases = [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
+             (16, 8, 256, 64), (16, 8, 256, 256)]
+    for hq, hk, d, batch in cases:
+        rng = random.Random(batch)
+        lens = [rng.randint(100, 1600) for _ in range(batch)]
+        k, v, table = _pool(lens, hk, batch, d)
+        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        req = torch.arange(batch, device="cuda", dtype=torch.int64)
+        seq = torch.tensor(lens, device="cuda", dtype=torch.int64)
+        kv_bytes = sum(lens) * hk * d * 2 * 2
+        res = {}
+        ref = None
+        for splits, block_n, warps, stages in itertools.product((1, 2, 4), (32, 64, 128), (4, 8),
+                                                                (2, 3)):
+            mid_o = torch.empty(batch, hq, splits, d, device="cuda")
+            mid_l = torch.empty(batch, hq, splits, device="cuda")
+
+            def run() -> None:
+                tk._decode_stage1[(batch, hk, splits)](
+                    q, k, v, table, req, seq, mid_o, mid_l, q.stride(0), q.stride(1), k.stride(0),
+                    k.stride(1), v.stride(0), v.stride(1), table.stride(0), mid_o.stride(0),
+                    mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), d**-0.5,
+                    0, 1.0, GROUP=hq // hk, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=d, HEAD_DIM=d,
+                    NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
+                    SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=False, num_warps=warps,
+                    num_stages=stages)
+                tk._decode_stage2[(batch, hq)](
+                    mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+                    mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), 0,
+                    BLOCK_D=d, HEAD_DIM=d, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN,
+                    SLIDING=False, USE_PDL=False, num_warps=4)
+
+            try:
+                t = replay_seconds(capture(run), reps=20, warmup=2)
+            except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
+                print(f"   {(splits, block_n, warps, stages)}: {type(e).__name__}", flush=True)
+                continue
+            if ref is None:
+                ref = out.clone()
+            err = (out.float() - ref.float()).abs().max().item()
+            res[(splits, block_n, warps, stages)] = (t * 1e6, kv_bytes / t / bw, err)
+        splits = tk.num_kv_splits(batch * hk, 128)
+        default = (splits, *tk.decode_block_config(splits, d))
+        default = (splits, default[1], 4, default[2])
+        if default not in res:
+            res[default] = (float("nan"), float("nan"), 0.0)
+        print(f"decode hq={hq} hk={hk} d={d} batch={batch} mean ctx {sum(lens) / batch:.0f}: default "
+              f"{default}: {res[default][0]:.1f} us ({res[default][1]:.3f} of copy bw)", flush=True)
+        for cfg, (us, frac, err) in sorted(res.items(), key=lambda kv: kv[1][0])[:5]:
+            print(f"   {cfg}: {us:.1f} us, {frac:.3f} of copy bw, max diff {err:.1e}", flush=True)
+
+
+def extend_sweep() -> None:
+    from torch.nn.attention.varlen import varlen_attn
+
+    hq, hk = 16, 8
+    rng = random.Random(0)
+    lens = []
+    while sum(lens) < 8192:
+        lens.append(rng.randint(100, 1024))
+    lens[-1] -= sum(lens) - 8192
+    total = sum(lens)
+    k, v, table = _pool(lens, hk, 0)
+    q = torch.randn(total, hq, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    b = len(lens)
+    req = torch.arange(b, device="cuda", dtype=torch.int64)
+    prefix = torch.zeros(b, device="cuda", dtype=torch.int64)
+    ext = torch.tensor(lens, device="cuda", dtype=torch.int64)
+    starts = torch.tensor([0] + list(itertools.accumulate(lens))[:-1], device="cuda",
+                          dtype=torch.int64)
+    flops = sum(2 * 2 * hq * D * n * (n + 1) / 2 for n in lens)
+    res = {}
+    for bm, bn, warps, stages in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
+        def run() -> None:
+            tk._extend_kernel[(b, hq, triton.cdiv(max(lens), bm))](
+                q, k, v, out, table, req, prefix, ext, starts, q.stride(0), q.stride(1),
+                k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                table.stride(0), D**-0.5, 0, 1.0, GROUP=hq // hk, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_D=D, HEAD_DIM=D, SLIDING=False, SOFT_CAP=False, DOT_PRECISION="tf32",
+                USE_PDL=False, num_warps=warps, num_stages=stages)
+
+        try:
+            t = replay_seconds(capture(run), reps=10, warmup=2)
+        except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
+            print(f"extend {(bm, bn, warps, stages)}: {type(e).__name__}")
+            continue
+        res[(bm, bn, warps, stages)] = t
+    # The same attention through flash varlen on contiguous K/V in token order.
+    flat = torch.cat([table[i, :n] for i, n in enumerate(lens)]).long()
+    kc, vc = k[flat].contiguous(), v[flat].contiguous()
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), device="cuda", dtype=torch.int32)
+
+    def flash() -> None:
+        varlen_attn(q, kc, vc, cu, cu, max(lens), max(lens), enable_gqa=True)
+
+    try:
+        tf = replay_seconds(capture(flash), reps=10, warmup=2)
+        print(f"extend varlen flash: {tf * 1e6:.0f} us, {flops / tf / 1e12:.0f} TFLOP/s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"extend varlen flash unavailable: {type(e).__name__}: {e}"[:300], flush=True)
+    default = (tk.EXTEND_BLOCK_M, tk.EXTEND_BLOCK_N, 4, 2)
+    if default in res:
+        print(f"extend default {default}: {res[default] * 1e6:.0f} us, "
+              f"{flops / res[default] / 1e12:.0f} TFLOP/s", flush=True)
+    for cfg, t in sorted(res.items(), key=lambda kv: kv[1])[:5]:
+        print(f"   {cfg}: {t * 1e6:.0f} us, {flops / t / 1e12:.0f} TFLOP/s", flush=True)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    bw = measure_copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    extend_sweep()
+    decode_sweep(bw)
+
+
+if __name__ == "__main__":
+    main()
