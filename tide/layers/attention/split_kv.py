@@ -12,12 +12,11 @@ MIN_SPLIT_LEN = 64
 # Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
 # H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
 DECODE_BLOCK_N = 32
-# Few splits (large batches, each program reading a request's whole context): longer blocks and a
-# deeper pipeline keep more bytes in flight. Measured on an H200 (benchmarks/attn_batch.py, 256
-# requests of ~830 tokens, head dim 128): 128-token blocks with 3 stages read at 0.93 of copy
-# bandwidth, 32-token blocks with 2 stages at 0.80.
+# Few splits (large batches, each program reading a request's whole context): a deeper pipeline
+# keeps more bytes in flight. Measured on an H200 (benchmarks/attn_batch.py, 256 requests of ~830
+# tokens): head dim 128 reads at 0.90 of copy bandwidth with 128-token blocks and 3 stages (0.80
+# with 32 and 2); head dim 256 at 0.90 with 32-token blocks and 3 stages (0.63 with 64 and 2).
 FEW_SPLITS = 4
-WIDE_BLOCK_BYTES = 128 * 128  # keys x head dim per block (64 KB of K and V at bf16)
 
 
 def decode_block_config(num_splits: int, head_dim: int) -> tuple[int, int]:
@@ -25,9 +24,7 @@ def decode_block_config(num_splits: int, head_dim: int) -> tuple[int, int]:
     if num_splits > FEW_SPLITS:
         return DECODE_BLOCK_N, 2
     block_d = 1 << max(head_dim - 1, 1).bit_length()
-    if block_d <= 128:
-        return 128, 3
-    return max(DECODE_BLOCK_N, WIDE_BLOCK_BYTES // block_d), 2
+    return (128 if block_d <= 128 else DECODE_BLOCK_N), 3
 
 
 # Extend: new tokens (query rows) per program, keys per iteration.
