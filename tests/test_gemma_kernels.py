@@ -55,7 +55,8 @@ def test_kernels_compile_for_hopper():
             "norm_eps": "fp32"}
     compile_sm90(ops._rope_store_kernel, rope,
                  dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, QH_P2=16, KH_P2=8, HEAD_DIM=256, HALF=128,
-                      HALF_P2=128, STORE_KV=True, QK_NORM=True, USE_PDL=True), num_warps=4)
+                      HALF_P2=128, STORE_KV=True, QK_NORM=True, GEMMA_NORM=True, USE_PDL=True),
+                 num_warps=4)
     compile_sm90(ops._gelu_tanh_mul_kernel, {"X": "*bf16", "Out": "*bf16"},
                  dict(BLOCK=1024, USE_PDL=True), num_warps=4)
     from tide.layers import gemv
@@ -151,10 +152,12 @@ def test_gemv_with_uneven_k_matches_linear(k, config):
 
 
 @interpreted
+@pytest.mark.parametrize("gemma", [True, False])
 @pytest.mark.parametrize("head_dim", [16, 256])
-def test_rope_store_with_qk_norm_equals_norm_then_rope(head_dim):
-    """Gemma-3's q/k norms fused into the rope-and-store launch give what a separate norm launch
-    followed by the plain launch gives (up to the fp32 sum order of the norm)."""
+def test_rope_store_with_qk_norm_equals_norm_then_rope(head_dim, gemma):
+    """q/k norms (Gemma-3's (1 + w) form, Qwen3's plain one) fused into the rope-and-store launch
+    give what a separate norm launch followed by the plain launch gives (up to the fp32 sum order
+    of the norm)."""
     from tide.layers import triton_ops as ops
 
     gen = torch.Generator().manual_seed(head_dim)
@@ -173,13 +176,14 @@ def test_rope_store_with_qk_norm_equals_norm_then_rope(head_dim):
     for fused in (True, False):
         buf = qkv.clone()
         q, k, v = buf.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+        norm = ops.gemma_rmsnorm if gemma else ops.rmsnorm
         if not fused:
-            q.copy_(ops.gemma_rmsnorm(q.reshape(t, hq, head_dim), qw, eps).reshape(t, -1))
-            k.copy_(ops.gemma_rmsnorm(k.reshape(t, hk, head_dim), kw, eps).reshape(t, -1))
+            q.copy_(norm(q.reshape(t, hq, head_dim), qw, eps).reshape(t, -1))
+            k.copy_(norm(k.reshape(t, hk, head_dim), kw, eps).reshape(t, -1))
         kb = torch.zeros(slots, hk, head_dim, dtype=dtype)
         vb = torch.zeros(slots, hk, head_dim, dtype=dtype)
         ops.rope_and_store_kv(positions, q, k, v, cos, sin, hq, hk, head_dim, loc, kb, vb,
-                              qk_norm=(qw, kw, eps) if fused else None)
+                              qk_norm=(qw, kw, eps, gemma) if fused else None)
         outs.append((q.clone(), kb, vb))
     for got, ref in zip(outs[0], outs[1]):
         _ulps_close(got, ref, ulps=2, atol=1e-3)

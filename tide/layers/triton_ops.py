@@ -115,12 +115,21 @@ def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _gemma_head_norm(x1, x2, W, offs, mask_d, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
-    """Gemma's RMSNorm (fp32, unrounded) of each head row given as its two halves (fp32)."""
+def _head_norm(x1, x2, W, offs, mask_d, eps, OUT_TY: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HALF: tl.constexpr, GEMMA: tl.constexpr):
+    """RMSNorm of each head row given as its two halves (fp32), rounded to `OUT_TY` as the norm's
+    own launch rounds it (Gemma: x * r * (1 + w) in fp32, rounded once; otherwise (x * r) rounded,
+    then times w, rounded), returned as fp32."""
     r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-    w1 = 1.0 + tl.load(W + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    w2 = 1.0 + tl.load(W + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    return x1 * r * w1, x2 * r * w2
+    w1 = tl.load(W + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(W + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    if GEMMA:
+        y1 = x1 * r * (1.0 + w1)
+        y2 = x2 * r * (1.0 + w2)
+    else:
+        y1 = w1 * (x1 * r).to(OUT_TY).to(tl.float32)
+        y2 = w2 * (x2 * r).to(OUT_TY).to(tl.float32)
+    return y1.to(OUT_TY).to(tl.float32), y2.to(OUT_TY).to(tl.float32)
 
 
 @triton.jit
@@ -129,7 +138,7 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QH_P2: tl.constexpr,
                        KH_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                        HALF_P2: tl.constexpr, STORE_KV: tl.constexpr, QK_NORM: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       GEMMA_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -145,10 +154,8 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
     q1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
     q2 = tl.load(pq + HALF, mask=mq, other=0.0).to(tl.float32)
     if QK_NORM:
-        # Rounded to q's dtype, as a separate norm launch leaves it for RoPE to read.
-        q1, q2 = _gemma_head_norm(q1, q2, QW, offs, mask_d, norm_eps, HEAD_DIM, HALF)
-        q1 = q1.to(Q.dtype.element_ty).to(tl.float32)
-        q2 = q2.to(Q.dtype.element_ty).to(tl.float32)
+        q1, q2 = _head_norm(q1, q2, QW, offs, mask_d, norm_eps, Q.dtype.element_ty, HEAD_DIM, HALF,
+                            GEMMA_NORM)
     tl.store(pq, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=mq)
     tl.store(pq + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=mq)
     heads_k = tl.arange(0, KH_P2)
@@ -157,9 +164,8 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
     k1 = tl.load(K + t * stride_kt + hk, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(K + t * stride_kt + hk + HALF, mask=mk, other=0.0).to(tl.float32)
     if QK_NORM:
-        k1, k2 = _gemma_head_norm(k1, k2, KW, offs, mask_d, norm_eps, HEAD_DIM, HALF)
-        k1 = k1.to(K.dtype.element_ty).to(tl.float32)
-        k2 = k2.to(K.dtype.element_ty).to(tl.float32)
+        k1, k2 = _head_norm(k1, k2, KW, offs, mask_d, norm_eps, K.dtype.element_ty, HEAD_DIM, HALF,
+                            GEMMA_NORM)
     r1 = (k1 * cos - k2 * sin).to(K.dtype.element_ty)
     r2 = (k2 * cos + k1 * sin).to(K.dtype.element_ty)
     if STORE_KV:
@@ -180,18 +186,19 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                       head_dim: int, out_cache_loc: torch.Tensor | None = None,
                       k_buffer: torch.Tensor | None = None,
                       v_buffer: torch.Tensor | None = None,
-                      qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+                      qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> None:
     """Rotate q in place; rotate k and, with `out_cache_loc`, write k and v straight into the KV
     pool (else rotate k in place). q/k/v: [T, heads * head_dim] views with unit stride in the last
     dim; cos/sin: [max_pos, head_dim] tables (the first half is used: neox layout).
-    `qk_norm` = (q weight, k weight, eps): first Gemma's RMSNorm of every q and k head (Gemma-3),
-    rounded to the weights' dtype as a separate `gemma_rmsnorm` launch would leave it."""
+    `qk_norm` = (q weight, k weight, eps, gemma): first the RMSNorm of every q and k head (Qwen3;
+    Gemma's (1 + w) form for Gemma-3), rounded as a separate `rmsnorm` / `gemma_rmsnorm` launch
+    leaves it."""
     store = out_cache_loc is not None
     use_pdl = pdl.enabled(q)
     kb = k_buffer if store else k
     vb = v_buffer if store else v
     assert kb is not None and vb is not None, "storing needs both KV buffers"
-    qw, kw, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
+    qw, kw, eps, gemma = qk_norm if qk_norm is not None else (cos, cos, 0.0, False)
     _rope_store_kernel[(q.shape[0],)](
         q, k, v, positions, cos, sin, out_cache_loc if store else positions, kb, vb, qw, kw,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
@@ -199,7 +206,7 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         QH_P2=triton.next_power_of_2(num_q_heads), KH_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
-        STORE_KV=store, QK_NORM=qk_norm is not None, USE_PDL=use_pdl, num_warps=4,
+        STORE_KV=store, QK_NORM=qk_norm is not None, GEMMA_NORM=gemma, USE_PDL=use_pdl, num_warps=4,
         launch_pdl=use_pdl,
     )
 

@@ -68,6 +68,8 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scaling, layer_id,
             rotary=rotary, sliding_window=config.layer_kind(layer_id).sliding_window,
+            qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None
+            else None,
         )
 
     def forward(
@@ -75,12 +77,8 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-            q = q.reshape(-1, self.q_size)
-            k = k.reshape(-1, self.kv_size)
-        # The backend applies RoPE and stores k and v (fused on the GPU), then attends.
+        # The backend norms q and k per head (Qwen3), applies RoPE and stores k and v (one fused
+        # launch on the GPU), then attends.
         return self.o_proj(self.attn(q, k, v, forward_batch, positions))
 
 

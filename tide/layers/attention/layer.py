@@ -5,11 +5,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tide.layers.norm import GemmaRMSNorm
+from tide.layers.norm import GemmaRMSNorm, RMSNorm
 from tide.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from tide.executor.forward_batch import ForwardBatch
+
+HeadNorm = RMSNorm | GemmaRMSNorm
 
 
 class Attention(nn.Module):
@@ -21,7 +23,8 @@ class Attention(nn.Module):
     (its own token counts, as in transformers); None attends to the whole sequence.
     `logit_cap`: scores (after scaling) go through cap * tanh(score / cap) before the causal/window
     mask and the softmax (Gemma-2's attention soft-capping); None leaves them as they are.
-    `qk_norm`: (q norm, k norm), Gemma-3's RMSNorm of every q and k head, applied before RoPE.
+    `qk_norm`: (q norm, k norm), the RMSNorm of every q and k head (Qwen3, Gemma-3), applied before
+    RoPE.
     """
 
     def __init__(
@@ -34,7 +37,7 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding | None = None,
         sliding_window: int | None = None,
         logit_cap: float | None = None,
-        qk_norm: tuple[GemmaRMSNorm, GemmaRMSNorm] | None = None,
+        qk_norm: tuple[HeadNorm, HeadNorm] | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
@@ -51,16 +54,16 @@ class Attention(nn.Module):
         # Shared by every layer; a list keeps it out of this module's children and state dict.
         self._rotary = [rotary] if rotary is not None else []
         # Owned (and loaded) by the model's attention module; a list keeps them out of this one's.
-        self._qk_norm = list(qk_norm) if qk_norm is not None else []
+        self._qk_norm: list[HeadNorm] = list(qk_norm) if qk_norm is not None else []
 
     @property
     def rotary(self) -> RotaryEmbedding | None:
         return self._rotary[0] if self._rotary else None
 
     @property
-    def qk_norm(self) -> tuple[GemmaRMSNorm, GemmaRMSNorm] | None:
-        """Gemma's per-head q and k norms, which the backend applies before RoPE (the Triton
-        backend inside its rope-and-store launch)."""
+    def qk_norm(self) -> tuple[HeadNorm, HeadNorm] | None:
+        """Per-head q and k norms (Qwen3, Gemma-3), which the backend applies before RoPE (the
+        Triton backend inside its rope-and-store launch)."""
         return (self._qk_norm[0], self._qk_norm[1]) if self._qk_norm else None
 
     def forward(

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tide.layers.attention.base import AttentionBackend, register
+from tide.layers.norm import GemmaRMSNorm
 
 if TYPE_CHECKING:
     from tide.executor.forward_batch import ForwardBatch
@@ -70,7 +71,7 @@ class TritonAttnBackend(AttentionBackend):
         if rotary is None or positions is None:
             return super().store_kv(q, k, v, layer, fb, positions)
         norms = layer.qk_norm
-        if norms is not None and norms[0].eps != norms[1].eps:
+        if norms is not None and (norms[0].eps != norms[1].eps or type(norms[0]) is not type(norms[1])):
             return super().store_kv(q, k, v, layer, fb, positions)
         from tide.layers import triton_ops
 
@@ -79,7 +80,8 @@ class TritonAttnBackend(AttentionBackend):
             positions, q, k, v, rotary.cos_cache, rotary.sin_cache, layer.num_heads,
             layer.num_kv_heads, layer.head_dim, fb.cache_loc(layer.layer_id),
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            qk_norm=None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps),
+            qk_norm=None if norms is None else (norms[0].weight, norms[1].weight, norms[0].eps,
+                                                isinstance(norms[0], GemmaRMSNorm)),
         )
         return q
 
