@@ -14,13 +14,15 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", params=[1, 4, 8], ids=lambda g: f"gqa{g}")
+@pytest.fixture(scope="module", params=[("llama", 1), ("llama", 4), ("llama", 8), ("qwen3", 4)],
+                ids=lambda p: f"{p[0]}-gqa{p[1]}")
 def gqa_checkpoint(request, tmp_path_factory):
-    group = request.param
-    path = tmp_path_factory.mktemp(f"gqa{group}")
+    """Llama at three GQA groups; Qwen3 adds per-head q/k norms (fused into rope-and-store)."""
+    arch, group = request.param
+    path = tmp_path_factory.mktemp(f"{arch}-gqa{group}")
     return build_checkpoint(
         path,
-        "llama",
+        arch,
         hidden_size=512,
         intermediate_size=1024,
         num_attention_heads=8,
