@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from tide.layers.host_copy import device_tensor
 
 if TYPE_CHECKING:
     from tide.layers.attention.base import AttentionBackend
@@ -87,5 +90,5 @@ class ForwardBatch:
         """Index in the flat token layout of each request's last new token."""
         if self.is_decode:
             return torch.arange(self.batch_size, device=self.input_ids.device)
-        ends = torch.tensor(self.extend_lens_cpu, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
+        ends = list(itertools.accumulate(self.extend_lens_cpu))
+        return device_tensor([e - 1 for e in ends], torch.int64, self.input_ids.device)

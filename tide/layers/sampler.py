@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tide.layers import batch_invariant
+from tide.layers.host_copy import device_tensor
 from tide.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -159,16 +160,21 @@ class Sampler:
         params = info.params
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, info)
-        temps = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device).unsqueeze(1)
+        temps = device_tensor([p.temperature or 1.0 for p in params], torch.float32,
+                              logits.device).unsqueeze(1)
         scaled = logits / temps
 
         greedy = [p.is_greedy for p in params]
         next_ids = scaled.argmax(dim=-1)
-        if not all(greedy):
+        if not any(greedy):  # every row draws (an RL rollout batch): no row index
+            next_ids = self._draw(scaled, list(params),
+                                  [info.output_position(i) for i in range(len(params))])
+        elif not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            sampled = self._draw(scaled[rows], [params[i] for i in rows],
+            index = device_tensor(rows, torch.int64, logits.device)
+            sampled = self._draw(scaled.index_select(0, index), [params[i] for i in rows],
                                  [info.output_position(i) for i in rows])
-            next_ids[rows] = sampled
+            next_ids.index_copy_(0, index, sampled)
 
         out = DeviceSample(next_ids)
         if any(info.return_logprob):
@@ -216,9 +222,9 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = probs.shape[1]
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    min_p = torch.tensor([p.min_p for p in params], device=device)
+    top_k = device_tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
+    top_p = device_tensor([p.top_p for p in params], torch.float32, device)
+    min_p = device_tensor([p.min_p for p in params], torch.float32, device)
     drop = rank >= top_k.unsqueeze(1)
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p.unsqueeze(1)
     drop |= sorted_p < (sorted_p[:, :1] * min_p.unsqueeze(1))
@@ -236,12 +242,12 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
         if not p.has_penalties:
             continue
         if p.frequency_penalty or p.presence_penalty:
-            out = torch.tensor(info.output_ids[i], dtype=torch.int64, device=logits.device)
+            out = device_tensor(info.output_ids[i], torch.int64, logits.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].float()
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(info.prompt_ids[i] + info.output_ids[i], dtype=torch.int64,
-                                device=logits.device)
+            seen = device_tensor(info.prompt_ids[i] + info.output_ids[i], torch.int64,
+                                 logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
