@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -269,6 +270,38 @@ def _kernel_ranges(engine: Any) -> Iterator[None]:
         del worker._run_model
 
 
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
+def attribute_kernels(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Device seconds per step kind and kernel class from a Chrome trace of the profiler: each
+    kernel belongs to the `tide.<kind>` range (on the launching thread) that encloses the host call
+    that launched it (matched by correlation id; a graph replay's kernels share its launch's id), so
+    kernels of replayed graphs and of forwards launched ahead by the overlap schedule count too."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    ranges: dict[Any, list[tuple[float, float, str]]] = {}
+    launches: dict[int, tuple[Any, float]] = {}
+    for e in events:
+        name, cat = e.get("name", ""), e.get("cat", "")
+        if name.startswith("tide.") and name[5:] in STEP_KINDS:
+            ranges.setdefault(e.get("tid"), []).append((e["ts"], e["ts"] + e.get("dur", 0), name[5:]))
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = (e.get("tid"), e["ts"])
+    out = {k: dict.fromkeys(KERNEL_CLASSES, 0.0) for k in STEP_KINDS}
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is None:
+            continue
+        tid, ts = launch
+        for start, end, kind in ranges.get(tid, []):
+            if start <= ts <= end:
+                out[kind][kernel_class(e.get("name", ""))] += e.get("dur", 0) / 1e6
+                break
+    return out
+
+
 def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
     """Attention / GEMM / other time within prefill, mixed and decode forwards (a profiled run):
     device kernels on CUDA, operators' self CPU time elsewhere."""
@@ -282,7 +315,7 @@ def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str
         if cuda:
             torch.cuda.synchronize()
     out: dict[str, dict[str, float]] = {k: dict.fromkeys(KERNEL_CLASSES, 0.0)
-                                        for k in ("prefill", "mixed", "decode")}
+                                        for k in STEP_KINDS}
 
     def range_of(evt: Any) -> str | None:
         while evt is not None:
@@ -291,17 +324,14 @@ def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str
             evt = evt.cpu_parent
         return None
 
-    for evt in prof.events():
-        kind = None
-        if cuda:
-            if not evt.kernels:
-                continue
-            kind = range_of(evt)
-            if kind not in out:
-                continue
-            for k in evt.kernels:
-                out[kind][kernel_class(k.name)] += k.duration / 1e6
-        else:
+    if cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                out = attribute_kernels(json.load(f))
+    else:
+        for evt in prof.events():
             if evt.name.startswith("tide."):
                 continue
             kind = range_of(evt)

@@ -67,3 +67,30 @@ def test_instrument_restores_the_engine(llama_path):
         assert DeviceSample.to_output.__qualname__ == "DeviceSample.to_output"
     finally:
         engine.shutdown()
+
+
+def test_kernels_are_attributed_to_the_step_that_launched_them():
+    """From a Chrome trace: a kernel counts for the `tide.<kind>` range enclosing its launch on the
+    launching thread (graph replays included), whenever the kernel itself ran; launches outside any
+    range, and ranges of another thread, do not count."""
+    def x(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        x("tide.prefill", "user_annotation", 0, 100),
+        x("tide.decode", "user_annotation", 200, 50),
+        x("tide.decode", "user_annotation", 0, 1000, tid=2),  # another thread's range
+        x("cudaLaunchKernel", "cuda_runtime", 10, 1, correlation=1),
+        x("cuLaunchKernelEx", "cuda_driver", 20, 1, correlation=2),
+        x("cudaGraphLaunch", "cuda_runtime", 210, 2, correlation=3),
+        x("cudaLaunchKernel", "cuda_runtime", 150, 1, correlation=4),  # between ranges
+        x("nvjet_sm90_tst_256x128", "kernel", 30, 40, tid=7, correlation=1),
+        x("_extend_kernel", "kernel", 80, 30, tid=7, correlation=2),  # runs past the range: counts
+        x("_decode_stage1", "kernel", 400, 5, tid=7, correlation=3),  # graph kernels, run later
+        x("_gemv_kernel", "kernel", 405, 7, tid=7, correlation=3),
+        x("_rmsnorm_kernel", "kernel", 160, 9, tid=7, correlation=4),
+    ]}
+    out = pt.attribute_kernels(trace)
+    assert out["prefill"] == {"attention": 30e-6, "gemm": 40e-6, "other": 0.0}
+    assert out["decode"] == {"attention": 5e-6, "gemm": 7e-6, "other": 0.0}
+    assert out["mixed"] == {"attention": 0.0, "gemm": 0.0, "other": 0.0}
