@@ -383,3 +383,20 @@ def test_only_the_release_module_empties_the_cache():
                 offenders.append(f"{path.relative_to(root.parent)}:{lineno}: {line.strip()}")
     assert not offenders, "call tide.memory.empty_device_cache instead:\n" + "\n".join(offenders)
     assert any(root.rglob("*.py")) and allowed.is_file()
+
+
+def test_allocator_pending_frees_stay_bounded_and_counted():
+    """Thousands of small frees (a hybrid model's SWA slots, step after step): the count stays exact
+    and the list of waiting tensors never exceeds MAX_PENDING."""
+    from tide.memory.pools import TokenToKVPoolAllocator
+
+    alloc = TokenToKVPoolAllocator(4096, "cpu")
+    held = [alloc.alloc(3) for _ in range(1000)]
+    assert alloc.available_size() == 4096 - 3000
+    for i, slots in enumerate(held):
+        alloc.free(slots[:1])
+        alloc.free(slots[1:])
+        assert len(alloc._pending) < alloc.MAX_PENDING
+        assert alloc.available_size() == 4096 - 3000 + 3 * (i + 1)
+    free = alloc.all_free_slots()
+    assert sorted(free.tolist()) == list(range(1, 4097))

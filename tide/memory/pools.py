@@ -79,7 +79,13 @@ class ReqToTokenPool:
 
 
 class TokenToKVPoolAllocator:
-    """Hands out KV slots. Free slots live in a device tensor so allocation never syncs the device."""
+    """Hands out KV slots. Free slots live in a device tensor so allocation never syncs the device.
+    Freed slots wait in a short list of tensors that is folded into the free tensor (one device
+    concatenation, no sync) when an allocation runs short or the list reaches `MAX_PENDING`
+    tensors, so the host cost of counting and the list itself stay bounded however long the
+    server runs (a hybrid model frees a few SWA slots per request every decode step)."""
+
+    MAX_PENDING = 256
 
     def __init__(self, size: int, device: torch.device | str) -> None:
         self.size = size
@@ -89,9 +95,10 @@ class TokenToKVPoolAllocator:
     def clear(self) -> None:
         self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
         self._pending: list[torch.Tensor] = []
+        self._pending_count = 0
 
     def available_size(self) -> int:
-        return self.free_slots.numel() + sum(t.numel() for t in self._pending)
+        return self.free_slots.numel() + self._pending_count
 
     def alloc(self, n: int) -> torch.Tensor | None:
         if n > self.free_slots.numel():
@@ -105,11 +112,15 @@ class TokenToKVPoolAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._pending.append(slots.to(torch.int64))
+            self._pending_count += slots.numel()
+            if len(self._pending) >= self.MAX_PENDING:
+                self._merge_pending()
 
     def _merge_pending(self) -> None:
         if self._pending:
             self.free_slots = torch.cat([self.free_slots, *self._pending])
             self._pending = []
+            self._pending_count = 0
 
     def all_free_slots(self) -> torch.Tensor:
         self._merge_pending()
