@@ -109,11 +109,13 @@ def make_scheduler(worker: FakeWorker | None = None, tokenizer=None, **config) -
                      MemoryLedger())
 
 
-def make_req(rid: str, prompt_len: int, max_new: int = 4, **params) -> Req:
+def make_req(rid: str, prompt_len: int, max_new: int = 4, first_token: int = 2, **params) -> Req:
+    """Prompts of the same length are the same tokens unless `first_token` differs."""
     params.setdefault("ignore_eos", True)
     params.setdefault("temperature", 0)
     sp = SamplingParams(max_new_tokens=max_new, **params)
-    return Req(rid=rid, origin_input_ids=[2 + (i % 50) for i in range(prompt_len)], sampling_params=sp)
+    return Req(rid=rid, origin_input_ids=[first_token + (i % 50) for i in range(prompt_len)],
+               sampling_params=sp)
 
 
 def run(sched: Scheduler, max_steps: int = 1000) -> None:
@@ -156,7 +158,7 @@ def test_admission_waits_for_kv_room():
     # 40 slots: the first request (16 prompt + 16 to come, at ratio 0.7) leaves too little for another.
     sched = make_scheduler(FakeWorker(max_total_tokens=40))
     sched.add_request(make_req("big", 16, max_new=16))
-    sched.add_request(make_req("next", 16, max_new=16))
+    sched.add_request(make_req("next", 16, max_new=16, first_token=60))  # nothing to share
     sched.step()
     assert sched.worker.seen[0].rids == ["big"] and sched.num_queued() == 1
     run(sched)
@@ -300,7 +302,7 @@ def test_pause_in_place_keeps_kv_and_resumes_decoding():
     _decoding(sched, a)
     free = sched.allocator.available_size()
     sched.handover.pause_generation("in_place")
-    late = make_req("late", 3, max_new=2)
+    late = make_req("late", 3, max_new=2, first_token=60)
     sched.add_request(late)  # queues while paused
     assert sched.step() == [] and sched.allocator.available_size() == free
     assert a.kv_len == 6 and a.req_pool_idx is not None

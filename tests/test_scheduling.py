@@ -157,6 +157,49 @@ def test_shared_prefix_reuses_kv(llama_path, prefix_prompts, prefix_reference, c
     _assert_clean(engine)
 
 
+def test_n_samples_of_one_prompt_prefill_it_once(llama_path, prefix_prompts, prefix_reference):
+    """GRPO's n samples per prompt, all submitted at once: the first copy of each prompt is
+    prefilled, the others wait one step and read it from the cache (a completed prompt is published
+    at once, not when its request finishes); the tokens equal an engine without a prefix cache."""
+    engine = tide.Engine(str(llama_path))
+    stats = engine.scheduler.stats
+    a, b = prefix_prompts[4], random_prompts(12, [40])[0]
+    n = 5
+    outs = engine.generate(input_ids=[a] * n + [b] * n, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs[:n]] == [prefix_reference[4]] * n
+    ref_b = tide.Engine(str(llama_path), disable_radix_cache=True).generate(
+        input_ids=b, sampling_params=GREEDY)["output_ids"]
+    assert [o["output_ids"] for o in outs[n:]] == [ref_b] * n
+    # Each prompt computed once, plus the last token of every other copy (recomputed for logits).
+    assert stats.num_prefill_tokens == len(a) + len(b) + 2 * (n - 1)
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == (
+        [0] + [len(a) - 1] * (n - 1) + [0] + [len(b) - 1] * (n - 1))
+    assert stats.num_prefix_deferrals >= 2 * (n - 1)
+    _assert_clean(engine)
+
+
+def test_a_prompt_is_reused_while_its_first_request_still_decodes(llama_path, prefix_prompts,
+                                                                  prefix_reference):
+    """A request admitted while another with the same prefix is still decoding reuses that
+    prefix (published after its prefill), and both finish with the reference tokens."""
+    engine = tide.Engine(str(llama_path))
+    sched = engine.scheduler
+    first = Req(rid="first", origin_input_ids=prefix_prompts[0],
+                sampling_params=SamplingParams(**GREEDY))
+    sched.add_request(first)
+    while len(first.output_ids) < 3:
+        sched.step()
+    second = Req(rid="second", origin_input_ids=prefix_prompts[1],
+                 sampling_params=SamplingParams(**GREEDY))
+    sched.add_request(second)
+    while sched.has_work():
+        sched.step()
+        sched.check_invariants()
+    assert first.finished_reason is not None and second.cached_tokens >= 48
+    assert first.output_ids == prefix_reference[0] and second.output_ids == prefix_reference[1]
+    _assert_clean(engine)
+
+
 def test_prefix_of_previous_output_is_reused(llama_path, prefix_prompts, prefix_reference):
     """A follow-up turn (prompt + previous completion + new tokens) hits prompt *and* output KV."""
     engine = tide.Engine(str(llama_path))

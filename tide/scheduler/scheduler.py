@@ -46,6 +46,10 @@ CLIP_MAX_NEW_TOKENS = 4096
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+# A waiting prompt that shares at least this many more tokens with a prompt admitted in the same
+# prefill batch than it finds in the cache waits one step and then reads them from the cache (GRPO:
+# n samples of one prompt are prefilled once, not n times).
+IN_BATCH_PREFIX_MIN = 32
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +72,7 @@ class SchedulerStats:
     num_forward_decode: int = 0
     num_overlapped_decode: int = 0  # decode steps launched before the previous step's tokens landed
     num_mixed_decode: int = 0  # decode tokens that rode along with a prefill batch
+    num_prefix_deferrals: int = 0  # prompts held back a step to reuse a prefix prefilled beside them
 
 
 class Scheduler:
@@ -567,6 +572,10 @@ class Scheduler:
                 if self.req_to_token_pool.available_size() <= len(batch):
                     break
                 self._match_prefix(req)
+                if self._shares_prefix_with(req, batch):
+                    self._unmatch_prefix(req)  # stays waiting; next step the prefix is cached
+                    self.stats.num_prefix_deferrals += 1
+                    continue
             fill_len = req.seq_len
             extend = fill_len - req.kv_len
             free = self._free_full() + self.tree_cache.evictable_size()
@@ -604,6 +613,19 @@ class Scheduler:
             if chunk < extend:
                 break  # a chunked request ends the batch
         return batch
+
+    def _shares_prefix_with(self, req: Req, batch: list[tuple[Req, int]]) -> bool:
+        """Does a request admitted in `batch` compute at least IN_BATCH_PREFIX_MIN tokens of
+        `req`'s prompt beyond what `req` found cached? Not for a two-pool cache, whose published
+        prompts keep SWA K/V only for their last window (a later match would be cut short)."""
+        if self.tree_cache.disable or self.swa_window is not None or not batch:
+            return False
+        key = req.all_token_ids()[: req.seq_len - 1]
+        need = req.kv_len + IN_BATCH_PREFIX_MIN
+        if len(key) < need:
+            return False
+        head = key[:need]
+        return any(other.all_token_ids()[:need] == head for other, _ in batch)
 
     def _match_prefix(self, req: Req) -> None:
         key = req.all_token_ids()[: req.seq_len - 1]  # always compute at least one token
@@ -736,12 +758,19 @@ class Scheduler:
                 self.stats.num_mixed_decode += batch.num_decode
                 self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                            self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-            for req, n in zip(batch.reqs, batch.extend_lens):
+            prefilled = len(batch.reqs) - batch.num_decode  # decode riders come last
+            for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
                 req.kv_len += n
                 if req.kv_len < req.seq_len:
                     if req.kv_epoch == self.kv_epoch:  # stale chunks stay private to the request
                         (req.tree or self.tree_cache).cache_unfinished_req(req)
                     self.chunked_req = req
+                    continue
+                if i < prefilled and req.kv_epoch == self.kv_epoch and self.swa_window is None:
+                    # A completed prompt is published at once, not when the request finishes, so
+                    # prompts admitted later (n samples of it, a retracted request coming back)
+                    # read it from the cache.
+                    (req.tree or self.tree_cache).cache_unfinished_req(req)
                 elif self.swa_window is not None:
                     # A completed prompt (or a decode rider) keeps only its window: held until its
                     # first decode step, a whole prompt's SWA slots would cap admission at
