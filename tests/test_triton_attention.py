@@ -66,10 +66,10 @@ def test_sliding_decode_cost_does_not_grow_with_context():
     for seq_len in (window, window + 1, 8192, 32_768, 1_000_000):
         keys = sum(e - s for s, e in split_kv.decode_split_bounds(seq_len, window, splits))
         assert keys == window
-        assert split_kv.decode_blocks_visited(seq_len, window, splits) <= bound
-    assert split_kv.decode_blocks_visited(1_000_000, window, splits) == split_kv.decode_blocks_visited(
-        8192, window, splits)
-    assert split_kv.decode_blocks_visited(1_000_000, None, splits) > 100 * bound
+        assert split_kv.decode_blocks_visited(seq_len, window, splits, 128) <= bound
+    assert split_kv.decode_blocks_visited(1_000_000, window, splits, 128) == (
+        split_kv.decode_blocks_visited(8192, window, splits, 128))
+    assert split_kv.decode_blocks_visited(1_000_000, None, splits, 128) > 100 * bound
 
 
 def test_extend_reads_only_keys_some_query_of_the_block_sees():
@@ -282,7 +282,8 @@ def test_interpreted_decode_visits_only_the_window(kernels, monkeypatch, window)
     for i, n in enumerate(lens):
         visible.update(pool.table[i, split_kv.decode_visible_start(n, window) : n].tolist())
     assert set().union(*probe.loads) == visible
-    expected = KV_HEADS * sum(split_kv.decode_blocks_visited(n, window, splits) for n in lens)
+    expected = KV_HEADS * sum(split_kv.decode_blocks_visited(n, window, splits, DIM, pool.k.element_size())
+                             for n in lens)
     assert len(probe.loads) == expected
     if window is not None:
         assert expected <= KV_HEADS * 2 * (-(-window // split_kv.DECODE_BLOCK_N) + splits)

@@ -165,11 +165,12 @@ class Sampler:
         scaled = logits / temps
 
         greedy = [p.is_greedy for p in params]
-        next_ids = scaled.argmax(dim=-1)
         if not any(greedy):  # every row draws (an RL rollout batch): no row index
             next_ids = self._draw(scaled, list(params),
                                   [info.output_position(i) for i in range(len(params))])
-        elif not all(greedy):
+        else:
+            next_ids = scaled.argmax(dim=-1)
+        if any(greedy) and not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
             index = device_tensor(rows, torch.int64, logits.device)
             sampled = self._draw(scaled.index_select(0, index), [params[i] for i in rows],

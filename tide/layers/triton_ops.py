@@ -191,8 +191,8 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     pool (else rotate k in place). q/k/v: [T, heads * head_dim] views with unit stride in the last
     dim; cos/sin: [max_pos, head_dim] tables (the first half is used: neox layout).
     `qk_norm` = (q weight, k weight, eps, gemma): first the RMSNorm of every q and k head (Qwen3;
-    Gemma's (1 + w) form for Gemma-3), rounded as a separate `rmsnorm` / `gemma_rmsnorm` launch
-    leaves it."""
+    Gemma's (1 + w) form for Gemma-3), rounded where a separate `rmsnorm` / `gemma_rmsnorm` launch
+    rounds (its sum of squares is taken over the two halves: equal up to that fp32 order)."""
     store = out_cache_loc is not None
     use_pdl = pdl.enabled(q)
     kb = k_buffer if store else k

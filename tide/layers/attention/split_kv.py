@@ -19,9 +19,11 @@ DECODE_BLOCK_N = 32
 FEW_SPLITS = 4
 
 
-def decode_block_config(num_splits: int, head_dim: int) -> tuple[int, int]:
-    """(keys per stage-1 iteration, software-pipeline stages) of split-KV decode."""
-    if num_splits > FEW_SPLITS:
+def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2) -> tuple[int, int]:
+    """(keys per stage-1 iteration, software-pipeline stages) of split-KV decode. `kv_bytes`: the
+    KV element size; 4-byte (fp32) K/V keep short blocks and 2 stages (the deep pipeline would need
+    ~150 KB of shared memory, more than GPUs other than sm80/sm90 have)."""
+    if num_splits > FEW_SPLITS or kv_bytes > 2:
         return DECODE_BLOCK_N, 2
     block_d = 1 << max(head_dim - 1, 1).bit_length()
     return (128 if block_d <= 128 else DECODE_BLOCK_N), 3
@@ -68,9 +70,9 @@ def decode_split_bounds(
 
 
 def decode_blocks_visited(seq_len: int, sliding_window: int | None, num_splits: int,
-                          head_dim: int = 128) -> int:
+                          head_dim: int, kv_bytes: int = 2) -> int:
     """Stage-1 key blocks (of `decode_block_config`'s size) one decode query visits per kv head."""
-    block = decode_block_config(num_splits, head_dim)[0]
+    block = decode_block_config(num_splits, head_dim, kv_bytes)[0]
     return sum(-(-(e - s) // block) for s, e in decode_split_bounds(
         seq_len, sliding_window, num_splits))
 

@@ -215,7 +215,7 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
-    block_n, stages = decode_block_config(num_splits, head_dim)
+    block_n, stages = decode_block_config(num_splits, head_dim, k_buffer.element_size())
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
