@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tide.layers.host_copy import device_tensor
+from tide.memory.host_copy import device_tensor
 
 if TYPE_CHECKING:
     from tide.layers.attention.base import AttentionBackend

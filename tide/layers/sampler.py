@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tide.layers import batch_invariant
-from tide.layers.host_copy import device_tensor
+from tide.memory.host_copy import device_tensor
 from tide.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
