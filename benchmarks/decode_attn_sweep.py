@@ -1,10 +1,12 @@
-"""Tune split-KV decode attention on a GPU host: `python -m benchmarks.decode_attn_sweep`.
+"""Tune split-KV decode attention on a GPU host: `python -m benchmarks.decode_attn_sweep [--shape S]`.
 
-bs1, Llama-3.1-8B attention shape (32 q heads, 8 kv heads, head dim 128), 8 layers of distinct KV at
-1k, 8k and 32k context: times stage 1 + stage 2 in a CUDA graph for each (max splits, tokens per block,
-warps, stages) and prints the six fastest per context next to the earlier default (64, 64, 4, 2), with
-microseconds per layer, the KV bytes read as a fraction of copy bandwidth, and the largest output
-difference from the first config (all configs compute the same attention).
+bs1, 8 layers of distinct KV at 1k, 8k and 32k context: times stage 1 + stage 2 in a CUDA graph for
+each (max splits, tokens per block, warps, stages) and prints the six fastest per context next to the
+config the engine uses now, with microseconds per layer, the KV bytes read as a fraction of copy
+bandwidth, and the largest output difference from the first config (all configs compute the same
+attention). Shapes: `llama` (Llama-3.1-8B: 32 q heads, 8 kv heads, head dim 128, full attention),
+`gemma3` (Gemma-3-12B: 16 q heads, 8 kv heads, head dim 256, full attention as its global layers) and
+`gemma3-local` (the same heads over a 1024-token window, as its sliding layers).
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from benchmarks.run import measure_copy_bandwidth
 from benchmarks.timing import replay_seconds
 from tide.layers.attention import triton_kernels as tk
 
-HQ, HK, D, LAYERS = 32, 8, 128, 8
+LAYERS = 8
+SHAPES = {"llama": (32, 8, 128, 0), "gemma3": (16, 8, 256, 0), "gemma3-local": (16, 8, 256, 1024)}
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama")
+    HQ, HK, D, window = SHAPES[ap.parse_args().shape]
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
     for ctx in (1024, 8192, 32768):
@@ -32,7 +40,7 @@ def main() -> None:
         table = torch.arange(size, device="cuda", dtype=torch.int32).view(1, size)
         req = torch.zeros(1, dtype=torch.int64, device="cuda")
         seq = torch.full((1,), ctx, dtype=torch.int64, device="cuda")
-        kv_bytes = LAYERS * ctx * HK * D * 2 * 2
+        kv_bytes = LAYERS * min(ctx, window or ctx) * HK * D * 2 * 2
         res: dict[tuple[int, ...], tuple[float, float, float]] = {}
         ref = None
         for splits, block_n, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128),
@@ -46,26 +54,33 @@ def main() -> None:
                         q, k, v, table, req, seq, mid_o, mid_l, q.stride(0), q.stride(1), k.stride(0),
                         k.stride(1), v.stride(0), v.stride(1), table.stride(0), mid_o.stride(0),
                         mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), D**-0.5,
-                        0, 1.0, GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D, HEAD_DIM=D,
-                        NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
+                        window, 1.0, GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D,
+                        HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=window > 0,
                         SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=True, num_warps=warps,
                         num_stages=stages, launch_pdl=True)
                     tk._decode_stage2[(1, HQ)](
                         mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-                        mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), 0,
+                        mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), window,
                         BLOCK_D=D, HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN,
-                        SLIDING=False, USE_PDL=True, num_warps=4, launch_pdl=True)
+                        SLIDING=window > 0, USE_PDL=True, num_warps=4, launch_pdl=True)
 
-            run()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            try:
                 run()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+            except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
+                print(f"   {(splits, block_n, warps, stages)}: {type(e).__name__}", flush=True)
+                continue
             t = replay_seconds(graph, reps=20)
             if ref is None:
                 ref = out.clone()
             err = (out.float() - ref.float()).abs().max().item()
             res[(splits, block_n, warps, stages)] = (t / LAYERS * 1e6, kv_bytes / t / bw, err)
-        print(f"{ctx}: earlier default (64, 64, 4, 2): {res[(64, 64, 4, 2)][0]:.2f} us/layer", flush=True)
+        now = (tk.num_kv_splits(HK, 128), *tk.decode_block_config(tk.num_kv_splits(HK, 128), D))
+        now = (now[0], now[1], 4, now[2])
+        print(f"{ctx}: current config {now}: {res[now][0] if now in res else float('nan'):.2f} "
+              "us/layer", flush=True)
         for cfg, (us, frac, err) in sorted(res.items(), key=lambda kv: kv[1][0])[:6]:
             print(f"   {cfg}: {us:.2f} us/layer, {frac:.3f} of copy bw, max diff {err:.1e}", flush=True)
 
