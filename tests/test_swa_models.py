@@ -509,3 +509,35 @@ def test_final_soft_cap_is_the_same_into_the_graphs_logits_buffer(arch, swa_chec
         engine.shutdown()
     assert graph_like.data_ptr() == into.logits_out.data_ptr()
     assert torch.equal(graph_like, eager)
+
+
+def test_n_copies_of_a_prompt_shorter_than_the_window_prefill_once(tmp_path):
+    """Two-pool cache, prompts shorter than the window (every token keeps its SWA K/V): n copies
+    submitted together prefill the prompt once and read it from the cache; tokens equal an engine
+    without a prefix cache, both pools stay consistent, a longer prompt's copies are not held back."""
+    path = build_swa_checkpoint(tmp_path / "gemma3", "gemma3")
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 64
+    (path / "config.json").write_text(json.dumps(config))
+    short, long = random_prompts(31, [50, 90])
+    n = 4
+    prompts = [short] * n + [long] * 2
+    params = {"temperature": 0, "max_new_tokens": 80, "ignore_eos": True}
+    ref = tide.Engine(str(path), disable_radix_cache=True)
+    try:
+        assert ref.scheduler.swa_window == 64
+        expected = [o["output_ids"] for o in ref.generate(input_ids=prompts, sampling_params=params)]
+    finally:
+        ref.shutdown()
+    engine = tide.Engine(str(path))
+    try:
+        stats = engine.scheduler.stats
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == expected
+        assert [o["meta_info"]["cached_tokens"] for o in outs[:n]] == [0] + [len(short) - 1] * (n - 1)
+        assert stats.num_prefix_deferrals == n - 1  # the 90-token prompt (> window) is not held back
+        engine.scheduler.check_invariants()
+        engine.scheduler.allocator.check_consistency()
+        _assert_idle_and_flushable(engine)
+    finally:
+        engine.shutdown()

@@ -614,18 +614,24 @@ class Scheduler:
                 break  # a chunked request ends the batch
         return batch
 
+    def _publishes_at_prefill(self, req: Req) -> bool:
+        """Is `req`'s prompt put in the radix cache as soon as its prefill completes? Always with
+        one pool; with two, only a prompt shorter than the window (it keeps every token's SWA K/V,
+        so another prompt can be matched against all of it)."""
+        return self.swa_window is None or req.seq_len < self.swa_window
+
     def _shares_prefix_with(self, req: Req, batch: list[tuple[Req, int]]) -> bool:
-        """Does a request admitted in `batch` compute at least IN_BATCH_PREFIX_MIN tokens of
-        `req`'s prompt beyond what `req` found cached? Not for a two-pool cache, whose published
-        prompts keep SWA K/V only for their last window (a later match would be cut short)."""
-        if self.tree_cache.disable or self.swa_window is not None or not batch:
+        """Does a request admitted in `batch`, whose prompt will be published at prefill, compute
+        at least IN_BATCH_PREFIX_MIN tokens of `req`'s prompt beyond what `req` found cached?"""
+        if self.tree_cache.disable or not batch:
             return False
         key = req.all_token_ids()[: req.seq_len - 1]
         need = req.kv_len + IN_BATCH_PREFIX_MIN
         if len(key) < need:
             return False
         head = key[:need]
-        return any(other.all_token_ids()[:need] == head for other, _ in batch)
+        return any(self._publishes_at_prefill(other) and other.all_token_ids()[:need] == head
+                   for other, _ in batch)
 
     def _match_prefix(self, req: Req) -> None:
         key = req.all_token_ids()[: req.seq_len - 1]  # always compute at least one token
@@ -766,7 +772,8 @@ class Scheduler:
                         (req.tree or self.tree_cache).cache_unfinished_req(req)
                     self.chunked_req = req
                     continue
-                if i < prefilled and req.kv_epoch == self.kv_epoch and self.swa_window is None:
+                if (i < prefilled and req.kv_epoch == self.kv_epoch
+                        and self._publishes_at_prefill(req)):
                     # A completed prompt is published at once, not when the request finishes, so
                     # prompts admitted later (n samples of it, a retracted request coming back)
                     # read it from the cache.
