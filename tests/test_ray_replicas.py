@@ -114,6 +114,9 @@ def test_pause_tensor_update_continue_reach_both(replicas, ref, base):
     reply = replicas.update_weights_from_tensor(named_tensors=named, weight_version="v1")
     assert reply["success"], reply
     assert replicas.weight_versions() == ["v1", "v1"] and replicas.weight_version == "v1"
+    info = replicas.get_server_info()  # as the replicas report it now, not from start-up
+    assert info["weight_version"] == "v1"
+    assert [r["weight_version"] for r in info["replicas"]] == ["v1", "v1"]
     assert replicas.continue_generation()["success"]
     assert ref.update_weights_from_tensor(named_tensors=named, weight_version="v1")["success"]
     ids, versions = greedy(replicas)

@@ -422,13 +422,31 @@ class RayEngine:
                 pass  # busy, not dead (a long weight update); alive stays True
         return self.router.describe()
 
-    def get_server_info(self) -> dict[str, Any]:
-        """The first replica's facts, with `num_replicas` and one entry per replica."""
-        info: dict[str, Any] = {k: v for k, v in self.replica_info[0].items()
+    def get_server_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Facts as the replicas report them now: the first live replica's at the top level (its
+        weight version, memory and KV state), `num_replicas`, `tp_size`, and one entry per replica
+        with its pid, devices and `weight_version` (None for a dead replica; a live one that does
+        not answer within `timeout` seconds shows its facts from start-up)."""
+        ray = self._ray
+        live = self.router.live_indices()
+        refs = {i: self.actors[i].ready.remote() for i in live}
+        facts: list[dict[str, Any] | None] = [None] * self.router.num_replicas
+        for index, ref in refs.items():
+            try:
+                facts[index] = ray.get(ref, timeout=timeout)
+            except ray.exceptions.RayActorError as e:
+                self._replica_died(index, e)
+            except ray.exceptions.GetTimeoutError:
+                facts[index] = self.replica_info[index]
+        first = next((f for f in facts if f is not None), self.replica_info[0])
+        info: dict[str, Any] = {k: v for k, v in first.items()
                                 if k not in ("pid", "cuda_visible_devices", "has_tokenizer")}
         replicas = self.router.describe()
-        for entry, facts in zip(replicas, self.replica_info):
-            entry.update(pid=facts["pid"], cuda_visible_devices=facts["cuda_visible_devices"])
+        for index, entry in enumerate(replicas):
+            start = self.replica_info[index]
+            now = facts[index]
+            entry.update(pid=start["pid"], cuda_visible_devices=start["cuda_visible_devices"],
+                         weight_version=now["weight_version"] if now is not None else None)
         info.update(num_replicas=self.router.num_replicas, tp_size=self.tp_size,
                     replicas=replicas)
         return info
