@@ -53,46 +53,13 @@ def test_overlap_equals_one_step_at_a_time(checkpoint):
     assert outs[False] == outs[True]
 
 
-def test_steady_overlapped_decode_steps_do_not_sync(checkpoint):
-    engine = _engine(checkpoint)
-    sched = engine.scheduler
-    from tide.sampling_params import SamplingParams
+def _run_steady_steps_without_sync(checkpoint, params) -> None:
+    """Every prompt with `params(i)` for 40 tokens; each step taken once decode is launched ahead
+    and nothing waits must make no synchronizing CUDA call."""
     from tide.scheduler.request import Req
 
-    reqs = [Req(rid=str(i), origin_input_ids=p, sampling_params=SamplingParams(
-        temperature=0, max_new_tokens=40, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
-    for r in reqs:
-        sched.add_request(r)
-    checked = 0
-    while sched.has_work():
-        steady = sched.launched is not None and not sched.waiting
-        if steady:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            sched.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        checked += steady
-    assert checked > 20
-    assert all(len(r.output_ids) == 40 for r in reqs)
-    engine.shutdown()
-
-
-def test_steady_overlapped_sampling_steps_do_not_sync(checkpoint):
-    """As above with what RL rollouts sample with: temperature, top-p/top-k, seeds, a greedy row
-    among them; none of the sampler's small parameter tensors may reach the device by a blocking
-    copy (torch's list-to-CUDA copy waits for the stream)."""
     engine = _engine(checkpoint)
     sched = engine.scheduler
-    from tide.sampling_params import SamplingParams
-    from tide.scheduler.request import Req
-
-    def params(i: int) -> SamplingParams:
-        if i == 0:
-            return SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
-        return SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=i if i % 2 else None,
-                              max_new_tokens=40, ignore_eos=True)
-
     reqs = [Req(rid=str(i), origin_input_ids=p, sampling_params=params(i))
             for i, p in enumerate(PROMPTS)]
     for r in reqs:
@@ -110,6 +77,28 @@ def test_steady_overlapped_sampling_steps_do_not_sync(checkpoint):
     assert checked > 20
     assert all(len(r.output_ids) == 40 for r in reqs)
     engine.shutdown()
+
+
+def test_steady_overlapped_decode_steps_do_not_sync(checkpoint):
+    from tide.sampling_params import SamplingParams
+
+    _run_steady_steps_without_sync(checkpoint, lambda i: SamplingParams(
+        temperature=0, max_new_tokens=40, ignore_eos=True))
+
+
+def test_steady_overlapped_sampling_steps_do_not_sync(checkpoint):
+    """As above with what RL rollouts sample with: temperature, top-p/top-k, seeds, a greedy row
+    among them; none of the sampler's small parameter tensors may reach the device by a blocking
+    copy (torch's list-to-CUDA copy waits for the stream)."""
+    from tide.sampling_params import SamplingParams
+
+    def params(i: int) -> SamplingParams:
+        if i == 0:
+            return SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+        return SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=i if i % 2 else None,
+                              max_new_tokens=40, ignore_eos=True)
+
+    _run_steady_steps_without_sync(checkpoint, params)
 
 
 def test_mixed_chunk_runs_every_request_to_its_length(checkpoint):
