@@ -8,6 +8,8 @@ rounds to the model dtype (residual sum, normalized activations before the weigh
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -244,9 +246,8 @@ def _gelu_tanh_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexp
              mask=mask)
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up for a fused [gate | up] projection output, in one launch; rounds where
-    `F.gelu(gate, approximate="tanh") * up` does (the activation, then the product)."""
+def _gated(kernel: Any, x: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for a fused [gate | up] projection output by one launch of `kernel`."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -254,22 +255,21 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     block = 1024
     use_pdl = pdl.enabled(x)
-    _gelu_tanh_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+    kernel[(x2.shape[0], triton.cdiv(d, block))](
         x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, USE_PDL=use_pdl,
         launch_pdl=use_pdl)
     return out.view(*x.shape[:-1], d)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up, in one launch; rounds where `F.gelu(gate, approximate="tanh") * up`
+    does (the activation, then the product)."""
+    return _gated(_gelu_tanh_mul_kernel, x)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    x2 = x.reshape(-1, x.shape[-1])
-    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
-    block = 1024
-    use_pdl = pdl.enabled(x)
-    _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), d,
-                                                           BLOCK=block, num_warps=4,
-                                                           USE_PDL=use_pdl, launch_pdl=use_pdl)
-    return out.view(*x.shape[:-1], d)
+    """silu(gate) * up, in one launch; rounds where `F.silu(gate) * up` does."""
+    return _gated(_silu_mul_kernel, x)
 
 
 @triton.jit
