@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,12 @@ def test_dp_server_puts_each_replica_on_its_own_gpu(tmp_path):
         after = srv.get("/get_server_info").json()["replicas"]
         assert [r["weight_version"] for r in after] == ["gpu-v1", "gpu-v1"]
         os.kill(after[1]["pid"], signal.SIGKILL)
+        # Requests routed before the controller sees the death fail cleanly (CPU tests cover
+        # that); once it is reported, every request goes to the live replica.
+        deadline = time.monotonic() + 30
+        while srv.get("/get_server_info").json()["num_replicas_alive"] != 1:
+            assert time.monotonic() < deadline, "the dead replica was never reported"
+            time.sleep(0.1)
         out = srv.post("/generate", {"text": PROMPTS, "sampling_params": GREEDY}).json()
         assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["length"] * 4
         assert srv.get("/get_server_info").json()["num_replicas_alive"] == 1

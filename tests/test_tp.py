@@ -95,6 +95,26 @@ def test_tp_size_the_model_cannot_split_is_refused(llama_path):
         tide.Engine(str(llama_path), tp_size=0, **OPTIONS)
 
 
+def test_every_rank_counts_its_gpu_from_the_same_first_one(monkeypatch):
+    # A rank makes its own GPU current before it builds its model: resolving `cuda` again there
+    # must not count from that GPU (rank 1 of 2 would ask for cuda:2).
+    from tide.config import EngineConfig
+    from tide.executor.model_runner import resolve_device
+    from tide.scheduler.tp_worker import pin_first_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    config = pin_first_device(EngineConfig(model_path="m", load_format="dummy", device="cuda", tp_size=2))
+    assert config.device == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)  # rank 1 made cuda:2 current
+    assert [resolve_device(config.device, r) for r in (0, 1)] == [torch.device("cuda", 1),
+                                                                  torch.device("cuda", 2)]
+    with pytest.raises(ValueError, match="tp_size needs GPUs 2..3"):
+        pinned = pin_first_device(EngineConfig(model_path="m", load_format="dummy", device="cuda:2"))
+        resolve_device(pinned.device, 1)
+
+
 # ---- weight updates: the same update at TP=1 and TP=2 gives the same outputs
 
 

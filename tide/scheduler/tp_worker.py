@@ -22,6 +22,7 @@ allocator serves all ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -231,6 +232,13 @@ class RankRuntime:
         return self.worker.max_total_tokens
 
 
+def pin_first_device(config: EngineConfig) -> EngineConfig:
+    """`config` with its device made concrete (`cuda` → `cuda:N`, N the current GPU here): every
+    rank then counts its GPU, first + rank, from the same N, whatever device it made current."""
+    device = resolve_device(config.device, 0)
+    return dataclasses.replace(config, device=str(device))
+
+
 def _connect_group(config: EngineConfig, rank: int, port: int) -> TpGroup:
     """Join the ranks' group as `rank` (gloo on CPU; NCCL on this rank's GPU, made current)."""
     device = resolve_device(config.device, rank)
@@ -332,6 +340,7 @@ class TpWorkerGroup(ModelWorker):
     def __init__(self, config: EngineConfig, model_config: ModelConfig,
                  ledger: MemoryLedger) -> None:
         check_tp_size(config.tp_size, model_config)
+        config = pin_first_device(config)
         resolve_device(config.device, config.tp_size - 1)  # enough GPUs, before any rank starts
         self.tp_size = config.tp_size
         self.ledger = ledger
