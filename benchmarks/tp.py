@@ -10,6 +10,8 @@ Parts (`--only`, comma separated; default decode,throughput,tensor,70b):
 - distributed: `update_weights_from_distributed` at TP=2 from a trainer process on a third GPU
   (`--trainer-gpu`, default 2: NCCL needs one GPU per rank of the trainer group), against a raw
   broadcast of the same bytes in the same 3-rank group. Needs 3 GPUs.
+- allreduce: the sum a decode step needs ([bs, hidden] bf16), 64 of them in one CUDA graph per
+  rank, NCCL's all-reduce against the one-shot kernel (`tide.parallel.one_shot`): µs per sum.
 - 70b: bs1 decode of the Llama-3.1-70B shape at TP=2 (141 GB of weights: not one GPU's worth)
   against the two-GPU weight-read roofline.
 
@@ -126,6 +128,67 @@ def tensor_update(res: dict) -> None:
     close(engine)
 
 
+def _all_reduce_rank(rank: int, port: int, queue) -> None:
+    """One of two ranks: µs per all-reduce in a replayed graph of 64, NCCL vs one-shot."""
+    sys.path.insert(0, os.getcwd())
+    from tide.parallel.one_shot import OneShotAllReduce
+    from tide.weights import init_custom_process_group
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, "ar-bench", device=device)
+    one_shot = OneShotAllReduce.create(group.pg, rank, 2, device)
+    assert one_shot is not None
+    opts = torch.distributed.AllreduceOptions()
+
+    def nccl(x: torch.Tensor) -> torch.Tensor:
+        group.pg.allreduce([x], opts).wait()
+        return x
+
+    rows = []
+    for bs, hidden in ((1, 4096), (1, 8192), (32, 4096), (256, 4096), (256, 8192)):
+        x = torch.randn(bs, hidden, device=device, dtype=torch.bfloat16)
+        row = {"bs": bs, "hidden": hidden, "bytes": x.numel() * 2}
+        for name, fn in (("nccl", nccl), ("one_shot", one_shot)):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fn(x)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(64):
+                    fn(x)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            for _ in range(20):
+                graph.replay()
+            torch.cuda.synchronize(device)
+            row[f"{name}_us"] = (time.perf_counter() - t) / (20 * 64) * 1e6
+        rows.append(row)
+    queue.put((rank, rows))
+
+
+def all_reduce(res: dict) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, PORT + 7, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    rows = dict(queue.get(timeout=300) for _ in procs)[0]
+    for p in procs:
+        p.join(30)
+    res["all_reduce"] = rows
+    for r in rows:
+        print(f"all-reduce [{r['bs']}, {r['hidden']}] bf16 in a graph: NCCL {r['nccl_us']:.1f} us, "
+              f"one-shot {r['one_shot_us']:.1f} us", flush=True)
+
+
 def _trainer(gpu: int, barrier, queue) -> None:
     """Rank 0 of a 3-rank group (trainer + the two engine ranks): raw broadcasts, then updates."""
     sys.path.insert(0, os.getcwd())
@@ -207,7 +270,7 @@ def distributed_update(res: dict, trainer_gpu: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="decode,throughput,tensor,70b")
+    ap.add_argument("--only", default="allreduce,decode,throughput,tensor,70b")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--trainer-gpu", type=int, default=2)
@@ -224,6 +287,9 @@ def main() -> None:
         with open(os.path.join(args.out, "tp.json"), "w") as f:
             json.dump(res, f, indent=2)
 
+    if "allreduce" in parts:
+        all_reduce(res)
+        save()
     if "decode" in parts:
         decode(res, bw, SHAPE_8B, (1, 2))
         save()

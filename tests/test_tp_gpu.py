@@ -141,3 +141,73 @@ def test_deterministic_tp4_is_batch_invariant(path):
                           [lp for lp, *_ in out["meta_info"]["output_token_logprobs"]]))
         engine.flush_cache()
         assert _run(engine) == alone
+
+
+def _one_shot_rank(rank: int, port: int, queue) -> None:
+    """Rank `rank` of two: the one-shot sum against NCCL's, eagerly and replayed in a CUDA graph."""
+    from tide.parallel.one_shot import SLOT_BYTES, OneShotAllReduce
+    from tide.weights import init_custom_process_group
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, "one-shot-test",
+                                      device=device)
+    reducer = OneShotAllReduce.create(group.pg, rank, 2, device)
+    assert reducer is not None, "peer access between the two GPUs"
+    opts = torch.distributed.AllreduceOptions()
+
+    def nccl(x):
+        y = x.clone()
+        group.pg.allreduce([y], opts).wait()
+        return y
+
+    mismatches = []
+    gen = torch.Generator(device).manual_seed(rank)
+    sizes = [1, 7, 4096, 4096 * 33 + 5, SLOT_BYTES // 2]
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in sizes:
+            if n * torch.tensor([], dtype=dtype).element_size() > SLOT_BYTES:
+                continue
+            for _ in range(3):  # both slots, then the first again
+                x = torch.randn(n, device=device, generator=gen).to(dtype)
+                if not torch.equal(reducer(x.clone()), nccl(x)):
+                    mismatches.append(("eager", str(dtype), n))
+    # Three sums per replay, as three layers of a decode step; the inputs change every replay.
+    static = torch.zeros(3, 8, 4096, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(static)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for i in range(3):
+                out[i] = reducer(static[i].clone() * 1.0)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(3):
+            out[i] = reducer(static[i] * 1.0)
+    for step in range(50):
+        static.copy_(torch.randn(static.shape, device=device, generator=gen))
+        graph.replay()
+        want = torch.stack([nccl(static[i]) for i in range(3)])
+        if not torch.equal(out, want):
+            mismatches.append(("graph", step))
+    torch.cuda.synchronize(device)
+    queue.put((rank, mismatches))
+
+
+def test_one_shot_all_reduce_equals_nccl_eagerly_and_in_graphs():
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_one_shot_rank, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == {0: [], 1: []}

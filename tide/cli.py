@@ -57,6 +57,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _engine_option(p, "context_length", type=int, metavar="N")
     _engine_option(p, "chunked_prefill_size", type=int, metavar="N")
     _engine_option(p, "tp_size", type=int, metavar="N")
+    _engine_option(p, "disable_custom_all_reduce", action="store_true")
     _engine_option(p, "disable_radix_cache", action="store_true")
     _engine_option(p, "disable_overlap_schedule", action="store_true")
     _engine_option(p, "enable_mixed_chunk", action="store_true")
@@ -70,7 +71,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model_path", "device", "dtype", "max_total_tokens", "context_length",
-            "chunked_prefill_size", "tp_size", "disable_radix_cache", "disable_overlap_schedule",
+            "chunked_prefill_size", "tp_size", "disable_custom_all_reduce", "disable_radix_cache",
+            "disable_overlap_schedule",
             "enable_mixed_chunk", "attention_backend", "load_format",
             "enable_deterministic_inference", "log_level")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}

@@ -55,6 +55,9 @@ class EngineConfig:
                                              "triton or torch_native")
     tp_size: int = _option(1, "tensor-parallel ranks: the model is split over this many GPUs of "
                               "this host (one process per rank; on CPU, gloo processes)")
+    disable_custom_all_reduce: bool = _option(
+        False, "with tp_size > 1 on GPUs: sum small tensors (decode steps) with NCCL instead of the "
+               "one-shot all-reduce over peer memory")
     disable_cuda_graph: bool = _option(False, "run decode eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = _option(
         512, "largest decode batch captured as a CUDA graph (at most max_running_requests)")

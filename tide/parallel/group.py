@@ -3,7 +3,9 @@ two collectives the layers need (sum across ranks, gather along the last dim).
 
 The group is not torch's default process group (a colocated trainer may own that): it is a process
 group of its own (`tide.weights.distributed.init_custom_process_group`), gloo on CPU, NCCL on CUDA.
-With one rank every collective is the identity and nothing is communicated.
+With one rank every collective is the identity and nothing is communicated. On GPUs, sums small
+enough for one slot of `tide.parallel.one_shot` (every decode step's) take that one-shot kernel
+over peer memory instead of NCCL, unless `disable_custom_all_reduce`.
 
 Layers read the group once, when they are built, from `tp_context` (a scoped context that rejects
 nesting), so model code never passes it around.
@@ -35,6 +37,7 @@ class TpGroup:
     size: int = 1
     pg: Any = None
     batch_invariant: bool = False
+    one_shot: Any = None  # a `OneShotAllReduce` for small sums between GPUs, else None (NCCL)
 
     def split(self, total: int, name: str) -> tuple[int, int]:
         """(start, size) of this rank's even share of `total` (ValueError if it does not divide)."""
@@ -64,6 +67,8 @@ class TpGroup:
         """Sum `x` over the ranks, in place; returns `x`."""
         if self.size == 1:
             return x
+        if self.one_shot is not None and self.one_shot.fits(x):  # rank order: batch-invariant
+            return self.one_shot(x)
         if self.batch_invariant and self.size > 2:  # two ranks: a + b whatever the algorithm
             parts = self._gather_parts(x)
             total = parts[0].clone()

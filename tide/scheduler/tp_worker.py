@@ -48,6 +48,7 @@ from tide.memory.observe import device_memory_stats
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.parallel import TpGroup
+from tide.parallel.one_shot import OneShotAllReduce
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.scheduler.worker import ModelWorker, TpModelWorker
 from tide.weights.bucket import FlattenedBucket
@@ -248,8 +249,11 @@ def _connect_group(config: EngineConfig, rank: int, port: int) -> TpGroup:
         "nccl" if device.type == "cuda" else "gloo", "127.0.0.1", port, rank, config.tp_size, "tp",
         timeout_s=_COLLECTIVE_TIMEOUT_S, join_timeout_s=_START_TIMEOUT_S,
         device=device if device.type == "cuda" else None)
+    one_shot = None
+    if device.type == "cuda" and not config.disable_custom_all_reduce:
+        one_shot = OneShotAllReduce.create(group.pg, rank, config.tp_size, device)
     return TpGroup(rank, config.tp_size, group.pg,
-                   batch_invariant=config.enable_deterministic_inference)
+                   batch_invariant=config.enable_deterministic_inference, one_shot=one_shot)
 
 
 def rank_main() -> None:
@@ -503,6 +507,9 @@ class TpWorkerGroup(ModelWorker):
         local = getattr(self, "local", None)
         if local is not None:
             local.shutdown()  # rank 0's own model, pools and graphs
+        tp = getattr(self, "tp", None)
+        if tp is not None and tp.one_shot is not None:  # the other ranks have exited
+            tp.one_shot.close()
 
 
 def _free_port() -> int:

@@ -1,0 +1,135 @@
+"""The one-shot all-reduce kernel (`tide.parallel.one_shot`) on CPU: run by Triton's interpreter as
+rank 0 of two, against a peer whose copy and flag are already in place (its slot and rank 0's
+signal written as the peer's kernel would), and compiled for sm_90 without a GPU. The two-GPU run,
+with NCCL as the reference and inside CUDA graphs, is in tests/test_tp_gpu.py.
+
+The interpreter must be chosen before triton is imported, so a plain pytest run executes this file
+again in a subprocess with `TRITON_INTERPRET=1`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+
+
+def test_kernel_under_the_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" in proc.stdout
+
+
+class _Ranks:
+    """Rank 0's and its peer's allocations (signals, then two slots of `slot` elements)."""
+
+    def __init__(self, dtype: torch.dtype, slot: int) -> None:
+        from tide.parallel import one_shot
+
+        self.m, self.dtype, self.slot = one_shot, dtype, slot
+        self.es = torch.tensor([], dtype=dtype).element_size()
+        self.own = torch.zeros(one_shot.SIGNAL_BYTES + 2 * slot * self.es, dtype=torch.uint8)
+        self.peer = torch.zeros_like(self.own)
+        self.bases = torch.tensor([self.own.data_ptr(), self.peer.data_ptr()], dtype=torch.int64)
+        self.counters = torch.zeros(one_shot.MAX_BLOCKS, dtype=torch.int32)
+
+    def data(self, buf: torch.Tensor, flag: int, n: int) -> torch.Tensor:
+        start = self.m.SIGNAL_BYTES + (flag & 1) * self.slot * self.es
+        return buf[start:start + n * self.es].view(self.dtype)
+
+    def signals(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:self.m.SIGNAL_BYTES].view(torch.int32)
+
+    def peer_arrives(self, y: torch.Tensor, flag: int, programs: int) -> None:
+        self.data(self.peer, flag, y.numel()).copy_(y)
+        for b in range(programs):
+            self.signals(self.own)[b * 2 + 1] = flag
+
+    def run(self, x: torch.Tensor, spin_limit: int = 1000) -> int:
+        programs = min(self.m.MAX_BLOCKS, triton.cdiv(x.numel(), self.m.BLOCK))
+        self.m._one_shot_kernel[(programs,)](
+            x, x.numel(), self.bases, self.counters, spin_limit, RANK=0, WORLD=2,
+            BLOCK=self.m.BLOCK, DATA_OFFSET=self.m.SIGNAL_BYTES, SLOT_ELEMS=self.slot)
+        return programs
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_two_calls_sum_in_rank_order_through_alternating_slots(dtype):
+    n = 3000
+    ranks = _Ranks(dtype, slot=4096)
+    programs = min(ranks.m.MAX_BLOCKS, triton.cdiv(n, ranks.m.BLOCK))
+    assert programs == 3
+    for flag in (1, 2):
+        torch.manual_seed(flag)
+        x, y = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+        ranks.peer_arrives(y, flag, programs)
+        got = x.clone()
+        ranks.run(got)
+        assert torch.equal(got, (x.float() + y.float()).to(dtype))
+        assert torch.equal(ranks.data(ranks.own, flag, n), x)  # this rank's copy, in slot flag % 2
+        assert ranks.counters[:programs].tolist() == [flag] * programs
+        assert ranks.counters[programs:].eq(0).all()
+        peer_signals = ranks.signals(ranks.peer)
+        assert [int(peer_signals[b * 2]) for b in range(programs)] == [flag] * programs
+
+
+@interpreted
+def test_a_peer_a_call_ahead_counts_as_arrived():
+    ranks = _Ranks(torch.float32, slot=2048)
+    x, y = torch.ones(100), torch.full((100,), 2.0)
+    ranks.data(ranks.peer, 1, 100).copy_(y)
+    ranks.signals(ranks.own)[1] = 2  # the peer signalled call 2 already: call 1's data is there
+    ranks.run(x)
+    assert torch.equal(x, torch.full((100,), 3.0))
+
+
+@interpreted
+def test_an_absent_peer_ends_the_wait_at_the_spin_limit():
+    ranks = _Ranks(torch.float32, slot=2048)
+    x = torch.ones(10)
+    ranks.run(x, spin_limit=5)  # returns instead of hanging; the sum is meaningless
+    assert ranks.counters[0].item() == 1
+
+
+def test_kernel_compiles_for_hopper():
+    if INTERPRETED:
+        pytest.skip("kernels are interpreted in this process")
+    from tide.parallel import one_shot
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = one_shot._one_shot_kernel
+    for ty, elems in (("*bf16", 4 << 20), ("*fp32", 2 << 20)):
+        sig = {"X": ty, "n": "i32", "Bases": "*i64", "Counters": "*i32", "spin_limit": "i32"}
+        sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
+        src = ASTSource(fn=fn, signature=sig, constexprs=dict(
+            RANK=1, WORLD=2, BLOCK=one_shot.BLOCK, DATA_OFFSET=one_shot.SIGNAL_BYTES,
+            SLOT_ELEMS=elems))
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ptx = kernel.asm["ptx"]
+        assert "sys.release" in ptx and "sys.acquire" in ptx, "flags need system-scope ordering"
+
+
+def test_only_contiguous_tensors_of_a_slot_or_less_take_the_one_shot_path():
+    from tide.parallel import one_shot
+
+    reducer = object.__new__(one_shot.OneShotAllReduce)
+    assert reducer.fits(torch.empty(4096, dtype=torch.bfloat16))
+    assert reducer.fits(torch.empty(one_shot.SLOT_BYTES // 4, dtype=torch.float32))
+    assert not reducer.fits(torch.empty(one_shot.SLOT_BYTES // 4 + 1, dtype=torch.float32))
+    assert not reducer.fits(torch.empty(8, 8).t())
+    assert not reducer.fits(torch.empty(8, dtype=torch.int64))
+    assert not reducer.fits(torch.empty(0))

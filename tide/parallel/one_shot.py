@@ -1,0 +1,211 @@
+"""One-shot all-reduce for small tensors between the GPUs of one host (sglang's and vLLM's
+"custom all-reduce"): the sum a decode step's row-parallel layers need, in one kernel of a few
+microseconds, where NCCL's all-reduce of a few KiB costs tens of microseconds inside a CUDA graph.
+
+Each rank owns one device allocation, mapped into every other rank's address space with CUDA IPC:
+
+    [ signals: MAX_BLOCKS x MAX_RANKS int32 | slot 0: SLOT_BYTES | slot 1: SLOT_BYTES ]
+
+Program `b` of the kernel copies its share of the input into this rank's slot, writes its flag into
+every peer's signal `[b, rank]` (a release store at system scope), waits until every peer's flag
+has reached its own signals `[b, peer]` (acquire loads), then reads the same share from every
+rank's slot and adds them in rank order, in fp32. The flag is program `b`'s call count, kept in
+this rank's device memory, so a captured graph replays with fresh flags and no host input.
+
+Why two slots are enough: a rank writes slot `k % 2` at call `k` and can only start call `k + 2`
+after every peer has signalled call `k + 1`, which a peer does only after it finished reading
+call `k`. Flags are compared as `seen - flag >= 0` in int32, so a peer already one call ahead is
+seen as arrived.
+
+The sum is the same for an element whatever the tensor's size (rank order, fp32), so it serves the
+deterministic mode too. Every rank must call it for the same tensor sizes in the same order, as
+for any collective; tensors larger than a slot, or not contiguous, go to NCCL (`fits`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+MAX_RANKS = 8
+MAX_BLOCKS = 64
+BLOCK = 1024
+SIGNAL_BYTES = 4096  # >= MAX_BLOCKS * MAX_RANKS * 4
+SLOT_BYTES = 8 << 20
+SPIN_LIMIT = 1 << 26  # ~ tens of seconds: a dead peer leaves garbage, never a GPU hung forever
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded (found in this process's mappings), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cudaFree.argtypes = [ctypes.c_void_p]
+        lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
+        lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle,
+                                             ctypes.c_uint]
+        lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        return lib
+    return None
+
+
+class OneShotAllReduce:
+    """The one-shot sum over the ranks of `pg` (one GPU each, this rank's current device);
+    built collectively by `create`, which every rank calls."""
+
+    def __init__(self, lib: ctypes.CDLL, rank: int, size: int, device: torch.device, own: int,
+                 peers: dict[int, int]) -> None:
+        self._lib, self.rank, self.size, self.device = lib, rank, size, device
+        self._own, self._peers = own, peers
+        bases = [own if r == rank else peers[r] for r in range(size)]
+        self._bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        self._counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
+
+    @classmethod
+    def create(cls, pg: Any, rank: int, size: int, device: torch.device) -> OneShotAllReduce | None:
+        """Collective over `pg`: every rank allocates its buffer and maps its peers'. None on every
+        rank (NCCL is used) unless every rank succeeded: peers without peer access, a CUDA
+        runtime not found, or more than `MAX_RANKS` ranks."""
+        lib = _cudart() if size <= MAX_RANKS else None
+        own = ctypes.c_void_p()
+        handle = _IpcHandle()
+        ok = lib is not None
+        if ok:
+            ok = all(torch.cuda.can_device_access_peer(device, torch.device("cuda", d))
+                     for d in range(torch.cuda.device_count()) if d != device.index)
+        if ok and lib is not None:
+            nbytes = SIGNAL_BYTES + 2 * SLOT_BYTES
+            ok = (lib.cudaMalloc(ctypes.byref(own), nbytes) == 0
+                  and lib.cudaMemset(own, 0, nbytes) == 0
+                  and lib.cudaIpcGetMemHandle(ctypes.byref(handle), own) == 0)
+            torch.cuda.synchronize(device)
+        peers: dict[int, int] = {}
+        handles = _all_gather_bytes(pg, size, device, bytes(handle.reserved).ljust(64, b"\0"), ok)
+        if all(flag for _, flag in handles) and lib is not None:
+            for r, (raw, _) in enumerate(handles):
+                if r == rank:
+                    continue
+                ptr = ctypes.c_void_p()
+                peer = _IpcHandle()
+                peer.reserved = raw
+                if lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), peer,
+                                            _IPC_LAZY_ENABLE_PEER_ACCESS) != 0:
+                    ok = False
+                    break
+                peers[r] = int(ptr.value or 0)
+        else:
+            ok = False
+        agreed = all(flag for _, flag in _all_gather_bytes(pg, size, device, b"", ok))
+        result = None
+        if agreed and lib is not None:
+            result = cls(lib, rank, size, device, int(own.value or 0), peers)
+        if result is None:
+            if lib is not None:
+                for address in peers.values():
+                    lib.cudaIpcCloseMemHandle(ctypes.c_void_p(address))
+                if own.value:
+                    lib.cudaFree(own)
+            logger.info("tensor parallel: NCCL all-reduce only (one-shot all-reduce unavailable)")
+        return result
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes through the one-shot kernel (else NCCL); the same on every rank."""
+        return (x.dtype in _DTYPES and x.is_contiguous()
+                and 0 < x.numel() * x.element_size() <= SLOT_BYTES)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks in place (`fits(x)` must hold); returns `x`."""
+        n = x.numel()
+        grid = (min(MAX_BLOCKS, triton.cdiv(n, BLOCK)),)
+        _one_shot_kernel[grid](x, n, self._bases, self._counters, SPIN_LIMIT, RANK=self.rank,
+                               WORLD=self.size, BLOCK=BLOCK, DATA_OFFSET=SIGNAL_BYTES,
+                               SLOT_ELEMS=SLOT_BYTES // x.element_size(), num_warps=4)
+        return x
+
+    def close(self) -> None:
+        """Unmap the peers' buffers and free this rank's (after every rank stopped using them)."""
+        for ptr in self._peers.values():
+            self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr))
+        self._peers = {}
+        if self._own:
+            self._lib.cudaFree(ctypes.c_void_p(self._own))
+            self._own = 0
+
+
+@triton.jit
+def _one_shot_kernel(X, n, Bases, Counters, spin_limit, RANK: tl.constexpr, WORLD: tl.constexpr,
+                     BLOCK: tl.constexpr, DATA_OFFSET: tl.constexpr, SLOT_ELEMS: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    dtype = X.dtype.element_ty
+    flag = tl.load(Counters + pid) + 1
+    slot = (flag & 1).to(tl.int64) * SLOT_ELEMS
+    own = tl.load(Bases + RANK)
+    own_data = tl.multiple_of((own + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot, 16)
+    offs = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, n, step):
+        idx = tl.max_contiguous(tl.multiple_of(start + offs, BLOCK), BLOCK)
+        tl.store(own_data + idx, tl.load(X + idx, mask=idx < n), mask=idx < n)
+    tl.debug_barrier()  # every thread's copy is in before the flag goes out
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer_signals = tl.load(Bases + r).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer_signals + pid * WORLD + RANK, flag, sem="release", scope="sys")
+    own_signals = own.to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            seen = tl.atomic_add(own_signals + pid * WORLD + r, 0, sem="acquire", scope="sys")
+            spins = 0
+            while (seen - flag < 0) & (spins < spin_limit):
+                seen = tl.atomic_add(own_signals + pid * WORLD + r, 0, sem="acquire", scope="sys")
+                spins += 1
+    tl.debug_barrier()  # no thread reads a peer's slot before its flag was seen
+    for start in range(pid * BLOCK, n, step):
+        idx = tl.max_contiguous(tl.multiple_of(start + offs, BLOCK), BLOCK)
+        mask = idx < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                acc += tl.load(X + idx, mask=mask).to(tl.float32)
+            else:
+                data = tl.multiple_of(
+                    (tl.load(Bases + r) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot, 16)
+                acc += tl.load(data + idx, mask=mask, cache_modifier=".cv").to(tl.float32)
+        tl.store(X + idx, acc.to(dtype), mask=mask)
+    tl.store(Counters + pid, flag)
+
+
+def _all_gather_bytes(pg: Any, size: int, device: torch.device, payload: bytes,
+                      ok: bool) -> list[tuple[bytes, bool]]:
+    """Every rank's (payload, ok), payloads of equal length (at most 64 bytes)."""
+    row = torch.zeros(65, dtype=torch.uint8)
+    row[0] = int(ok)
+    if payload:
+        row[1:1 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    local = row.to(device)
+    out = torch.empty(size * 65, dtype=torch.uint8, device=device)
+    pg._allgather_base(out, local).wait()
+    rows = out.view(size, 65).cpu()
+    return [(bytes(r[1:].tolist()), bool(r[0])) for r in rows]
