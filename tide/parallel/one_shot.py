@@ -12,10 +12,13 @@ has reached its own signals `[b, peer]` (acquire loads), then reads the same sha
 rank's slot and adds them in rank order, in fp32. The flag is program `b`'s call count, kept in
 this rank's device memory, so a captured graph replays with fresh flags and no host input.
 
-Why two slots are enough: a rank writes slot `k % 2` at call `k` and can only start call `k + 2`
-after every peer has signalled call `k + 1`, which a peer does only after it finished reading
-call `k`. Flags are compared as `seen - flag >= 0` in int32, so a peer already one call ahead is
-seen as arrived.
+Every call launches all `MAX_BLOCKS` programs (some with nothing to copy), so element `i` is always
+handled by program `(i // BLOCK) % MAX_BLOCKS` and every program's count is the call count: with a
+grid that followed the size, a program could overwrite a chunk that another program of the peer,
+from the previous call, is still reading. Why two slots are enough: program `b` writes slot `k % 2`
+at call `k` and can only start call `k + 2` after every peer's program `b` has signalled call `k +
+1`, which it does only after it finished reading call `k`. Flags are compared as `seen - flag >= 0`
+in int32, so a peer already one call ahead is seen as arrived.
 
 The sum is the same for an element whatever the tensor's size (rank order, fp32), so it serves the
 deterministic mode too. Every rank must call it for the same tensor sizes in the same order, as
@@ -138,8 +141,7 @@ class OneShotAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place (`fits(x)` must hold); returns `x`."""
         n = x.numel()
-        grid = (min(MAX_BLOCKS, triton.cdiv(n, BLOCK)),)
-        _one_shot_kernel[grid](x, n, self._bases, self._counters, SPIN_LIMIT, RANK=self.rank,
+        _one_shot_kernel[(MAX_BLOCKS,)](x, n, self._bases, self._counters, SPIN_LIMIT, RANK=self.rank,
                                WORLD=self.size, BLOCK=BLOCK, DATA_OFFSET=SIGNAL_BYTES,
                                SLOT_ELEMS=SLOT_BYTES // x.element_size(), num_warps=4)
         return x
