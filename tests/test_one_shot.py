@@ -132,3 +132,13 @@ def test_only_contiguous_tensors_of_a_slot_or_less_take_the_one_shot_path():
     assert not reducer.fits(torch.empty(8, 8).t())
     assert not reducer.fits(torch.empty(8, dtype=torch.int64))
     assert not reducer.fits(torch.empty(0))
+
+
+def test_an_ipc_handle_keeps_every_byte_through_the_exchange():
+    from tide.parallel.one_shot import _IpcHandle
+
+    raw = bytes([0, 7, 0, 0, 255] + list(range(59)))  # NUL bytes inside, as real handles have
+    handle = _IpcHandle.from_bytes(raw)
+    assert handle.to_bytes() == raw
+    with pytest.raises(ValueError, match="64 bytes"):
+        _IpcHandle.from_bytes(raw[:10])

@@ -48,7 +48,17 @@ _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # Bytes, not c_char: a c_char array reads back cut at its first NUL.
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+    def to_bytes(self) -> bytes:
+        return bytes(self.reserved)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> _IpcHandle:
+        if len(raw) != 64:
+            raise ValueError(f"a CUDA IPC handle has 64 bytes, got {len(raw)}")
+        return cls.from_buffer_copy(raw)
 
 
 def _cudart() -> ctypes.CDLL | None:
@@ -70,6 +80,7 @@ def _cudart() -> ctypes.CDLL | None:
         lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle,
                                              ctypes.c_uint]
         lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        lib.cudaGetLastError.argtypes = []
         return lib
     return None
 
@@ -105,21 +116,21 @@ class OneShotAllReduce:
                   and lib.cudaIpcGetMemHandle(ctypes.byref(handle), own) == 0)
             torch.cuda.synchronize(device)
         peers: dict[int, int] = {}
-        handles = _all_gather_bytes(pg, size, device, bytes(handle.reserved).ljust(64, b"\0"), ok)
+        handles = _all_gather_bytes(pg, size, device, handle.to_bytes(), ok)
         if all(flag for _, flag in handles) and lib is not None:
             for r, (raw, _) in enumerate(handles):
                 if r == rank:
                     continue
                 ptr = ctypes.c_void_p()
-                peer = _IpcHandle()
-                peer.reserved = raw
-                if lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), peer,
+                if lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), _IpcHandle.from_bytes(raw),
                                             _IPC_LAZY_ENABLE_PEER_ACCESS) != 0:
                     ok = False
                     break
                 peers[r] = int(ptr.value or 0)
         else:
             ok = False
+        if lib is not None:
+            lib.cudaGetLastError()  # a failed call above must not surface in torch's next check
         agreed = all(flag for _, flag in _all_gather_bytes(pg, size, device, b"", ok))
         result = None
         if agreed and lib is not None:
