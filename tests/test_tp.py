@@ -88,6 +88,28 @@ def test_tp2_matches_tp1_fewer_kv_heads_than_ranks(gqa_path):
     _parity(gqa_path)
 
 
+def test_overlap_schedule_at_tp2_gives_the_one_step_tokens(llama_path):
+    # Overlapped decode steps reach rank 1 with their input ids still in a tensor (the previous
+    # step's tokens), sent with the KV slots in one broadcast over the rank group.
+    import test_overlap
+
+    greedy = dict(GREEDY, max_new_tokens=14)
+
+    def make():
+        return test_overlap._reqs(PROMPTS + random_prompts(3, [9, 30]), [greedy] * 6,
+                                  logprobs=True)
+
+    with tide.Engine(str(llama_path), tp_size=2, **OPTIONS) as engine:
+        base = test_overlap._run(engine, make(), overlap=False)
+        over = test_overlap._run(engine, make(), overlap=True)
+    assert over["overlapped"] > 0, "no decode step was launched ahead"
+    assert over["out"] == base["out"]
+    with tide.Engine(str(llama_path), tp_size=1, **OPTIONS) as one:
+        want = test_overlap._run(one, make(), overlap=False)
+    for rid, (ids, *_rest) in want["out"].items():
+        assert base["out"][rid][0] == ids
+
+
 def test_tp_size_the_model_cannot_split_is_refused(llama_path):
     with pytest.raises(ValueError, match="tp_size 3"):
         tide.Engine(str(llama_path), tp_size=3, **OPTIONS)

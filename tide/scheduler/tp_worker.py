@@ -50,7 +50,7 @@ from tide.model_config import ModelConfig
 from tide.parallel import TpGroup
 from tide.parallel.one_shot import OneShotAllReduce
 from tide.scheduler.schedule_batch import ScheduleBatch
-from tide.scheduler.worker import ModelWorker, TpModelWorker
+from tide.scheduler.worker import ModelWorker, SampleFuture, TpModelWorker
 from tide.weights.bucket import FlattenedBucket
 from tide.weights.distributed import init_custom_process_group
 
@@ -100,10 +100,14 @@ class RankRuntime:
         pool = runner.req_to_token_pool
         for slot, start, slots in batch["writes"]:
             pool.write(slot, start, torch.tensor(slots, dtype=torch.int32, device=pool.device))
-        loc = torch.tensor(batch["out_cache_loc"], dtype=torch.int64, device=runner.device)
+        n = batch["num_tokens"]
+        payload = torch.empty(2 * n if batch["ids_on_device"] else n, dtype=torch.int64,
+                              device=runner.device)
+        self.tp.broadcast(payload)  # rank 0's `_send_batch`
+        loc = payload[:n]
+        ids = payload[n:] if batch["ids_on_device"] else batch["input_ids"]
         if batch["mode"] == ForwardMode.DECODE.value:
-            runner.forward_decode(batch["input_ids"], batch["positions"],
-                                  batch["req_pool_indices"], loc)
+            runner.forward_decode(ids, batch["positions"], batch["req_pool_indices"], loc)
         else:
             runner.forward_extend(batch["input_ids"], batch["positions"],
                                   batch["req_pool_indices"], batch["prefix_lens"],
@@ -393,6 +397,7 @@ class TpWorkerGroup(ModelWorker):
                                                                        runner.device)
         self.model_runner = runner
         self.sampler = self.local.sampler
+        self.supports_overlap = self.local.supports_overlap
         self.req_to_token_pool = _RecordingReqToTokenPool(runner.req_to_token_pool)  # type: ignore[assignment]
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
         self.context_len = runner.context_len
@@ -433,21 +438,41 @@ class TpWorkerGroup(ModelWorker):
 
     # ---- the worker interface
     def forward(self, batch: ScheduleBatch) -> SampleOutput:
-        assert batch.out_cache_loc is not None, "prepare the batch first"
+        self._send_batch(batch)
+        return self.local.forward(batch)
+
+    def forward_launch(self, batch: ScheduleBatch) -> SampleFuture:
+        """The overlap schedule's launch: the other ranks get the batch without rank 0 waiting for
+        the device (see `_send_batch`), then rank 0 launches its own part and sampling."""
+        self._send_batch(batch)
+        return self.local.forward_launch(batch)
+
+    def _send_batch(self, batch: ScheduleBatch) -> None:
+        """The batch to the other ranks: its host fields over the pipes, then the new KV slots (and
+        a decode step's input ids when they are the previous step's tokens, still on the device)
+        in one broadcast over the rank group. The broadcast is queued on the device in stream
+        order, so nothing here waits for the device."""
+        loc = batch.out_cache_loc
+        if loc is None:
+            raise ValueError("prepare the batch first (out_cache_loc is not set)")
+        ids = batch.input_ids_device if batch.is_decode else None
         message = {
             "mode": batch.mode.value,
-            "input_ids": batch.input_ids,
+            "input_ids": batch.input_ids if ids is None else None,
+            "ids_on_device": ids is not None,
+            "num_tokens": int(loc.numel()),
             "positions": batch.positions,
             "req_pool_indices": batch.req_pool_indices,
             "prefix_lens": batch.prefix_lens,
             "extend_lens": batch.extend_lens,
-            "out_cache_loc": batch.out_cache_loc.tolist(),
             "writes": self.req_to_token_pool.take_writes(),  # type: ignore[attr-defined]
         }
-        with self._lock:
+        loc = loc.to(torch.int64)
+        payload = loc if ids is None else torch.cat([loc, ids.reshape(-1).to(torch.int64)])
+        with self._lock:  # the pipes' order and the group's collective order stay the same
             for conn in self._conns:
                 conn.send(("forward", message))
-        return self.local.forward(batch)
+            self.tp.broadcast(payload.contiguous())
 
     def device_info(self) -> dict[str, str]:
         info = self.local.device_info()
