@@ -61,7 +61,8 @@ class _Ranks:
         programs = self.m.MAX_BLOCKS  # always all of them: a chunk's program never changes
         self.m._one_shot_kernel[(programs,)](
             x, x.numel(), self.bases, self.counters, spin_limit, RANK=0, WORLD=2,
-            BLOCK=self.m.BLOCK, DATA_OFFSET=self.m.SIGNAL_BYTES, SLOT_ELEMS=self.slot)
+            BLOCK=self.m.BLOCK, DATA_OFFSET=self.m.SIGNAL_BYTES, SLOT_ELEMS=self.slot,
+            USE_PDL=False)
         return programs
 
 
@@ -116,10 +117,11 @@ def test_kernel_compiles_for_hopper():
         sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
         src = ASTSource(fn=fn, signature=sig, constexprs=dict(
             RANK=1, WORLD=2, BLOCK=one_shot.BLOCK, DATA_OFFSET=one_shot.SIGNAL_BYTES,
-            SLOT_ELEMS=elems))
+            SLOT_ELEMS=elems, USE_PDL=True))
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx = kernel.asm["ptx"]
         assert "sys.release" in ptx and "sys.acquire" in ptx, "flags need system-scope ordering"
+        assert "griddepcontrol.wait" in ptx  # PDL: nothing is read before the previous kernel ends
 
 
 def test_only_contiguous_tensors_of_a_slot_or_less_take_the_one_shot_path():

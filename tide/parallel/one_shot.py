@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tide.layers import pdl
+
 logger = logging.getLogger(__name__)
 
 MAX_RANKS = 8
@@ -151,10 +153,12 @@ class OneShotAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place (`fits(x)` must hold); returns `x`."""
-        n = x.numel()
-        _one_shot_kernel[(MAX_BLOCKS,)](x, n, self._bases, self._counters, SPIN_LIMIT, RANK=self.rank,
-                               WORLD=self.size, BLOCK=BLOCK, DATA_OFFSET=SIGNAL_BYTES,
-                               SLOT_ELEMS=SLOT_BYTES // x.element_size(), num_warps=4)
+        use_pdl = pdl.enabled(x)
+        _one_shot_kernel[(MAX_BLOCKS,)](x, x.numel(), self._bases, self._counters, SPIN_LIMIT,
+                                        RANK=self.rank, WORLD=self.size, BLOCK=BLOCK,
+                                        DATA_OFFSET=SIGNAL_BYTES,
+                                        SLOT_ELEMS=SLOT_BYTES // x.element_size(),
+                                        USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
         return x
 
     def close(self) -> None:
@@ -169,7 +173,11 @@ class OneShotAllReduce:
 
 @triton.jit
 def _one_shot_kernel(X, n, Bases, Counters, spin_limit, RANK: tl.constexpr, WORLD: tl.constexpr,
-                     BLOCK: tl.constexpr, DATA_OFFSET: tl.constexpr, SLOT_ELEMS: tl.constexpr):
+                     BLOCK: tl.constexpr, DATA_OFFSET: tl.constexpr, SLOT_ELEMS: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    if USE_PDL:  # the next kernel may launch and prefetch its weights while the ranks meet
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     dtype = X.dtype.element_ty
