@@ -11,7 +11,7 @@ Parts (`--only`, comma separated; default decode,throughput,tensor,70b):
   (`--trainer-gpu`, default 2: NCCL needs one GPU per rank of the trainer group), against a raw
   broadcast of the same bytes in the same 3-rank group. Needs 3 GPUs.
 - allreduce: the sum a decode step needs ([bs, hidden] bf16), 64 of them in one CUDA graph per
-  rank, NCCL's all-reduce against the one-shot kernel (`tide.parallel.one_shot`): µs per sum.
+  rank, NCCL's all-reduce against the one-shot kernel (`tide.layers.one_shot`): µs per sum.
 - 70b: bs1 decode of the Llama-3.1-70B shape at TP=2 (141 GB of weights: not one GPU's worth)
   against the two-GPU weight-read roofline.
 
@@ -131,7 +131,7 @@ def tensor_update(res: dict) -> None:
 def _all_reduce_rank(rank: int, port: int, queue) -> None:
     """One of two ranks: µs per all-reduce in a replayed graph of 64, NCCL vs one-shot."""
     sys.path.insert(0, os.getcwd())
-    from tide.parallel.one_shot import OneShotAllReduce
+    from tide.layers.one_shot import OneShotAllReduce
     from tide.weights import init_custom_process_group
 
     torch.cuda.set_device(rank)

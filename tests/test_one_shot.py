@@ -1,4 +1,4 @@
-"""The one-shot all-reduce kernel (`tide.parallel.one_shot`) on CPU: run by Triton's interpreter as
+"""The one-shot all-reduce kernel (`tide.layers.one_shot`) on CPU: run by Triton's interpreter as
 rank 0 of two, against a peer whose copy and flag are already in place (its slot and rank 0's
 signal written as the peer's kernel would), and compiled for sm_90 without a GPU. The two-GPU run,
 with NCCL as the reference and inside CUDA graphs, is in tests/test_tp_gpu.py.
@@ -36,7 +36,7 @@ class _Ranks:
     """Rank 0's and its peer's allocations (signals, then two slots of `slot` elements)."""
 
     def __init__(self, dtype: torch.dtype, slot: int) -> None:
-        from tide.parallel import one_shot
+        from tide.layers import one_shot
 
         self.m, self.dtype, self.slot = one_shot, dtype, slot
         self.es = torch.tensor([], dtype=dtype).element_size()
@@ -107,7 +107,7 @@ def test_an_absent_peer_ends_the_wait_at_the_spin_limit():
 def test_kernel_compiles_for_hopper():
     if INTERPRETED:
         pytest.skip("kernels are interpreted in this process")
-    from tide.parallel import one_shot
+    from tide.layers import one_shot
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -125,7 +125,7 @@ def test_kernel_compiles_for_hopper():
 
 
 def test_only_contiguous_tensors_of_a_slot_or_less_take_the_one_shot_path():
-    from tide.parallel import one_shot
+    from tide.layers import one_shot
 
     reducer = object.__new__(one_shot.OneShotAllReduce)
     assert reducer.fits(torch.empty(4096, dtype=torch.bfloat16))
@@ -137,7 +137,7 @@ def test_only_contiguous_tensors_of_a_slot_or_less_take_the_one_shot_path():
 
 
 def test_an_ipc_handle_keeps_every_byte_through_the_exchange():
-    from tide.parallel.one_shot import _IpcHandle
+    from tide.layers.one_shot import _IpcHandle
 
     raw = bytes([0, 7, 0, 0, 255] + list(range(59)))  # NUL bytes inside, as real handles have
     handle = _IpcHandle.from_bytes(raw)

@@ -145,7 +145,7 @@ def test_deterministic_tp4_is_batch_invariant(path):
 
 def _one_shot_rank(rank: int, port: int, queue) -> None:
     """Rank `rank` of two: the one-shot sum against NCCL's, eagerly and replayed in a CUDA graph."""
-    from tide.parallel.one_shot import SLOT_BYTES, OneShotAllReduce
+    from tide.layers.one_shot import SLOT_BYTES, OneShotAllReduce
     from tide.weights import init_custom_process_group
 
     torch.cuda.set_device(rank)

@@ -4,7 +4,7 @@ two collectives the layers need (sum across ranks, gather along the last dim).
 The group is not torch's default process group (a colocated trainer may own that): it is a process
 group of its own (`tide.weights.distributed.init_custom_process_group`), gloo on CPU, NCCL on CUDA.
 With one rank every collective is the identity and nothing is communicated. On GPUs, sums small
-enough for one slot of `tide.parallel.one_shot` (every decode step's) take that one-shot kernel
+enough for one slot of `tide.layers.one_shot` (every decode step's) take that one-shot kernel
 over peer memory instead of NCCL, unless `disable_custom_all_reduce`.
 
 Layers read the group once, when they are built, from `tp_context` (a scoped context that rejects

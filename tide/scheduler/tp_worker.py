@@ -48,7 +48,6 @@ from tide.memory.observe import device_memory_stats
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.parallel import TpGroup
-from tide.parallel.one_shot import OneShotAllReduce
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.scheduler.worker import ModelWorker, SampleFuture, TpModelWorker
 from tide.weights.bucket import FlattenedBucket
@@ -255,6 +254,8 @@ def _connect_group(config: EngineConfig, rank: int, port: int) -> TpGroup:
         device=device if device.type == "cuda" else None)
     one_shot = None
     if device.type == "cuda" and not config.disable_custom_all_reduce:
+        from tide.layers.one_shot import OneShotAllReduce  # Triton: GPU hosts only
+
         one_shot = OneShotAllReduce.create(group.pg, rank, config.tp_size, device)
     return TpGroup(rank, config.tp_size, group.pg,
                    batch_invariant=config.enable_deterministic_inference, one_shot=one_shot)
