@@ -8,9 +8,11 @@ layers all-reduce and all-gather.
 
 Control goes over one authenticated local connection per child (`multiprocessing.connection`; only
 this engine's own processes speak on it; tensors never travel on it, they go over the rank group):
-- `forward`: rank 0 sends each batch (ids, positions, request slots, KV slots, and the request-table
-  writes the scheduler made since the last batch) to every rank, then runs its own forward; every
-  rank runs the same forward (the collectives meet inside it), and only rank 0 samples. No reply.
+- `forward`: rank 0 sends each batch's host fields (positions, request slots, prompt ids, where the
+  request-table writes the scheduler made since the last batch go) to every rank; its device fields
+  (KV slots, written slots, a decode step's input ids) follow in one broadcast over the rank group.
+  Every rank runs the same forward (the collectives meet inside it), and only rank 0 samples. No
+  reply.
 - `call`: a method of `RankRuntime`, run on every rank (children first, rank 0 last, so collectives
   inside meet), each rank's result or error sent back. Weight updates use two calls: `prepare` on
   every rank (validation; nothing written), then `apply` on every rank only if every rank validated,
@@ -61,7 +63,7 @@ _ENV_ADDRESS = "TIDE_TP_ADDRESS"
 _ENV_AUTHKEY = "TIDE_TP_AUTHKEY"
 _ENV_RANK = "TIDE_TP_RANK"
 # (slot, start, kv slots): one `ReqToTokenPool.write` the scheduler made on rank 0.
-TableWrite = tuple[int, int, list[int]]
+TableWrite = tuple[int, int, torch.Tensor]
 
 
 def check_tp_size(tp_size: int, model_config: ModelConfig) -> None:
@@ -97,14 +99,17 @@ class RankRuntime:
     def forward(self, batch: dict[str, Any]) -> None:
         runner = self.worker.model_runner
         pool = runner.req_to_token_pool
-        for slot, start, slots in batch["writes"]:
-            pool.write(slot, start, torch.tensor(slots, dtype=torch.int32, device=pool.device))
         n = batch["num_tokens"]
-        payload = torch.empty(2 * n if batch["ids_on_device"] else n, dtype=torch.int64,
-                              device=runner.device)
+        ids_len = n if batch["ids_on_device"] else 0
+        written = sum(length for _, _, length in batch["writes"])
+        payload = torch.empty(n + ids_len + written, dtype=torch.int64, device=runner.device)
         self.tp.broadcast(payload)  # rank 0's `_send_batch`
+        offset = n + ids_len
+        for slot, start, length in batch["writes"]:
+            pool.write(slot, start, payload[offset:offset + length].to(torch.int32))
+            offset += length
         loc = payload[:n]
-        ids = payload[n:] if batch["ids_on_device"] else batch["input_ids"]
+        ids = payload[n:n + ids_len] if batch["ids_on_device"] else batch["input_ids"]
         if batch["mode"] == ForwardMode.DECODE.value:
             runner.forward_decode(ids, batch["positions"], batch["req_pool_indices"], loc)
         else:
@@ -318,7 +323,7 @@ class _RecordingReqToTokenPool:
 
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
         self._pool.write(slot, start, kv_slots)
-        self.writes.append((slot, start, kv_slots.tolist()))
+        self.writes.append((slot, start, kv_slots))
 
     def take_writes(self) -> list[TableWrite]:
         writes, self.writes = self.writes, []
@@ -449,15 +454,16 @@ class TpWorkerGroup(ModelWorker):
         return self.local.forward_launch(batch)
 
     def _send_batch(self, batch: ScheduleBatch) -> None:
-        """The batch to the other ranks: its host fields over the pipes, then the new KV slots (and
-        a decode step's input ids when they are the previous step's tokens, still on the device)
-        in one broadcast over the rank group. The broadcast is queued on the device in stream
-        order, so nothing here waits for the device."""
+        """The batch to the other ranks: its host fields over the pipes, then the new KV slots, a
+        decode step's input ids when they are the previous step's tokens (still on the device),
+        and the KV slots of the request-table writes since the last batch, in one broadcast over
+        the rank group. The broadcast is queued on the device in stream order, so nothing here
+        waits for the device."""
         loc = batch.out_cache_loc
         if loc is None:
             raise ValueError("prepare the batch first (out_cache_loc is not set)")
         ids = batch.input_ids_device if batch.is_decode else None
-        message = {
+        message: dict[str, Any] = {
             "mode": batch.mode.value,
             "input_ids": batch.input_ids if ids is None else None,
             "ids_on_device": ids is not None,
@@ -466,10 +472,13 @@ class TpWorkerGroup(ModelWorker):
             "req_pool_indices": batch.req_pool_indices,
             "prefix_lens": batch.prefix_lens,
             "extend_lens": batch.extend_lens,
-            "writes": self.req_to_token_pool.take_writes(),  # type: ignore[attr-defined]
         }
-        loc = loc.to(torch.int64)
-        payload = loc if ids is None else torch.cat([loc, ids.reshape(-1).to(torch.int64)])
+        writes = self.req_to_token_pool.take_writes()  # type: ignore[attr-defined]
+        message["writes"] = [(slot, start, int(slots.numel())) for slot, start, slots in writes]
+        parts = [loc] + ([ids.reshape(-1)] if ids is not None else [])
+        parts += [slots.reshape(-1) for _, _, slots in writes]
+        parts = [p.to(device=loc.device, dtype=torch.int64) for p in parts]
+        payload = parts[0] if len(parts) == 1 else torch.cat(parts)
         with self._lock:  # the pipes' order and the group's collective order stay the same
             for conn in self._conns:
                 conn.send(("forward", message))
