@@ -408,6 +408,8 @@ def _all_reduce_rows(rank: int, size: int, port: int, out_dir: str) -> None:
         for invariant in (False, True):
             group = TpGroup(rank, size, pg, batch_invariant=invariant)
             result[invariant] = [group.all_reduce(rows[:m].clone()) for m in (1, 5, 64, 300)]
+        group = TpGroup(rank, size, pg, batch_invariant=True)
+        result["bf16"] = [group.all_reduce(rows[:m].bfloat16()) for m in (1, 64, 300)]
         parts = [None] * size
         dist.all_gather_object(parts, rows)
         if rank == 0:
@@ -431,6 +433,10 @@ def test_deterministic_all_reduce_of_three_ranks_is_batch_invariant(tmp_path):
         assert torch.equal(got, ordered[: got.shape[0]])
     for got in saved["result"][False]:  # the backend's sum: right up to rounding
         torch.testing.assert_close(got, ordered[: got.shape[0]])
+    # bf16: in rank order in fp32, rounded once, as the one-shot kernel sums smaller tensors
+    once = sum(p.bfloat16().float() for p in parts).bfloat16()
+    for got in saved["result"]["bf16"]:
+        assert torch.equal(got, once[: got.shape[0]])
 
 
 def test_release_resume_with_cpu_backup_reuses_every_ranks_buffer(checkpoints, trained):

@@ -211,3 +211,52 @@ def test_one_shot_all_reduce_equals_nccl_eagerly_and_in_graphs():
     for p in procs:
         p.join(30)
     assert results == {0: [], 1: []}
+
+
+def _one_shot_stress_rank(rank: int, port: int, queue) -> None:
+    """Back-to-back one-shot sums of mixed sizes and dtypes with nothing between them that lines
+    the ranks up (no NCCL call, one rank sleeping at random): what the two-slot protocol guards."""
+    import random
+    import time
+
+    from tide.layers.one_shot import SLOT_BYTES, OneShotAllReduce
+    from tide.weights import init_custom_process_group
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, "one-shot-stress",
+                                      device=device)
+    reducer = OneShotAllReduce.create(group.pg, rank, 2, device)
+    assert reducer is not None
+    rng = random.Random(7)  # the same call sequence on both ranks
+    delays = random.Random(100 + rank)
+    calls = []
+    for call in range(400):
+        dtype = rng.choice([torch.bfloat16, torch.float32])
+        n = rng.choice([1, 3, 1000, 4096, 70_000, SLOT_BYTES // 4])
+        # Small integers, exact in bf16 and in their sum: call, rank and index are all visible.
+        base = (torch.arange(n, device=device) % 61).to(torch.float32) + call % 50
+        x = (base + 100 * rank).to(dtype)
+        want = (2 * base + 100).to(dtype)
+        calls.append((reducer(x), want))
+        if rank == call % 2 and delays.random() < 0.2:
+            time.sleep(delays.random() * 0.002)
+    torch.cuda.synchronize(device)
+    queue.put((rank, [i for i, (got, want) in enumerate(calls) if not torch.equal(got, want)]))
+
+
+def test_one_shot_all_reduce_under_back_to_back_calls_of_mixed_sizes():
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_one_shot_stress_rank, args=(r, port, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == {0: [], 1: []}

@@ -70,10 +70,12 @@ class TpGroup:
         if self.one_shot is not None and self.one_shot.fits(x):  # rank order: batch-invariant
             return self.one_shot(x)
         if self.batch_invariant and self.size > 2:  # two ranks: a + b whatever the algorithm
+            # In rank order, in fp32, rounded once: what the one-shot kernel computes for smaller
+            # tensors, so a row's sum does not change when its step's tensor outgrows a slot.
             parts = self._gather_parts(x)
-            total = parts[0].clone()
+            total = parts[0].float()
             for part in parts[1:]:
-                total += part
+                total += part.float()
             return x.copy_(total)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]

@@ -62,7 +62,8 @@ _COLLECTIVE_TIMEOUT_S = 1800.0
 _ENV_ADDRESS = "TIDE_TP_ADDRESS"
 _ENV_AUTHKEY = "TIDE_TP_AUTHKEY"
 _ENV_RANK = "TIDE_TP_RANK"
-# (slot, start, kv slots): one `ReqToTokenPool.write` the scheduler made on rank 0.
+# (slot, start, kv slots): one `ReqToTokenPool.write` the scheduler made on rank 0 (the slots are
+# sent with the batch's broadcast; the message carries (slot, start, number of slots)).
 TableWrite = tuple[int, int, torch.Tensor]
 
 
@@ -323,7 +324,7 @@ class _RecordingReqToTokenPool:
 
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
         self._pool.write(slot, start, kv_slots)
-        self.writes.append((slot, start, kv_slots))
+        self.writes.append((slot, start, kv_slots.clone()))  # on the device: no sync
 
     def take_writes(self) -> list[TableWrite]:
         writes, self.writes = self.writes, []
