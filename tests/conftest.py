@@ -267,3 +267,24 @@ def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.001)
+
+
+# ---- Triton kernels run by the interpreter on CPU. It is chosen when triton is first imported, so a
+# test file that has interpreted tests runs itself again in a subprocess with TRITON_INTERPRET=1.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+
+
+def rerun_under_interpreter(test_file: str) -> None:
+    """Run `test_file` in a subprocess with TRITON_INTERPRET=1 and assert its tests pass (the
+    calling test skips itself there); skips when this process is that run."""
+    import subprocess
+    import sys
+
+    if INTERPRETED:
+        pytest.skip("this is the interpreter run")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" in proc.stdout

@@ -18,27 +18,17 @@ element sums its products in K order, in fp32), so what is checked is the kernel
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+from conftest import INTERPRETED, interpreted, rerun_under_interpreter
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
+triton = pytest.importorskip("triton")
 
 
 def test_kernels_under_the_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the interpreter run")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" in proc.stdout  # this test, skipped there
+    rerun_under_interpreter(__file__)
 
 
 def _compile_sm90(fn, types: dict[str, str], constexprs: dict, **options):

@@ -196,7 +196,8 @@ def _one_shot_rank(rank: int, port: int, queue) -> None:
     queue.put((rank, mismatches))
 
 
-def test_one_shot_all_reduce_equals_nccl_eagerly_and_in_graphs():
+def _on_two_ranks(target) -> dict:
+    """Run `target(rank, port, queue)` in two spawned processes, one per GPU; what each put."""
     import torch.multiprocessing as mp
 
     from conftest import free_port
@@ -204,13 +205,17 @@ def test_one_shot_all_reduce_equals_nccl_eagerly_and_in_graphs():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_one_shot_rank, args=(r, port, queue)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=240) for _ in procs)
     for p in procs:
         p.join(30)
-    assert results == {0: [], 1: []}
+    return results
+
+
+def test_one_shot_all_reduce_equals_nccl_eagerly_and_in_graphs():
+    assert _on_two_ranks(_one_shot_rank) == {0: [], 1: []}
 
 
 def _one_shot_stress_rank(rank: int, port: int, queue) -> None:
@@ -246,17 +251,4 @@ def _one_shot_stress_rank(rank: int, port: int, queue) -> None:
 
 
 def test_one_shot_all_reduce_under_back_to_back_calls_of_mixed_sizes():
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_one_shot_stress_rank, args=(r, port, queue)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(30)
-    assert results == {0: [], 1: []}
+    assert _on_two_ranks(_one_shot_stress_rank) == {0: [], 1: []}
