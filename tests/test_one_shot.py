@@ -29,22 +29,37 @@ class _Ranks:
 
         self.m, self.dtype, self.slot = one_shot, dtype, slot
         self.es = torch.tensor([], dtype=dtype).element_size()
-        self.own = torch.zeros(one_shot.SIGNAL_BYTES + 2 * slot * self.es, dtype=torch.uint8)
+        # Both channels: signals, two slots of sums, two slots of rows.
+        self.own = torch.zeros(one_shot.SIGNAL_BYTES + 4 * slot * self.es, dtype=torch.uint8)
         self.peer = torch.zeros_like(self.own)
         self.bases = torch.tensor([self.own.data_ptr(), self.peer.data_ptr()], dtype=torch.int64)
         self.counters = torch.zeros(one_shot.MAX_BLOCKS, dtype=torch.int32)
+        self.row_counters = torch.zeros(one_shot.MAX_BLOCKS, dtype=torch.int32)
+        self.rows_offset = one_shot.SIGNAL_BYTES + 2 * slot * self.es
 
-    def data(self, buf: torch.Tensor, flag: int, n: int) -> torch.Tensor:
-        start = self.m.SIGNAL_BYTES + (flag & 1) * self.slot * self.es
+    def data(self, buf: torch.Tensor, flag: int, n: int, rows: bool = False) -> torch.Tensor:
+        start = (self.rows_offset if rows else self.m.SIGNAL_BYTES) + (flag & 1) * self.slot * self.es
         return buf[start:start + n * self.es].view(self.dtype)
 
-    def signals(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf[:self.m.SIGNAL_BYTES].view(torch.int32)
+    def signals(self, buf: torch.Tensor, rows: bool = False) -> torch.Tensor:
+        first = self.m.SIGNALS if rows else 0
+        return buf[:self.m.SIGNAL_BYTES].view(torch.int32)[first:first + self.m.SIGNALS]
 
-    def peer_arrives(self, y: torch.Tensor, flag: int, programs: int) -> None:
-        self.data(self.peer, flag, y.numel()).copy_(y)
+    def peer_arrives(self, y: torch.Tensor, flag: int, programs: int, rows: bool = False) -> None:
+        self.data(self.peer, flag, y.numel(), rows).copy_(y.reshape(-1))
         for b in range(programs):
-            self.signals(self.own)[b * 2 + 1] = flag
+            self.signals(self.own, rows)[b * 2 + 1] = flag
+
+    def run_rows(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        block = triton.next_power_of_2(x.shape[1])
+        self.m._one_shot_norm_kernel[(self.m.MAX_BLOCKS,)](
+            x, r, w, out, res_out, x.shape[0], x.shape[1], eps, self.bases, self.row_counters,
+            1000, RANK=0, WORLD=2, BLOCK=block, SIGNAL_OFFSET=self.m.SIGNALS,
+            DATA_OFFSET=self.rows_offset, SLOT_ELEMS=self.slot, USE_PDL=False,
+            num_warps=self.m.norm_warps(block))
+        return out, res_out
 
     def run(self, x: torch.Tensor, spin_limit: int = 1000) -> int:
         programs = self.m.MAX_BLOCKS  # always all of them: a chunk's program never changes
@@ -72,6 +87,35 @@ def test_two_calls_sum_in_rank_order_through_alternating_slots(dtype):
         assert ranks.counters.tolist() == [flag] * programs
         peer_signals = ranks.signals(ranks.peer)
         assert [int(peer_signals[b * 2]) for b in range(programs)] == [flag] * programs
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rows_are_summed_added_and_normed_on_their_own_channel(dtype):
+    """The fused kernel: rank order sum rounded to the dtype, the residual added in the dtype (the
+    residual output exactly), RMSNorm of that; its flags, slots and counters are not the plain
+    sum's, so calls of the two kinds may interleave."""
+    rows, width, eps = 70, 96, 1e-6  # more rows than programs: program 0..5 take two
+    ranks = _Ranks(dtype, slot=8192)
+    programs = ranks.m.MAX_BLOCKS
+    torch.manual_seed(0)
+    w = (torch.rand(width) + 0.5).to(dtype)
+    for flag in (1, 2):
+        x, y, r = (torch.randn(rows, width).to(dtype) for _ in range(3))
+        ranks.peer_arrives(y, flag, programs, rows=True)
+        out, res_out = ranks.run_rows(x, r, w, eps)
+        summed = (x.float() + y.float()).to(dtype) + r
+        assert torch.equal(res_out, summed)
+        sf = summed.float()
+        ref = w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        tol = 1e-6 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+        assert torch.equal(ranks.data(ranks.own, flag, x.numel(), rows=True).view_as(x), x)
+        assert ranks.row_counters.tolist() == [flag] * programs
+        assert ranks.counters.tolist() == [0] * programs  # the plain channel never moved
+        assert ranks.signals(ranks.peer).tolist() == [0] * ranks.m.SIGNALS
+        peer_rows = ranks.signals(ranks.peer, rows=True)
+        assert [int(peer_rows[b * 2]) for b in range(programs)] == [flag] * programs
 
 
 @interpreted
@@ -111,6 +155,17 @@ def test_kernel_compiles_for_hopper():
         ptx = kernel.asm["ptx"]
         assert "sys.release" in ptx and "sys.acquire" in ptx, "flags need system-scope ordering"
         assert "griddepcontrol.wait" in ptx  # PDL: nothing is read before the previous kernel ends
+    fn = one_shot._one_shot_norm_kernel
+    sig = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
+           "n_rows": "i32", "n_cols": "i32", "eps": "fp32", "Bases": "*i64", "Counters": "*i32",
+           "spin_limit": "i32"}
+    sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
+    src = ASTSource(fn=fn, signature=sig, constexprs=dict(
+        RANK=0, WORLD=2, BLOCK=4096, SIGNAL_OFFSET=one_shot.SIGNALS,
+        DATA_OFFSET=one_shot.ROWS_DATA_OFFSET, SLOT_ELEMS=4 << 20, USE_PDL=True))
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 16}).asm["ptx"]
+    assert "sys.release" in ptx and "sys.acquire" in ptx and "griddepcontrol.wait" in ptx
 
 
 def test_only_contiguous_tensors_of_a_slot_or_less_take_the_one_shot_path():

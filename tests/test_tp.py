@@ -512,3 +512,75 @@ def test_tp2_matches_tp1_hybrid_swa_gemma3(tmp_path):
         worker.join(JOIN_S)
         assert done.is_set()
         _assert_same(_run(two), want_new)
+
+
+class _FakeOneShot:
+    """Stands in for the one-shot kernel on CPU: records which path the norm took."""
+
+    def __init__(self, serves: bool) -> None:
+        self.serves, self.calls = serves, []
+
+    def fits(self, x):
+        return False  # plain sums go to the (fake) process group below
+
+    def fits_rows(self, x, residual):
+        return self.serves
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        self.calls.append("fused")
+        return torch.full_like(x, 7.0), torch.full_like(x, 8.0)
+
+
+class _SumByTwo:
+    """A process group of two ranks whose peer holds the same tensor: a sum doubles it."""
+
+    def allreduce(self, tensors, opts):
+        tensors[0].mul_(2)
+        return self
+
+    def wait(self):
+        return True
+
+
+def test_norm_after_a_row_parallel_projection_sums_in_the_fused_launch_or_else_first():
+    """`RMSNorm(x, residual, tp)` with x a rank's partial product: the one-shot kernel's fused sum +
+    add + norm when it serves x, else the plain sum and then the norm (the same numbers)."""
+    from tide.layers.norm import RMSNorm
+    from tide.parallel import TpGroup
+
+    norm = RMSNorm(8, 1e-6)
+    torch.manual_seed(0)
+    norm.weight.data = torch.rand(8) + 0.5
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    fused = _FakeOneShot(serves=True)
+    out = norm(x, r, TpGroup(rank=0, size=2, pg=_SumByTwo(), one_shot=fused))
+    assert fused.calls == ["fused"] and torch.equal(out[0], torch.full_like(x, 7.0))
+    plain = _FakeOneShot(serves=False)
+    got = norm(x.clone(), r, TpGroup(rank=0, size=2, pg=_SumByTwo(), one_shot=plain))
+    want = norm(2 * x, r)
+    assert plain.calls == [] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(norm(x, r, TpGroup())[0], norm(x, r)[0])  # one rank: nothing to sum
+
+
+def test_projections_with_a_bias_sum_their_own_output():
+    """The sum moves into the next norm only where nothing is added after it (a bias is)."""
+    from tide.layers.linear import RowParallelLinear
+    from tide.model_config import ModelConfig
+    from tide.models.llama import deferred_sum
+    from tide.parallel import TpGroup, tp_context
+
+    def config(**extra):
+        return ModelConfig.from_hf_dict(dict(
+            architectures=["LlamaForCausalLM"], hidden_size=8, intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+            **extra))
+
+    group = TpGroup(rank=0, size=2, pg=_SumByTwo())
+    with tp_context(group):
+        assert deferred_sum(config()) is group
+        assert deferred_sum(config(attention_bias=True)) is None
+        assert deferred_sum(config(mlp_bias=True)) is None
+        biased = RowParallelLinear(8, 4, bias=True)
+    assert deferred_sum(config()) is None  # one rank
+    with pytest.raises(ValueError, match="bias"):
+        biased(torch.randn(1, 4), reduce=False)

@@ -218,6 +218,82 @@ def test_one_shot_all_reduce_equals_nccl_eagerly_and_in_graphs():
     assert _on_two_ranks(_one_shot_rank) == {0: [], 1: []}
 
 
+def _one_shot_norm_rank(rank: int, port: int, queue) -> None:
+    """Rank `rank` of two: the fused sum + residual + RMSNorm against the one-shot sum followed by
+    `triton_ops.rmsnorm`, bit for bit, eagerly (calls of both channels interleaved, one rank
+    sleeping at random) and replayed in a CUDA graph as a decode step's layers would."""
+    import random
+    import time
+
+    from tide.layers import triton_ops
+    from tide.layers.one_shot import OneShotAllReduce
+    from tide.weights import init_custom_process_group
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, "one-shot-norm",
+                                      device=device)
+    reducer = OneShotAllReduce.create(group.pg, rank, 2, device)
+    assert reducer is not None
+    width, eps, bf16 = 4096, 1e-5, torch.bfloat16
+    shared = torch.Generator(device).manual_seed(1)  # residual and weight: the same on both ranks
+    own = torch.Generator(device).manual_seed(10 + rank)
+    w = (torch.rand(width, device=device, generator=shared) + 0.5).to(bf16)
+
+    def reference(x, r):
+        return triton_ops.rmsnorm(reducer(x.clone()), w, eps, residual=r)
+
+    mismatches: list = []
+    rng, delays = random.Random(3), random.Random(50 + rank)
+    for call in range(120):
+        rows = rng.choice([1, 3, 64, 65, 256, 1024])  # 1024 rows: a whole 8 MiB slot
+        x = torch.randn(rows, width, device=device, generator=own).to(bf16)
+        r = torch.randn(rows, width, device=device, generator=shared).to(bf16)
+        got = reducer.add_rmsnorm(x, r, w, eps)
+        want = reference(x, r)  # a plain sum between fused ones, on the other channel
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+            mismatches.append(("eager", call, rows))
+        if rank == call % 2 and delays.random() < 0.2:
+            time.sleep(delays.random() * 0.002)
+    if reducer.fits_rows(torch.empty(1, 2048, device=device, dtype=bf16),
+                         torch.empty(1, 2048, device=device, dtype=bf16)):
+        mismatches.append("a second row width took the row channel")
+    static_x = torch.zeros(2, 8, width, device=device, dtype=bf16)
+    static_r = torch.zeros(8, width, device=device, dtype=bf16)
+    out = torch.empty(2, 8, width, device=device, dtype=bf16)
+
+    def layer():
+        normed, res = reducer.add_rmsnorm(static_x[0] * 1.0, static_r, w, eps)
+        plain = reducer(static_x[1] * 1.0)
+        normed2, _ = reducer.add_rmsnorm(plain, res, w, eps)
+        out[0].copy_(normed)
+        out[1].copy_(normed2)
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            layer()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    for step in range(30):
+        static_x.copy_(torch.randn(static_x.shape, device=device, generator=own))
+        static_r.copy_(torch.randn(static_r.shape, device=device, generator=shared))
+        graph.replay()
+        normed, res = reference(static_x[0], static_r)
+        normed2, _ = reference(static_x[1], res)
+        if not (torch.equal(out[0], normed) and torch.equal(out[1], normed2)):
+            mismatches.append(("graph", step))
+    torch.cuda.synchronize(device)
+    queue.put((rank, mismatches))
+
+
+def test_one_shot_sum_add_and_norm_equals_the_sum_then_the_norm():
+    assert _on_two_ranks(_one_shot_norm_rank) == {0: [], 1: []}
+
+
 def _one_shot_stress_rank(rank: int, port: int, queue) -> None:
     """Back-to-back one-shot sums of mixed sizes and dtypes with nothing between them that lines
     the ranks up (no NCCL call, one rank sleeping at random): what the two-slot protocol guards."""

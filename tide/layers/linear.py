@@ -99,7 +99,14 @@ class RowParallelLinear(Linear):
         if self.tp.size > 1:
             self.weight.tp_split = {None: (1, start, size, in_features)}  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                reduce: bool = True) -> torch.Tensor:
+        """The sum over the ranks of their partial products (+ bias). `reduce=False` (no bias):
+        this rank's partial product only, for a caller that sums it in a fused launch."""
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("a row-parallel projection with a bias must reduce its sum")
+            return self.product(x, None, out)
         if self.tp.size == 1:
             return super().forward(x, out)
         y = self.tp.all_reduce(self.product(x, None))

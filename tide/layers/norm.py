@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tide.parallel.group import TpGroup
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -19,9 +21,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, tp: TpGroup | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual). With `tp`
+        (and a residual), `x` is this rank's partial product of a row-parallel projection: it is
+        summed over the ranks first, in the same launch as the add and norm where the one-shot
+        kernel serves it."""
+        if tp is not None and residual is not None and tp.size > 1:
+            fused = tp.all_reduce_add_rmsnorm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = tp.all_reduce(x)
         if x.is_cuda:
             from tide.layers import triton_ops
 

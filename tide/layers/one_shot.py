@@ -20,6 +20,13 @@ at call `k` and can only start call `k + 2` after every peer's program `b` has s
 1`, which it does only after it finished reading call `k`. Flags are compared as `seen - flag >= 0`
 in int32, so a peer already one call ahead is seen as arrived.
 
+A second channel, with its own signals, slots and counters, sums whole rows and then adds the
+residual and applies RMSNorm in the same launch (`add_rmsnorm`: a row-parallel projection's partial
+products, then the next layer's norm, as the one-shot sum followed by `triton_ops.rmsnorm` would
+compute them, bit for bit). There, row `r` is always program `r % MAX_BLOCKS`'s, which holds the
+argument above only while rows keep their width: the channel serves one row width, the first it is
+given (the hidden size), and other widths take the plain sum.
+
 The sum is the same for an element whatever the tensor's size (rank order, fp32), so it serves the
 deterministic mode too. Every rank must call it for the same tensor sizes in the same order, as
 for any collective; tensors larger than a slot, or not contiguous, go to NCCL (`fits`).
@@ -42,8 +49,11 @@ logger = logging.getLogger(__name__)
 MAX_RANKS = 8
 MAX_BLOCKS = 64
 BLOCK = 1024
-SIGNAL_BYTES = 4096  # >= MAX_BLOCKS * MAX_RANKS * 4
+SIGNALS = MAX_BLOCKS * MAX_RANKS  # int32 flags per channel
+SIGNAL_BYTES = 4096  # both channels' flags: >= 2 * SIGNALS * 4
 SLOT_BYTES = 8 << 20
+BUFFER_BYTES = SIGNAL_BYTES + 4 * SLOT_BYTES  # signals, then two slots per channel
+ROWS_DATA_OFFSET = SIGNAL_BYTES + 2 * SLOT_BYTES  # the row channel's slots
 SPIN_LIMIT = 1 << 26  # ~ tens of seconds: a dead peer leaves garbage, never a GPU hung forever
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -98,6 +108,8 @@ class OneShotAllReduce:
         bases = [own if r == rank else peers[r] for r in range(size)]
         self._bases = torch.tensor(bases, dtype=torch.int64, device=device)
         self._counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
+        self._row_counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
+        self._row_width: int | None = None
 
     @classmethod
     def create(cls, pg: Any, rank: int, size: int, device: torch.device) -> OneShotAllReduce | None:
@@ -112,7 +124,7 @@ class OneShotAllReduce:
             ok = all(torch.cuda.can_device_access_peer(device, torch.device("cuda", d))
                      for d in range(torch.cuda.device_count()) if d != device.index)
         if ok and lib is not None:
-            nbytes = SIGNAL_BYTES + 2 * SLOT_BYTES
+            nbytes = BUFFER_BYTES
             ok = (lib.cudaMalloc(ctypes.byref(own), nbytes) == 0
                   and lib.cudaMemset(own, 0, nbytes) == 0
                   and lib.cudaIpcGetMemHandle(ctypes.byref(handle), own) == 0)
@@ -161,6 +173,32 @@ class OneShotAllReduce:
                                         USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
         return x
 
+    def fits_rows(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether `add_rmsnorm(x, residual, ...)` takes the fused kernel: `fits(x)`, 2-D, a
+        residual of the same shape and dtype, and the row width this channel serves. The same on
+        every rank (they see the same shapes in the same order)."""
+        return (self.fits(x) and x.dim() == 2 and residual.shape == x.shape
+                and residual.dtype == x.dtype and residual.is_contiguous()
+                and x.shape[1] == (self._row_width or x.shape[1]))
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(s + residual) * weight, s + residual) with s = `x` summed over the ranks, in one
+        launch (`fits_rows(x, residual)` must hold). Rounds as the one-shot sum followed by
+        `triton_ops.rmsnorm` does: s to the dtype, the residual add in the dtype, the norm in fp32
+        rounded before the weight. `x` is left as it was."""
+        self._row_width = x.shape[1]
+        out, res_out = torch.empty_like(x), torch.empty_like(x)
+        block = triton.next_power_of_2(x.shape[1])
+        use_pdl = pdl.enabled(x)
+        _one_shot_norm_kernel[(MAX_BLOCKS,)](
+            x, residual, weight, out, res_out, x.shape[0], x.shape[1], eps, self._bases,
+            self._row_counters, SPIN_LIMIT, RANK=self.rank, WORLD=self.size, BLOCK=block,
+            SIGNAL_OFFSET=SIGNALS, DATA_OFFSET=ROWS_DATA_OFFSET,
+            SLOT_ELEMS=SLOT_BYTES // x.element_size(), USE_PDL=use_pdl,
+            num_warps=norm_warps(block), launch_pdl=use_pdl)
+        return out, res_out
+
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (after every rank stopped using them)."""
         for ptr in self._peers.values():
@@ -183,26 +221,12 @@ def _one_shot_kernel(X, n, Bases, Counters, spin_limit, RANK: tl.constexpr, WORL
     dtype = X.dtype.element_ty
     flag = tl.load(Counters + pid) + 1
     slot = (flag & 1).to(tl.int64) * SLOT_ELEMS
-    own = tl.load(Bases + RANK)
-    own_data = tl.multiple_of((own + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot, 16)
+    own_data = tl.multiple_of((tl.load(Bases + RANK) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot, 16)
     offs = tl.arange(0, BLOCK)
     for start in range(pid * BLOCK, n, step):
         idx = tl.max_contiguous(tl.multiple_of(start + offs, BLOCK), BLOCK)
         tl.store(own_data + idx, tl.load(X + idx, mask=idx < n), mask=idx < n)
-    tl.debug_barrier()  # every thread's copy is in before the flag goes out
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer_signals = tl.load(Bases + r).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer_signals + pid * WORLD + RANK, flag, sem="release", scope="sys")
-    own_signals = own.to(tl.pointer_type(tl.int32))
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            seen = tl.atomic_add(own_signals + pid * WORLD + r, 0, sem="acquire", scope="sys")
-            spins = 0
-            while (seen - flag < 0) & (spins < spin_limit):
-                seen = tl.atomic_add(own_signals + pid * WORLD + r, 0, sem="acquire", scope="sys")
-                spins += 1
-    tl.debug_barrier()  # no thread reads a peer's slot before its flag was seen
+    _meet(Bases, pid, flag, spin_limit, 0, RANK, WORLD)
     for start in range(pid * BLOCK, n, step):
         idx = tl.max_contiguous(tl.multiple_of(start + offs, BLOCK), BLOCK)
         mask = idx < n
@@ -215,6 +239,73 @@ def _one_shot_kernel(X, n, Bases, Counters, spin_limit, RANK: tl.constexpr, WORL
                     (tl.load(Bases + r) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot, 16)
                 acc += tl.load(data + idx, mask=mask, cache_modifier=".cv").to(tl.float32)
         tl.store(X + idx, acc.to(dtype), mask=mask)
+    tl.store(Counters + pid, flag)
+
+
+def norm_warps(block: int) -> int:
+    """Warps of a one-row norm launch of `block` columns (`triton_ops.rmsnorm` uses the same, so
+    the fused kernel's row sum adds in the same order)."""
+    return min(16, max(1, block // 256))
+
+
+@triton.jit
+def _meet(Bases, pid, flag, spin_limit, SIGNAL_OFFSET: tl.constexpr, RANK: tl.constexpr,
+          WORLD: tl.constexpr):
+    """Program `pid` tells every peer it reached call `flag` (its copy is in this rank's slot)
+    and waits until every peer's program `pid` has told it the same."""
+    tl.debug_barrier()  # every thread's copy is in before the flag goes out
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer_signals = tl.load(Bases + r).to(tl.pointer_type(tl.int32)) + SIGNAL_OFFSET
+            tl.atomic_xchg(peer_signals + pid * WORLD + RANK, flag, sem="release", scope="sys")
+    own_signals = tl.load(Bases + RANK).to(tl.pointer_type(tl.int32)) + SIGNAL_OFFSET
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            seen = tl.atomic_add(own_signals + pid * WORLD + r, 0, sem="acquire", scope="sys")
+            spins = 0
+            while (seen - flag < 0) & (spins < spin_limit):
+                seen = tl.atomic_add(own_signals + pid * WORLD + r, 0, sem="acquire", scope="sys")
+                spins += 1
+    tl.debug_barrier()  # no thread reads a peer's slot before its flag was seen
+
+
+@triton.jit
+def _one_shot_norm_kernel(X, R, W, Out, ResOut, n_rows, n_cols, eps, Bases, Counters, spin_limit,
+                          RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                          SIGNAL_OFFSET: tl.constexpr, DATA_OFFSET: tl.constexpr,
+                          SLOT_ELEMS: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = X.dtype.element_ty
+    flag = tl.load(Counters + pid) + 1
+    slot = (flag & 1).to(tl.int64) * SLOT_ELEMS
+    own_data = (tl.load(Bases + RANK) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    for row in range(pid, n_rows, programs):
+        at = row * n_cols + cols  # < SLOT_ELEMS: int32 suffices
+        tl.store(own_data + at, tl.load(X + at, mask=mask), mask=mask)
+    _meet(Bases, pid, flag, spin_limit, SIGNAL_OFFSET, RANK, WORLD)
+    for row in range(pid, n_rows, programs):
+        at = row * n_cols + cols  # < SLOT_ELEMS: int32 suffices
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                acc += tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+            else:
+                data = (tl.load(Bases + r) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot
+                acc += tl.load(data + at, mask=mask, other=0.0,
+                               cache_modifier=".cv").to(tl.float32)
+        # From here as `triton_ops._rmsnorm_kernel` with a residual: the same roundings.
+        x = acc.to(dtype) + tl.load(R + at, mask=mask, other=0.0)
+        tl.store(ResOut + at, x, mask=mask)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, 0) / n_cols
+        normed = (xf * tl.rsqrt(var + eps)).to(dtype)
+        tl.store(Out + at, tl.load(W + cols, mask=mask, other=0.0) * normed, mask=mask)
     tl.store(Counters + pid, flag)
 
 

@@ -20,7 +20,7 @@ from tide.layers.linear import (
 from tide.layers.norm import RMSNorm
 from tide.layers.rotary import RotaryEmbedding
 from tide.model_config import ModelConfig
-from tide.parallel import current_tp
+from tide.parallel import TpGroup, current_tp
 
 
 def qkv_projection(config: ModelConfig, bias: bool) -> tuple[MergedLinear, int, int]:
@@ -45,6 +45,16 @@ def gate_up_projection(config: ModelConfig, bias: bool) -> MergedLinear:
     start, size = current_tp().split(full, "intermediate_size")
     return MergedLinear(config.hidden_size, {0: size, 1: size}, bias,
                         tp_slices={0: (start, full), 1: (start, full)})
+
+
+def deferred_sum(config: ModelConfig) -> TpGroup | None:
+    """The group whose sum the norms take over from o_proj and down_proj (fused with the residual
+    add and the norm), or None where each projection sums its own output: one rank, or a
+    projection bias (added after the sum)."""
+    tp = current_tp()
+    if tp.size == 1 or config.attention_bias or config.mlp_bias:
+        return None
+    return tp
 
 
 class DecoderAttention(nn.Module):
@@ -73,13 +83,15 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
+        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch,
+        reduce: bool = True,
     ) -> torch.Tensor:
+        """`reduce=False`: this rank's partial o_proj product (see `DecoderLayer`)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # The backend norms q and k per head (Qwen3), applies RoPE and stores k and v (one fused
         # launch on the GPU), then attends.
-        return self.o_proj(self.attn(q, k, v, forward_batch, positions))
+        return self.o_proj(self.attn(q, k, v, forward_batch, positions), reduce=reduce)
 
 
 class DecoderMLP(nn.Module):
@@ -89,8 +101,8 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -107,6 +119,7 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sum_in_norm = deferred_sum(config)
 
     def forward(
         self,
@@ -115,19 +128,24 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under tensor parallelism with `sum_in_norm`, the o_proj and down_proj outputs stay
+        per-rank partial products, summed over the ranks by the norm after them (with the
+        residual add, one launch on GPUs): `hidden` comes in and goes out as such a partial."""
+        tp = self.sum_in_norm
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual, tp)
+        hidden = self.self_attn(positions, hidden, forward_batch, reduce=tp is None)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, tp)
+        return self.mlp(hidden, reduce=tp is None), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
+        self.sum_in_norm = deferred_sum(config)  # the last layer's down_proj sum, in the final norm
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -145,7 +163,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, self.sum_in_norm)
         return hidden
 
 

@@ -82,6 +82,18 @@ class TpGroup:
         self.pg.allreduce([x], opts).wait()
         return x
 
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
+                               weight: torch.Tensor, eps: float
+                               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rmsnorm(sum + residual) * weight, sum + residual), sum = `x` summed over the ranks, in
+        one one-shot launch; None where that kernel does not serve `x` (the caller then sums with
+        `all_reduce` and norms on its own, which gives the same bits)."""
+        if self.size == 1 or self.one_shot is None or not self.one_shot.fits_rows(x, residual):
+            return None
+        result: tuple[torch.Tensor, torch.Tensor] = self.one_shot.add_rmsnorm(
+            x, residual, weight, eps)
+        return result
+
     def _gather_parts(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's `x`, rank r's at index r."""
         flat = x.contiguous().reshape(-1)
