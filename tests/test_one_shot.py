@@ -54,19 +54,20 @@ class _Ranks:
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         block = triton.next_power_of_2(x.shape[1])
-        self.m._one_shot_norm_kernel[(self.m.MAX_BLOCKS,)](
+        self.m._one_shot_norm_kernel[(min(self.m.MAX_BLOCKS, x.shape[0]),)](
             x, r, w, out, res_out, x.shape[0], x.shape[1], eps, self.bases, self.row_counters,
             1000, RANK=0, WORLD=2, BLOCK=block, SIGNAL_OFFSET=self.m.SIGNALS,
-            DATA_OFFSET=self.rows_offset, SLOT_ELEMS=self.slot, USE_PDL=False,
-            num_warps=self.m.norm_warps(block))
+            DATA_OFFSET=self.rows_offset, SLOT_ELEMS=self.slot, PROGRAMS=self.m.MAX_BLOCKS,
+            USE_PDL=False, num_warps=self.m.norm_warps(block))
         return out, res_out
 
     def run(self, x: torch.Tensor, spin_limit: int = 1000) -> int:
-        programs = self.m.MAX_BLOCKS  # always all of them: a chunk's program never changes
+        """One call, with the grid `OneShotAllReduce` launches: the programs that have a chunk."""
+        programs = min(self.m.MAX_BLOCKS, -(-x.numel() // self.m.BLOCK))
         self.m._one_shot_kernel[(programs,)](
             x, x.numel(), self.bases, self.counters, spin_limit, RANK=0, WORLD=2,
             BLOCK=self.m.BLOCK, DATA_OFFSET=self.m.SIGNAL_BYTES, SLOT_ELEMS=self.slot,
-            USE_PDL=False)
+            PROGRAMS=self.m.MAX_BLOCKS, USE_PDL=False)
         return programs
 
 
@@ -75,7 +76,7 @@ class _Ranks:
 def test_two_calls_sum_in_rank_order_through_alternating_slots(dtype):
     n = 3000
     ranks = _Ranks(dtype, slot=4096)
-    programs = ranks.m.MAX_BLOCKS  # 3 of them copy and sum, all of them signal and wait
+    programs = 3  # those with a chunk of 1024; the other programs are not launched
     for flag in (1, 2):
         torch.manual_seed(flag)
         x, y = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
@@ -84,9 +85,31 @@ def test_two_calls_sum_in_rank_order_through_alternating_slots(dtype):
         ranks.run(got)
         assert torch.equal(got, (x.float() + y.float()).to(dtype))
         assert torch.equal(ranks.data(ranks.own, flag, n), x)  # this rank's copy, in slot flag % 2
-        assert ranks.counters.tolist() == [flag] * programs
+        rest = ranks.m.MAX_BLOCKS - programs
+        assert ranks.counters.tolist() == [flag] * programs + [0] * rest
         peer_signals = ranks.signals(ranks.peer)
-        assert [int(peer_signals[b * 2]) for b in range(programs)] == [flag] * programs
+        assert [int(peer_signals[b * 2]) for b in range(ranks.m.MAX_BLOCKS)] == (
+            [flag] * programs + [0] * rest)
+
+
+@interpreted
+def test_a_program_counts_only_the_calls_that_give_it_a_chunk():
+    """Calls of 5, 1 and 3 chunks: program 0 runs three times, programs 1-2 twice, 3-4 once. Each
+    program takes the slot its own count picks and meets the peer's same program at the same
+    count, so each call's sum is right although the programs' counts part."""
+    block = 1024
+    ranks = _Ranks(torch.float32, slot=8 * block)
+    for call, chunks in enumerate((5, 1, 3)):
+        n = chunks * block
+        x, y = torch.full((n,), float(call)), torch.arange(n, dtype=torch.float32)
+        for c in range(chunks):  # the peer's program c: its chunk into its slot, then its flag
+            flag = int(ranks.counters[c]) + 1
+            ranks.data(ranks.peer, flag, n)[c * block:(c + 1) * block].copy_(
+                y[c * block:(c + 1) * block])
+            ranks.signals(ranks.own)[c * 2 + 1] = flag
+        assert ranks.run(x) == chunks
+        assert torch.equal(x, y + call), call
+    assert ranks.counters[:6].tolist() == [3, 2, 2, 1, 1, 0]
 
 
 @interpreted
@@ -150,7 +173,7 @@ def test_kernel_compiles_for_hopper():
         sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
         src = ASTSource(fn=fn, signature=sig, constexprs=dict(
             RANK=1, WORLD=2, BLOCK=one_shot.BLOCK, DATA_OFFSET=one_shot.SIGNAL_BYTES,
-            SLOT_ELEMS=elems, USE_PDL=True))
+            SLOT_ELEMS=elems, PROGRAMS=one_shot.MAX_BLOCKS, USE_PDL=True))
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx = kernel.asm["ptx"]
         assert "sys.release" in ptx and "sys.acquire" in ptx, "flags need system-scope ordering"
@@ -162,7 +185,8 @@ def test_kernel_compiles_for_hopper():
     sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
     src = ASTSource(fn=fn, signature=sig, constexprs=dict(
         RANK=0, WORLD=2, BLOCK=4096, SIGNAL_OFFSET=one_shot.SIGNALS,
-        DATA_OFFSET=one_shot.ROWS_DATA_OFFSET, SLOT_ELEMS=4 << 20, USE_PDL=True))
+        DATA_OFFSET=one_shot.ROWS_DATA_OFFSET, SLOT_ELEMS=4 << 20, PROGRAMS=one_shot.MAX_BLOCKS,
+        USE_PDL=True))
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 16}).asm["ptx"]
     assert "sys.release" in ptx and "sys.acquire" in ptx and "griddepcontrol.wait" in ptx

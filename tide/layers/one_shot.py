@@ -12,20 +12,22 @@ has reached its own signals `[b, peer]` (acquire loads), then reads the same sha
 rank's slot and adds them in rank order, in fp32. The flag is program `b`'s call count, kept in
 this rank's device memory, so a captured graph replays with fresh flags and no host input.
 
-Every call launches all `MAX_BLOCKS` programs (some with nothing to copy), so element `i` is always
-handled by program `(i // BLOCK) % MAX_BLOCKS` and every program's count is the call count: with a
-grid that followed the size, a program could overwrite a chunk that another program of the peer,
-from the previous call, is still reading. Why two slots are enough: program `b` writes slot `k % 2`
-at call `k` and can only start call `k + 2` after every peer's program `b` has signalled call `k +
-1`, which it does only after it finished reading call `k`. Flags are compared as `seen - flag >= 0`
-in int32, so a peer already one call ahead is seen as arrived.
+Element `i` is always handled by program `(i // BLOCK) % MAX_BLOCKS` (the programs stride by
+`MAX_BLOCKS` chunks whatever the grid), and a call launches only the programs that have a chunk.
+Program `b` therefore runs in the same calls on every rank (they sum the same sizes), and its flag
+counts those calls: `b`'s `j`-th run on one rank meets `b`'s `j`-th run on the others. Why two
+slots are enough: program `b` writes its chunks of slot `j % 2` in its run `j` and can only start
+run `j + 2` after every peer's program `b` has signalled run `j + 1`, which it does only after it
+finished reading run `j`; no other program touches those chunks. (A stride that followed the grid
+would hand a chunk to another program from one call to the next, and break this.) Flags are
+compared as `seen - flag >= 0` in int32, so a peer already one run ahead is seen as arrived.
 
 A second channel, with its own signals, slots and counters, sums whole rows and then adds the
 residual and applies RMSNorm in the same launch (`add_rmsnorm`: a row-parallel projection's partial
 products, then the next layer's norm, as the one-shot sum followed by `triton_ops.rmsnorm` would
-compute them, bit for bit). There, row `r` is always program `r % MAX_BLOCKS`'s, which holds the
-argument above only while rows keep their width: the channel serves one row width, the first it is
-given (the hidden size), and other widths take the plain sum.
+compute them, bit for bit). There, row `r` is always program `r % MAX_BLOCKS`'s (a bs1 decode step
+runs one program), which holds the argument above only while rows keep their width: the channel
+serves one row width, the first it is given (the hidden size), and other widths take the plain sum.
 
 The sum is the same for an element whatever the tensor's size (rank order, fp32), so it serves the
 deterministic mode too. Every rank must call it for the same tensor sizes in the same order, as
@@ -166,11 +168,12 @@ class OneShotAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place (`fits(x)` must hold); returns `x`."""
         use_pdl = pdl.enabled(x)
-        _one_shot_kernel[(MAX_BLOCKS,)](x, x.numel(), self._bases, self._counters, SPIN_LIMIT,
-                                        RANK=self.rank, WORLD=self.size, BLOCK=BLOCK,
-                                        DATA_OFFSET=SIGNAL_BYTES,
-                                        SLOT_ELEMS=SLOT_BYTES // x.element_size(),
-                                        USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+        grid = (min(MAX_BLOCKS, triton.cdiv(x.numel(), BLOCK)),)
+        _one_shot_kernel[grid](x, x.numel(), self._bases, self._counters, SPIN_LIMIT,
+                               RANK=self.rank, WORLD=self.size, BLOCK=BLOCK,
+                               DATA_OFFSET=SIGNAL_BYTES, SLOT_ELEMS=SLOT_BYTES // x.element_size(),
+                               PROGRAMS=MAX_BLOCKS, USE_PDL=use_pdl, num_warps=4,
+                               launch_pdl=use_pdl)
         return x
 
     def fits_rows(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -191,11 +194,11 @@ class OneShotAllReduce:
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         block = triton.next_power_of_2(x.shape[1])
         use_pdl = pdl.enabled(x)
-        _one_shot_norm_kernel[(MAX_BLOCKS,)](
+        _one_shot_norm_kernel[(min(MAX_BLOCKS, x.shape[0]),)](
             x, residual, weight, out, res_out, x.shape[0], x.shape[1], eps, self._bases,
             self._row_counters, SPIN_LIMIT, RANK=self.rank, WORLD=self.size, BLOCK=block,
             SIGNAL_OFFSET=SIGNALS, DATA_OFFSET=ROWS_DATA_OFFSET,
-            SLOT_ELEMS=SLOT_BYTES // x.element_size(), USE_PDL=use_pdl,
+            SLOT_ELEMS=SLOT_BYTES // x.element_size(), PROGRAMS=MAX_BLOCKS, USE_PDL=use_pdl,
             num_warps=norm_warps(block), launch_pdl=use_pdl)
         return out, res_out
 
@@ -212,12 +215,12 @@ class OneShotAllReduce:
 @triton.jit
 def _one_shot_kernel(X, n, Bases, Counters, spin_limit, RANK: tl.constexpr, WORLD: tl.constexpr,
                      BLOCK: tl.constexpr, DATA_OFFSET: tl.constexpr, SLOT_ELEMS: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     PROGRAMS: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:  # the next kernel may launch and prefetch its weights while the ranks meet
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK
+    step = PROGRAMS * BLOCK
     dtype = X.dtype.element_ty
     flag = tl.load(Counters + pid) + 1
     slot = (flag & 1).to(tl.int64) * SLOT_ELEMS
@@ -273,23 +276,23 @@ def _meet(Bases, pid, flag, spin_limit, SIGNAL_OFFSET: tl.constexpr, RANK: tl.co
 def _one_shot_norm_kernel(X, R, W, Out, ResOut, n_rows, n_cols, eps, Bases, Counters, spin_limit,
                           RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                           SIGNAL_OFFSET: tl.constexpr, DATA_OFFSET: tl.constexpr,
-                          SLOT_ELEMS: tl.constexpr, USE_PDL: tl.constexpr):
+                          SLOT_ELEMS: tl.constexpr, PROGRAMS: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
     dtype = X.dtype.element_ty
     flag = tl.load(Counters + pid) + 1
     slot = (flag & 1).to(tl.int64) * SLOT_ELEMS
     own_data = (tl.load(Bases + RANK) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    for row in range(pid, n_rows, programs):
+    for row in range(pid, n_rows, PROGRAMS):
         at = row * n_cols + cols  # < SLOT_ELEMS: int32 suffices
         tl.store(own_data + at, tl.load(X + at, mask=mask), mask=mask)
     _meet(Bases, pid, flag, spin_limit, SIGNAL_OFFSET, RANK, WORLD)
-    for row in range(pid, n_rows, programs):
+    for row in range(pid, n_rows, PROGRAMS):
         at = row * n_cols + cols  # < SLOT_ELEMS: int32 suffices
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
