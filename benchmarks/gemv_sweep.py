@@ -4,7 +4,8 @@ For each Llama-3.1-8B projection shape, times a CUDA graph of back-to-back one-r
 distinct weights (32 layers' worth, so nothing is served from L2) for cuBLAS (`F.linear`) and for each
 Triton config, as bytes streamed per second against the copy bandwidth measured in the same run; then a
 32-layer stack (norms and SiLU-mul between the products) with cuBLAS and with the kernel's default
-configs (`tide.layers.gemv.config_for`). Writes gemv_sweep.json.
+configs (`tide.layers.gemv.config_for`). Writes gemv_sweep.json. `--tp-size N`: one rank's shapes
+under tensor parallelism (qkv, gate_up and lm_head rows split N ways; o and down columns).
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ def graph_time(fn, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--tp-size", type=int, default=1, help="one rank's shapes at this TP size")
     args = ap.parse_args()
+    tp = args.tp_size
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
     res: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                 "copy_bandwidth_TBps": bw / 1e12, "shapes": {}}
+                 "copy_bandwidth_TBps": bw / 1e12, "tp_size": tp, "shapes": {}}
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     dt = torch.bfloat16
     for name, (n, k, layers) in SHAPES.items():
+        n, k = (n, k // tp) if name in ("o", "down") else (n // tp, k)
         ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
         nbytes = layers * n * k * 2
         x = torch.randn(1, k, device="cuda", dtype=dt)
@@ -66,18 +70,19 @@ def main() -> None:
     nw = torch.rand(H, device="cuda", dtype=dt) + 0.5
     delta = torch.randn(1, H, device="cuda", dtype=dt)
     resid = torch.randn(1, H, device="cuda", dtype=dt)
-    wq = [torch.randn(6144, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
-    wo = [torch.randn(H, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
-    wg = [torch.randn(2 * I, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
-    wd = [torch.randn(H, I, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
-    stack_bytes = layers * 2 * (6144 * H + H * H + 2 * I * H + H * I)
+    Q, O, Ir = 6144 // tp, H // tp, I // tp  # this rank's qkv rows, o columns, MLP width
+    wq = [torch.randn(Q, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    wo = [torch.randn(H, O, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    wg = [torch.randn(2 * Ir, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    wd = [torch.randn(H, Ir, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+    stack_bytes = layers * 2 * (Q * H + H * O + 2 * Ir * H + H * Ir)
 
     def stack(lin):
         def run():
             h, r = delta, resid
             for i in range(layers):
                 a, r = triton_ops.rmsnorm(h, nw, eps, r)
-                o = lin(lin(a, wq[i])[:, :H], wo[i])
+                o = lin(lin(a, wq[i])[:, :O].contiguous(), wo[i])
                 a, r = triton_ops.rmsnorm(o, nw, eps, r)
                 h = lin(triton_ops.silu_and_mul(lin(a, wg[i])), wd[i])
         return run
