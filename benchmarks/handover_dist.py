@@ -47,7 +47,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def trainer(barrier, result_q, calls: int, bucket_bytes: int) -> None:
+def trainer(barrier, result_q, calls: int, bucket_bytes: int, coalesce: int) -> None:
     from tide.weights import init_custom_process_group
 
     torch.cuda.set_device(0)
@@ -69,7 +69,7 @@ def trainer(barrier, result_q, calls: int, bucket_bytes: int) -> None:
         barrier.wait()  # the engine joins this group now
         t = time.perf_counter()
         group = init_custom_process_group("nccl", "127.0.0.1", port, 0, 2, name,
-                                          bucket_bytes=bucket_bytes)
+                                          bucket_bytes=bucket_bytes, coalesce_tensors=coalesce)
         result_q.put(("trainer_join", fmt, time.perf_counter() - t))
         for _ in range(calls):
             barrier.wait()
@@ -132,11 +132,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=4, help="updates per form (the first included)")
     ap.add_argument("--bucket-mb", type=int, default=256,
                     help="piece size of flattened updates in MiB (0: one broadcast per dtype)")
+    ap.add_argument("--coalesce", type=int, default=16,
+                    help="per-tensor updates in NCCL groups of this many tensors (0: one by one)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
     q = ctx.Queue()
-    procs = [ctx.Process(target=trainer, args=(barrier, q, args.calls, args.bucket_mb << 20)),
+    procs = [ctx.Process(target=trainer, args=(barrier, q, args.calls, args.bucket_mb << 20,
+                                                   args.coalesce)),
              ctx.Process(target=engine_side, args=(barrier, q, args.calls))]
     for p in procs:
         p.start()
@@ -147,7 +150,7 @@ def main() -> None:
         results.append(q.get())
     _, nbytes, raw_t, raw_per_tensor_t = next(r for r in results if r[0] == "raw")
     out = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-           "bytes": nbytes, "bucket_bytes": args.bucket_mb << 20,
+           "bytes": nbytes, "bucket_bytes": args.bucket_mb << 20, "coalesce_tensors": args.coalesce,
            "raw_broadcast_s": raw_t, "raw_GBps": nbytes / raw_t / 1e9,
            "raw_per_tensor_broadcast_s": raw_per_tensor_t, "raw_per_tensor_ratio": raw_t / raw_per_tensor_t,
            "join_s": {f"{side}:{fmt}": t for side, fmt, t in

@@ -22,11 +22,12 @@ from tide.weights.receive import BroadcastReceiver, piece_copies
 JOIN_S = 60.0
 
 
-def _pair(bucket_bytes: int, name: str = "g"):
+def _pair(bucket_bytes: int, name: str = "g", coalesce_tensors: int = 0):
     """A trainer (rank 0, in a thread) and an engine-side (rank 1) group joined at once."""
     port = free_port()
     trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, name,
-                       timeout_s=JOIN_S, bucket_bytes=bucket_bytes, name="trainer-join")
+                       timeout_s=JOIN_S, bucket_bytes=bucket_bytes,
+                       coalesce_tensors=coalesce_tensors, name="trainer-join")
     engine_side = init_custom_process_group("gloo", "127.0.0.1", port, 1, 2, name, timeout_s=JOIN_S)
     return trainer.result(JOIN_S), engine_side
 
@@ -56,6 +57,30 @@ def test_handshake_agrees_on_rank_0s_piece_size():
     assert engine_side.bucket_bytes == 0 and engine_side.pieces(40_000, 4) == [(0, 40_000)]
 
 
+def test_handshake_agrees_on_rank_0s_coalescing_and_per_tensor_updates_arrive():
+    """Rank 0's `coalesce_tensors` is every rank's (gloo groups then still send one broadcast per
+    tensor: only NCCL groups calls); a per-tensor update in runs of 3 arrives whole, a drained
+    tensor and a non-contiguous destination included."""
+    trainer, engine_side = _pair(bucket_bytes=64 << 10, coalesce_tensors=3)
+    assert trainer.coalesce_tensors == engine_side.coalesce_tensors == 3
+    gen = torch.Generator().manual_seed(2)
+    named = [(f"t{i}", torch.randn(5 + i, 7, generator=gen)) for i in range(7)]
+    dests = [torch.zeros_like(t) for _, t in named]
+    dests[2] = None  # drained
+    dests[4] = torch.zeros(7, 9).t()  # through a buffer
+    sender = InThread(trainer.broadcast_weights, named, name="trainer-send")
+    receiver = BroadcastReceiver(engine_side)
+    receiver.receive_tensors([(tuple(t.shape), t.dtype, d) for (_, t), d in zip(named, dests)])
+    receiver.finish()
+    sender.result(JOIN_S)
+    for (n, t), d in zip(named, dests):
+        if d is not None:
+            assert torch.equal(d, t), n
+    with pytest.raises(ValueError, match="coalesce_tensors"):
+        init_custom_process_group("gloo", "127.0.0.1", free_port(), 0, 2, "g", timeout_s=5,
+                                  coalesce_tensors=-1)
+
+
 @pytest.mark.parametrize("bad", [1, MIN_BUCKET_BYTES - 1, -5, True, 1.5, (4 << 30) + 1])
 def test_bad_bucket_bytes_is_refused_before_joining(bad):
     with pytest.raises(ValueError, match="bucket_bytes"):
@@ -64,13 +89,14 @@ def test_bad_bucket_bytes_is_refused_before_joining(bad):
 
 
 @pytest.mark.parametrize("header,needle", [
-    ([0, 0, 0], "no handshake"),
-    ([HANDSHAKE_MAGIC, PROTOCOL_VERSION + 1, 1 << 20], "protocol"),
-    ([HANDSHAKE_MAGIC, PROTOCOL_VERSION, 3], "bucket_bytes"),
+    ([0, 0, 0, 0], "no handshake"),
+    ([HANDSHAKE_MAGIC, PROTOCOL_VERSION + 1, 1 << 20, 0], "protocol"),
+    ([HANDSHAKE_MAGIC, PROTOCOL_VERSION, 3, 0], "bucket_bytes"),
+    ([HANDSHAKE_MAGIC, PROTOCOL_VERSION, 1 << 20, -2], "coalesce_tensors"),
 ])
 def test_a_rank_0_without_tides_handshake_is_refused(header, needle):
-    """A trainer that made its side by hand (no handshake, another protocol, a bad piece size) is
-    told so at init, instead of the first update reading a tiny broadcast as weights."""
+    """A trainer that made its side by hand (no handshake, another protocol, a bad piece size or
+    grouping) is told so at init, instead of the first update reading a tiny broadcast as weights."""
     port = free_port()
 
     def foreign_rank_0():

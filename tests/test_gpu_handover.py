@@ -73,7 +73,7 @@ def _trainer(port: int, checkpoint: str, commands, replies) -> None:
 
     torch.cuda.set_device(0)
     group = init_custom_process_group("nccl", "127.0.0.1", port, 0, 2, "wu", timeout_s=120,
-                                      bucket_bytes=1 << 20)
+                                      bucket_bytes=1 << 20, coalesce_tensors=5)
     named = [(n, (t.to(torch.bfloat16) * 0.5).cuda())
              for n, t in load_file(f"{checkpoint}/model.safetensors").items()]
     replies.put("joined")
@@ -99,6 +99,8 @@ def test_nccl_update_is_warm_at_init_and_exact_in_pieces(checkpoint):
         assert joined["success"], joined["message"]
         assert replies.get(timeout=120) == "joined"
         assert engine.worker.weight_updater.groups["wu"].bucket_bytes == 1 << 20
+        # Per-tensor updates travel in NCCL groups of 5 tensors on both sides.
+        assert engine.worker.weight_updater.groups["wu"].coalesce_tensors == 5
         named = [(n, (t.to(torch.bfloat16) * 0.5))
                  for n, t in load_file(f"{checkpoint}/model.safetensors").items()]
         for fmt in ("per_tensor", "flattened_bucket"):

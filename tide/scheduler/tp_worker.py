@@ -50,6 +50,7 @@ from tide.memory.observe import device_memory_stats
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.parallel import TpGroup
+from tide.parallel.group import COALESCE
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.scheduler.worker import ModelWorker, SampleFuture, TpModelWorker
 from tide.weights.bucket import FlattenedBucket
@@ -150,19 +151,23 @@ class RankRuntime:
     def receive_tensors(self, uid: int, metas: list[tuple[str, tuple[int, ...], torch.dtype]]
                         ) -> None:
         """Rank 0 broadcasts `outbox` (the full tensors of an in-process update) over the rank
-        group, one tensor at a time; every rank keeps them for `prepare(uid, "received")`."""
+        group, in NCCL groups of `COALESCE` tensors on GPUs; every rank keeps them for
+        `prepare(uid, "received")`."""
         device = self.worker.model_runner.device
         received: list[tuple[str, torch.Tensor]] = []
-        for i, (name, shape, dtype) in enumerate(metas):
-            if self.tp.rank == 0:
-                src = self.outbox[i][1]
-                buf = src.to(device).contiguous()
-                self.tp.broadcast(buf)
-                received.append((name, src))
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=device)
-                self.tp.broadcast(buf)
-                received.append((name, buf))
+        for first in range(0, len(metas), COALESCE):  # rank 0 stages one group on the GPU at a time
+            wire: list[torch.Tensor] = []
+            for i in range(first, min(len(metas), first + COALESCE)):
+                name, shape, dtype = metas[i]
+                if self.tp.rank == 0:
+                    src = self.outbox[i][1]
+                    wire.append(src.to(device).contiguous())
+                    received.append((name, src))
+                else:
+                    buf = torch.empty(shape, dtype=dtype, device=device)
+                    wire.append(buf)
+                    received.append((name, buf))
+            self.tp.broadcast_many(wire)
         self.outbox = []
         self.inbox[uid] = received
 

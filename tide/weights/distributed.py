@@ -11,8 +11,9 @@ leaves no thread or socket behind.
 
 The handshake: once the group exists, `init_custom_process_group` runs two broadcasts from rank 0 on
 every rank before it returns, so both sides must make their group with it (it is a collective). The
-first carries `[HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes]` (rank 0's `bucket_bytes`; the other
-ranks check magic and version and adopt it); with NCCL a second one of `WARMUP_BYTES` follows. NCCL
+first carries `[HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes, coalesce_tensors]` (rank 0's values;
+the other ranks check magic and version and adopt them); with NCCL a second one of `WARMUP_BYTES`
+follows. NCCL
 builds its communicator and connects its channels on a group's first collectives (about 200 ms), so
 the group is warm when init returns and the first weight update runs at full speed.
 
@@ -20,6 +21,14 @@ the group is warm when init returns and the first weight update runs at full spe
 consecutive pieces of at most `bucket_bytes` bytes (`WeightUpdateGroup.broadcast_flattened` does the
 split on the trainer side), so the engine receives piece i+1 while it copies piece i into the
 parameters, in two buffers of that size; 0 sends each dtype's buffer in one broadcast.
+
+`coalesce_tensors` is how a per-tensor update travels over NCCL: every run of that many consecutive
+tensors goes as one NCCL group (`ncclGroupStart`/`End`: one launch instead of one per tensor, which
+costs ~15 us each), on the trainer (`WeightUpdateGroup.broadcast_weights`) and in the engine alike.
+NCCL defines a group only when every rank groups the same calls, so it is agreed at the handshake,
+and a trainer that opts in must send per-tensor updates with `broadcast_weights` (or
+`broadcast_many`), never tensor by tensor. 0 or 1 (the default, and always on gloo): one broadcast
+per tensor.
 """
 
 from __future__ import annotations
@@ -37,10 +46,11 @@ import torch.distributed as dist
 
 MAX_GROUP_NAME_LEN = 128
 HANDSHAKE_MAGIC = 0x7469_6465_5747  # "tideWG"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the header carries coalesce_tensors
 DEFAULT_BUCKET_BYTES = 256 << 20
 MAX_BUCKET_BYTES = 4 << 30
 MIN_BUCKET_BYTES = 4096
+MAX_COALESCE_TENSORS = 1024  # NCCL caps a group at 2048 calls
 WARMUP_BYTES = 32 << 20  # large enough for NCCL's large-message protocol: that path is set up too
 MAX_WORLD_SIZE = 65536
 MAX_JOIN_TIMEOUT_S = 600.0
@@ -80,6 +90,13 @@ def check_group_name(value: str, param: str = "group_name") -> str:
     return value
 
 
+def check_coalesce_tensors(value: int, param: str = "coalesce_tensors") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            0 <= value <= MAX_COALESCE_TENSORS):
+        raise ValueError(f"{param} must be an int in [0, {MAX_COALESCE_TENSORS}], got {value!r}")
+    return value
+
+
 def check_bucket_bytes(value: int, param: str = "bucket_bytes") -> int:
     """`value` if it is 0 or in [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES], else ValueError naming `param`."""
     if isinstance(value, bool) or not isinstance(value, int) or not (
@@ -105,6 +122,7 @@ class WeightUpdateGroup:
     timeout: timedelta = timedelta(seconds=300)  # of each broadcast
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    coalesce_tensors: int = 0
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0,
                   timeout: timedelta | None = None) -> None:
@@ -115,6 +133,27 @@ class WeightUpdateGroup:
         opts.rootTensor = 0
         opts.timeout = self.timeout if timeout is None else timeout
         self.pg.broadcast([tensor], opts).wait()
+
+    def broadcast_many(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Broadcast `tensors` (contiguous) in order from rank `src`: in NCCL groups of
+        `coalesce_tensors` where that was agreed, else one by one. Every rank calls it with the
+        same sizes (and the receivers' tensors shaped like the sender's)."""
+        step = self.coalesce_tensors if self.backend == "nccl" else 0
+        if step <= 1:
+            for t in tensors:
+                self.broadcast(t, src)
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        for first in range(0, len(tensors), step):
+            self.pg._start_coalescing(self.device)
+            for t in tensors[first:first + step]:
+                self.pg.broadcast([t], opts)
+            work = self.pg._end_coalescing(self.device)
+            if work is not None:
+                work.wait()  # the current stream waits for the group; the host does not
 
     def pieces(self, numel: int, element_size: int) -> list[tuple[int, int]]:
         """The [start, end) element ranges a flat buffer of `numel` elements travels in."""
@@ -144,19 +183,20 @@ class WeightUpdateGroup:
             for tensors in groups.values():
                 self.broadcast_flattened(torch.cat(tensors))
         elif load_format is None:
-            for _, t in named:
-                self.broadcast(t.contiguous())
+            self.broadcast_many([t.contiguous() for _, t in named])
         else:
             raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
 
-    def handshake(self, bucket_bytes: int, timeout: timedelta) -> None:
-        """The group's first collectives (module docstring); sets `bucket_bytes` from rank 0's."""
+    def handshake(self, bucket_bytes: int, timeout: timedelta, coalesce_tensors: int = 0) -> None:
+        """The group's first collectives (module docstring); sets `bucket_bytes` and
+        `coalesce_tensors` from rank 0's."""
         on_cuda = self.device.type == "cuda"
         # Allocated on the current stream (their blocks return to its pool), broadcast on a side
         # stream, so nothing queued for serving waits on the handshake.
-        header = torch.zeros(3, dtype=torch.int64, device=self.device)
+        header = torch.zeros(4, dtype=torch.int64, device=self.device)
         if self.rank == 0:
-            header.copy_(torch.tensor([HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes]))
+            header.copy_(torch.tensor([HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes,
+                                       coalesce_tensors]))
         warm = torch.empty(WARMUP_BYTES, dtype=torch.uint8, device=self.device) if on_cuda else None
         stream = torch.cuda.Stream(self.device) if on_cuda else None
         if stream is not None:
@@ -165,7 +205,7 @@ class WeightUpdateGroup:
             self.broadcast(header, timeout=timeout)
             if warm is not None:
                 self.broadcast(warm, timeout=timeout)
-            magic, version, agreed = (int(v) for v in header.tolist())  # waits for this stream
+            magic, version, agreed, coalesce = (int(v) for v in header.tolist())  # waits
         if magic != HANDSHAKE_MAGIC:
             raise RuntimeError("rank 0 did not make its side of the group with "
                                "tide.weights.init_custom_process_group (no handshake)")
@@ -173,6 +213,7 @@ class WeightUpdateGroup:
             raise RuntimeError(f"rank 0 speaks weight-update protocol {version}, this side "
                                f"{PROTOCOL_VERSION}")
         self.bucket_bytes = check_bucket_bytes(agreed, "rank 0's bucket_bytes")
+        self.coalesce_tensors = check_coalesce_tensors(coalesce, "rank 0's coalesce_tensors")
 
 
 def init_custom_process_group(
@@ -186,15 +227,18 @@ def init_custom_process_group(
     join_timeout_s: float | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     device: torch.device | str | None = None,
+    coalesce_tensors: int = 0,
 ) -> WeightUpdateGroup:
     """Join (rank > 0) or host (rank 0) the group and run the handshake (module docstring) with the
     other ranks. `join_timeout_s` (default `timeout_s`) bounds the rendezvous and the handshake;
     `timeout_s` bounds each later broadcast. `bucket_bytes` (rank 0's counts): the piece size of
     flattened updates. `device`: the CUDA device of this rank's NCCL broadcasts (default: the current
-    one); gloo groups broadcast CPU tensors."""
+    one); gloo groups broadcast CPU tensors. `coalesce_tensors` (rank 0's counts; NCCL): per-tensor
+    updates travel in NCCL groups of that many tensors (module docstring)."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     check_bucket_bytes(bucket_bytes)
+    check_coalesce_tensors(coalesce_tensors)
     comm_device = torch.device("cpu")
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -236,7 +280,8 @@ def init_custom_process_group(
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         group = WeightUpdateGroup(group_name, backend, rank, world_size, pg, prefixed,
                                   timedelta(seconds=timeout_s), bucket_bytes, comm_device)
-        group.handshake(bucket_bytes, join_timeout)  # bounded by the join timeout, store included
+        # bounded by the join timeout, store included
+        group.handshake(bucket_bytes, join_timeout, coalesce_tensors)
         store.set_timeout(timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - reported as one clear error; nothing is kept
         if pg is not None and hasattr(pg, "shutdown"):

@@ -111,19 +111,31 @@ class BroadcastReceiver:
             done.record(self._copy)
         return done
 
-    def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype,
-                       dest: torch.Tensor | None) -> None:
-        """One broadcast of a `shape`/`dtype` tensor, written to `dest` (None: drained)."""
-        if dest is not None and dest.is_contiguous() and dest.device == self.device:
-            self._receive(dest)  # straight into the parameter's rows
-            return
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        buf = self._buffer(numel, dtype).view(shape)
-        self._receive(buf)
-        if dest is not None:
-            self._copy_out([(dest, buf)])
+    def receive_tensors(self, items: Sequence[tuple[tuple[int, ...], torch.dtype,
+                                                     torch.Tensor | None]]) -> None:
+        """One broadcast per (shape, dtype, destination or None: drained) in order, in the NCCL
+        groups the group agreed (`WeightUpdateGroup.broadcast_many`). A contiguous destination
+        on the group's device receives directly; others go through a buffer, copied out once
+        their group has arrived."""
+        step = max(1, self.group.coalesce_tensors) if self.cuda else 1
+        for first in range(0, len(items), step):
+            targets: list[torch.Tensor] = []
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for shape, dtype, dest in items[first:first + step]:
+                if dest is not None and dest.is_contiguous() and dest.device == self.device:
+                    targets.append(dest)  # straight into the parameter's rows
+                    continue
+                numel = 1
+                for d in shape:
+                    numel *= int(d)
+                buf = self._buffer(numel, dtype).view(shape)
+                targets.append(buf)
+                if dest is not None:
+                    pairs.append((dest, buf))
+            with self._on(self._recv):
+                self.group.broadcast_many(targets)
+            if pairs:
+                self._copy_out(pairs)
 
     def receive_flattened(self, dtype: torch.dtype,
                           items: Sequence[tuple[torch.Tensor | None, int]]) -> None:

@@ -278,8 +278,8 @@ class WeightUpdater:
                 for dtype, items in order.items():
                     receiver.receive_flattened(dtype, items)
             else:
-                for name, shape, dtype in metas:
-                    receiver.receive_tensor(shape, dtype, dest(name))
+                receiver.receive_tensors([(shape, dtype, dest(name))
+                                          for name, shape, dtype in metas])
         finally:
             receiver.finish()
         for target, whole in staged:
