@@ -85,7 +85,10 @@ class Instrument:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.sched = engine.scheduler
-        self.worker = self.sched.worker
+        # Under tensor parallelism rank 0's own worker (`local`) samples and runs the model; the
+        # group's forward (which sends the batch to the other ranks first) is timed as the forward.
+        self.group = self.sched.worker
+        self.worker = getattr(self.group, "local", self.group)
         self.runner = self.worker.model_runner
         self.cuda = self.runner.device.type == "cuda"
         self.steps: list[StepRecord] = []
@@ -182,7 +185,7 @@ class Instrument:
         for name in ("process_results", "_apply_launched"):
             self._patch(s, name, self._timed("output_processing"))
         for name in ("forward", "forward_launch"):
-            self._patch(w, name, self._forward)
+            self._patch(self.group, name, self._forward)
         self._patch(w, "_run_model", self._run_model)
         self._to_output = DeviceSample.to_output
         DeviceSample.to_output = self._timed("token_sync")(DeviceSample.to_output)  # type: ignore
