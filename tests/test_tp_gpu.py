@@ -284,8 +284,11 @@ def _one_shot_norm_rank(rank: int, port: int, queue) -> None:
         graph.replay()
         normed, res = reference(static_x[0], static_r)
         normed2, _ = reference(static_x[1], res)
-        if not (torch.equal(out[0], normed) and torch.equal(out[1], normed2)):
-            mismatches.append(("graph", step))
+        for which, got, want in (("first", out[0], normed), ("second", out[1], normed2)):
+            if not torch.equal(got, want):
+                diff = (got.float() - want.float()).abs()
+                mismatches.append(("graph", step, which, diff.max().item(),
+                                   int((diff > 0).sum()), diff.sum(-1).nonzero().flatten().tolist()))
     torch.cuda.synchronize(device)
     queue.put((rank, mismatches))
 

@@ -135,10 +135,10 @@ class TpGroup:
         opts.rootRank = src
         opts.rootTensor = 0
         for first in range(0, len(tensors), COALESCE):
-            self.pg._start_coalescing(tensors[0].device)
+            self.pg._start_coalescing()  # a backend (ProcessGroupNCCL): no device argument
             for t in tensors[first:first + COALESCE]:
                 self.pg.broadcast([t], opts)
-            work = self.pg._end_coalescing(tensors[0].device)
+            work = self.pg._end_coalescing()
             if work is not None:
                 work.wait()
 

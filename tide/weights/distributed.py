@@ -148,10 +148,10 @@ class WeightUpdateGroup:
         opts.rootTensor = 0
         opts.timeout = self.timeout
         for first in range(0, len(tensors), step):
-            self.pg._start_coalescing(self.device)
+            self.pg._start_coalescing()
             for t in tensors[first:first + step]:
                 self.pg.broadcast([t], opts)
-            work = self.pg._end_coalescing(self.device)
+            work = self.pg._end_coalescing()
             if work is not None:
                 work.wait()  # the current stream waits for the group; the host does not
 
