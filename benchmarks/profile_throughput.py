@@ -41,7 +41,7 @@ from benchmarks.run import engine_options, workload
 
 SECTIONS = ("schedule", "batch_build", "launch", "sampling", "token_sync", "output_processing",
             "other")
-KERNEL_CLASSES = ("attention", "gemm", "other")
+KERNEL_CLASSES = ("attention", "gemm", "communication", "other")
 _MISSING = object()
 _ATTENTION = ("attn", "attention", "sdpa", "scaled_dot_product", "flash", "_decode_stage",
               "_extend_kernel")
@@ -49,9 +49,15 @@ _GEMM = ("gemm", "gemv", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten
          "xmma", "cublas", "nvjet", "sm90_", "sm80_", "sm100_")
 
 
+_COMMUNICATION = ("nccl", "one_shot", "allreduce", "all_reduce", "allgather")
+
+
 def kernel_class(name: str) -> str:
-    """attention, gemm or other, from a kernel's (or CPU operator's) name."""
+    """attention, gemm, communication (the ranks' sums and gathers under tensor parallelism) or
+    other, from a kernel's (or CPU operator's) name."""
     n = name.lower()
+    if any(k in n for k in _COMMUNICATION):
+        return "communication"
     if any(k in n for k in _ATTENTION):
         return "attention"
     if any(k in n for k in _GEMM):
@@ -259,7 +265,7 @@ class Instrument:
 @contextlib.contextmanager
 def _kernel_ranges(engine: Any) -> Iterator[None]:
     """Every model forward inside a `tide.<kind>` profiler range."""
-    worker = engine.scheduler.worker
+    worker = getattr(engine.scheduler.worker, "local", engine.scheduler.worker)  # TP: rank 0's
     original = worker._run_model
 
     def wrapped(batch: Any) -> Any:
@@ -449,9 +455,10 @@ def table(res: dict[str, Any]) -> str:
     kern = res.get("kernels")
     if kern:
         lines += ["", f"Within forwards ({kern.get('unit', '')}):", "",
-                  "| step kind | attention | GEMM | other | total |", "| --- | ---: | ---: | ---: | ---: |"]
+                  "| step kind | attention | GEMM | communication | other | total |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
         if "error" in kern:
-            lines.append(f"| error: {kern['error']} | | | | |")
+            lines.append(f"| error: {kern['error']} | | | | | |")
         every = kern.get("all_kernels")
         if every:
             total = sum(every.values()) or 1.0
@@ -461,9 +468,9 @@ def table(res: dict[str, Any]) -> str:
         for kind in ("prefill", "mixed", "decode"):
             k = kern.get(kind)
             if k:
-                lines.append(f"| {kind} | {k['attention']:.3f} s ({k['attention_share']:.0%}) | "
-                             f"{k['gemm']:.3f} s ({k['gemm_share']:.0%}) | "
-                             f"{k['other']:.3f} s ({k['other_share']:.0%}) | {k['total']:.3f} s |")
+                lines.append(f"| {kind} | " + " | ".join(
+                    f"{k[c]:.3f} s ({k[c + '_share']:.0%})" for c in KERNEL_CLASSES)
+                    + f" | {k['total']:.3f} s |")
     lines += ["", "Host time per scheduler step (ms, exclusive):", "",
               "| steps | n | " + " | ".join(SECTIONS) + " | step total |",
               "| --- | ---: |" + " ---: |" * (len(SECTIONS) + 1)]

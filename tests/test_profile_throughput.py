@@ -88,9 +88,10 @@ def test_kernels_are_attributed_to_the_step_that_launched_them():
         x("_extend_kernel", "kernel", 80, 30, tid=7, correlation=2),  # runs past the range: counts
         x("_decode_stage1", "kernel", 400, 5, tid=7, correlation=3),  # graph kernels, run later
         x("_gemv_kernel", "kernel", 405, 7, tid=7, correlation=3),
+        x("_one_shot_norm_kernel", "kernel", 412, 3, tid=7, correlation=3),  # a ranks' sum
         x("_rmsnorm_kernel", "kernel", 160, 9, tid=7, correlation=4),
     ]}
     out = pt.attribute_kernels(trace)
-    assert out["prefill"] == {"attention": 30e-6, "gemm": 40e-6, "other": 0.0}
-    assert out["decode"] == {"attention": 5e-6, "gemm": 7e-6, "other": 0.0}
-    assert out["mixed"] == {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    assert out["prefill"] == {"attention": 30e-6, "gemm": 40e-6, "communication": 0.0, "other": 0.0}
+    assert out["decode"] == {"attention": 5e-6, "gemm": 7e-6, "communication": 3e-6, "other": 0.0}
+    assert out["mixed"] == dict.fromkeys(pt.KERNEL_CLASSES, 0.0)
