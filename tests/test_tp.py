@@ -584,3 +584,93 @@ def test_projections_with_a_bias_sum_their_own_output():
     assert deferred_sum(config()) is None  # one rank
     with pytest.raises(ValueError, match="bias"):
         biased(torch.randn(1, 4), reduce=False)
+
+
+class _Pipe:
+    """One end of a rank's control connection: what it will receive, and what was sent on it."""
+
+    def __init__(self, incoming) -> None:
+        self.incoming, self.sent = list(incoming), []
+
+    def poll(self) -> bool:
+        return bool(self.incoming)
+
+    def recv(self):
+        return self.incoming.pop(0)
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+def _rank0_group(pipe):
+    """A `TpWorkerGroup` of two ranks around `pipe` (no processes, no model)."""
+    import threading
+    from types import SimpleNamespace
+
+    from tide.scheduler.tp_worker import TpWorkerGroup
+
+    group = object.__new__(TpWorkerGroup)
+    group.tp_size, group._conns, group._lock, group._broken = 2, [pipe], threading.Lock(), None
+    group.runtime = SimpleNamespace(ping=lambda: 3)
+    group.req_to_token_pool = SimpleNamespace(take_writes=lambda: [])
+    group.tp = SimpleNamespace(broadcast=lambda payload: None)
+    return group
+
+
+def _prefill_batch():
+    from types import SimpleNamespace
+
+    from tide.executor.forward_batch import ForwardMode
+
+    return SimpleNamespace(out_cache_loc=torch.tensor([4]), is_decode=False, input_ids=[9],
+                           mode=ForwardMode.EXTEND, positions=[0], req_pool_indices=[0],
+                           prefix_lens=[0], extend_lens=[1])
+
+
+def test_a_forward_that_fails_on_a_child_stops_every_later_step():
+    """A child whose forward raised tells rank 0 (its collectives may no longer line up with rank
+    0's: the one-shot sum would add mismatched calls silently). Rank 0 then refuses that step and
+    every later one with an error naming the rank, whether the report comes before a batch or ahead
+    of a call's reply; the call still gets its reply."""
+    from tide.scheduler.tp_worker import _serve
+
+    class FailingRuntime:
+        def forward(self, batch):
+            raise ValueError("boom")
+
+    child = _Pipe([("forward", {}), ("shutdown",)])
+    _serve(child, FailingRuntime())
+    assert child.sent == [("forward_failed", "ValueError: boom")]
+
+    pipe = _Pipe(child.sent)  # the report waits on rank 0's end
+    group = _rank0_group(pipe)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"rank 1: forward failed \(ValueError: boom\).*restart"):
+            group.forward_launch(_prefill_batch())
+    assert pipe.sent == []  # no batch went out
+
+    pipe = _Pipe([("forward_failed", "RuntimeError: x"), (True, 7)])
+    group = _rank0_group(pipe)
+    assert group.call("ping") == [3, 7]
+    with pytest.raises(RuntimeError, match="rank 1: forward failed"):
+        group.forward(_prefill_batch())
+
+
+def test_a_child_whose_forwards_succeed_sends_nothing_back():
+    from tide.scheduler.tp_worker import _serve
+
+    class Runtime:
+        def __init__(self):
+            self.batches = []
+
+        def forward(self, batch):
+            self.batches.append(batch)
+
+    runtime, child = Runtime(), _Pipe([("forward", {"n": 1}), ("forward", {"n": 2}), ("shutdown",)])
+    _serve(child, runtime)
+    assert runtime.batches == [{"n": 1}, {"n": 2}] and child.sent == []
+    pipe = _Pipe([])
+    group = _rank0_group(pipe)
+    group.local = type("Local", (), {"forward_launch": lambda self, batch: "launched"})()
+    assert group.forward_launch(_prefill_batch()) == "launched"
+    assert [msg[0] for msg in pipe.sent] == ["forward"]

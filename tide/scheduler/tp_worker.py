@@ -12,7 +12,10 @@ this engine's own processes speak on it; tensors never travel on it, they go ove
   request-table writes the scheduler made since the last batch go) to every rank; its device fields
   (KV slots, written slots, a decode step's input ids) follow in one broadcast over the rank group.
   Every rank runs the same forward (the collectives meet inside it), and only rank 0 samples. No
-  reply.
+  reply, unless the forward raised on a child: it then sends `("forward_failed", error)`. Its
+  collectives may no longer line up with rank 0's (the one-shot all-reduce would then add
+  mismatched calls without noticing), so rank 0 stops stepping for good: the next batch it would
+  send, and every later one, raise instead (restart the engine), as when a rank dies.
 - `call`: a method of `RankRuntime`, run on every rank (children first, rank 0 last, so collectives
   inside meet), each rank's result or error sent back. Weight updates use two calls: `prepare` on
   every rank (validation; nothing written), then `apply` on every rank only if every rank validated,
@@ -306,8 +309,9 @@ def _serve(conn: Connection, runtime: RankRuntime) -> None:
         if kind == "forward":
             try:
                 runtime.forward(msg[1])
-            except Exception:  # rank 0 sees its own failure; keep serving
+            except Exception as e:  # reported to rank 0, which stops stepping
                 logger.exception("forward failed on this rank")
+                conn.send(("forward_failed", f"{type(e).__name__}: {e}"))
         elif kind == "call":
             _, method, args = msg
             try:
@@ -367,6 +371,7 @@ class TpWorkerGroup(ModelWorker):
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
+        self._broken: str | None = None  # why stepping stopped for good (a child's forward failed)
         try:
             self._start(config, model_config, ledger)
         except BaseException:
@@ -486,6 +491,9 @@ class TpWorkerGroup(ModelWorker):
         parts = [p.to(device=loc.device, dtype=torch.int64) for p in parts]
         payload = parts[0] if len(parts) == 1 else torch.cat(parts)
         with self._lock:  # the pipes' order and the group's collective order stay the same
+            self._take_failure_reports()
+            if self._broken is not None:
+                raise RuntimeError(self._broken)
             for conn in self._conns:
                 conn.send(("forward", message))
             self.tp.broadcast(payload.contiguous())
@@ -521,7 +529,7 @@ class TpWorkerGroup(ModelWorker):
             except Exception as e:  # noqa: BLE001 - gathered with the other ranks' errors
                 errors[0] = (type(e).__name__, str(e))
             for rank, conn in enumerate(self._conns, start=1):
-                ok, value = conn.recv()
+                ok, value = self._reply(rank, conn)
                 if ok:
                     results[rank] = value
                 else:
@@ -529,6 +537,33 @@ class TpWorkerGroup(ModelWorker):
         if errors:
             raise RankError(errors)
         return results
+
+    def _note_failure(self, rank: int, error: str) -> None:
+        if self._broken is None:
+            self._broken = (f"tensor-parallel rank {rank}: forward failed ({error}); the ranks' "
+                            "collectives may no longer line up, restart the engine")
+            logger.error("%s", self._broken)
+
+    def _reply(self, rank: int, conn: Connection) -> tuple[bool, Any]:
+        """The reply to a call from `rank`, noting the failure reports of earlier forwards that
+        arrive before it."""
+        while True:
+            msg = conn.recv()
+            if msg[0] == "forward_failed":
+                self._note_failure(rank, msg[1])
+                continue
+            return msg
+
+    def _take_failure_reports(self) -> None:
+        """Note every forward failure the children have reported so far (without waiting)."""
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                while conn.poll():
+                    msg = conn.recv()
+                    if msg[0] == "forward_failed":
+                        self._note_failure(rank, msg[1])
+            except (EOFError, OSError):
+                continue  # a rank that is gone: sending it the batch fails
 
     def shutdown(self) -> None:
         for conn in self._conns:
