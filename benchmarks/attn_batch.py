@@ -69,11 +69,11 @@ def decode_sweep(bw: float) -> None:
                     NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
                     SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=False, num_warps=warps,
                     num_stages=stages)
-                tk._decode_stage2[(batch, hq)](
+                tk._decode_stage2[(batch, hq, d // tk.stage2_columns(d))](
                     mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                     mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), 0,
-                    BLOCK_D=d, HEAD_DIM=d, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN,
-                    SLIDING=False, USE_PDL=False, num_warps=4)
+                    BLOCK_D=tk.stage2_columns(d), HEAD_DIM=d, NUM_SPLITS=splits,
+                    MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False, USE_PDL=False, num_warps=4)
 
             try:
                 t = replay_seconds(capture(run), reps=20, warmup=2)

@@ -1,7 +1,7 @@
 """Tune split-KV decode attention on a GPU host: `python -m benchmarks.decode_attn_sweep [--shape S]`.
 
-bs1, 8 layers of distinct KV at 1k, 8k and 32k context: times stage 1 + stage 2 in a CUDA graph for
-each (max splits, tokens per block, warps, stages) and prints the six fastest per context next to the
+bs1, 8 layers of distinct KV at 1k, 8k and 32k context (`--contexts`): times stage 1 + stage 2 in a
+CUDA graph for each (max splits, tokens per block, warps, stages, shortest split) and prints the six fastest per context next to the
 config the engine uses now, with microseconds per layer, the KV bytes read as a fraction of copy
 bandwidth, and the largest output difference from the first config (all configs compute the same
 attention). Shapes: `llama` (Llama-3.1-8B: 32 q heads, 8 kv heads, head dim 128, full attention),
@@ -28,10 +28,13 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama")
-    HQ, HK, D, window = SHAPES[ap.parse_args().shape]
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--current-only", action="store_true", help="time only the engine's config")
+    args = ap.parse_args()
+    HQ, HK, D, window = SHAPES[args.shape]
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
-    for ctx in (1024, 8192, 32768):
+    for ctx in (int(c) for c in args.contexts.split(",")):
         size = ctx + 16
         ks = [torch.randn(size, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
         vs = [torch.randn(size, HK, D, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -43,8 +46,18 @@ def main() -> None:
         kv_bytes = LAYERS * min(ctx, window or ctx) * HK * D * 2 * 2
         res: dict[tuple[int, ...], tuple[float, float, float]] = {}
         ref = None
-        for splits, block_n, warps, stages in itertools.product((32, 64, 128, 256), (32, 64, 128),
-                                                                (4, 8), (2, 3, 4)):
+        splits = tk.num_kv_splits(HK, 128)
+        now = (splits, *tk.decode_block_config(splits, D))
+        now = (now[0], now[1], 4, now[2], tk.MIN_SPLIT_LEN)
+        configs = [now] if args.current_only else itertools.product(
+            (64, 128, 256), (16, 32, 64, 128), (4, 8), (2, 3), (16, 32, 64))
+        for splits, block_n, warps, stages, min_len in configs:
+            if ctx <= 2048 and splits != 128:
+                continue  # short contexts: the shortest split, not the count, sets the launch
+            if block_n > max(min_len, ctx // splits):
+                continue  # no split is that long
+            if min_len < tk.MIN_SPLIT_LEN and ctx // splits >= tk.MIN_SPLIT_LEN:
+                continue  # the shortest split does not bind: the same launch as min_len 64
             mid_o = torch.empty(1, HQ, splits, D, device="cuda")
             mid_l = torch.empty(1, HQ, splits, device="cuda")
 
@@ -55,14 +68,15 @@ def main() -> None:
                         k.stride(1), v.stride(0), v.stride(1), table.stride(0), mid_o.stride(0),
                         mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), D**-0.5,
                         window, 1.0, GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D,
-                        HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=window > 0,
+                        HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=min_len, SLIDING=window > 0,
                         SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=True, num_warps=warps,
                         num_stages=stages, launch_pdl=True)
-                    tk._decode_stage2[(1, HQ)](
+                    tk._decode_stage2[(1, HQ, D // tk.stage2_columns(D))](
                         mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                         mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), window,
-                        BLOCK_D=D, HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN,
-                        SLIDING=window > 0, USE_PDL=True, num_warps=4, launch_pdl=True)
+                        BLOCK_D=tk.stage2_columns(D), HEAD_DIM=D, NUM_SPLITS=splits,
+                        MIN_SPLIT_LEN=min_len, SLIDING=window > 0, USE_PDL=True, num_warps=4,
+                        launch_pdl=True)
 
             try:
                 run()
@@ -70,15 +84,13 @@ def main() -> None:
                 with torch.cuda.graph(graph):
                     run()
             except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
-                print(f"   {(splits, block_n, warps, stages)}: {type(e).__name__}", flush=True)
+                print(f"   {(splits, block_n, warps, stages, min_len)}: {type(e).__name__}", flush=True)
                 continue
             t = replay_seconds(graph, reps=20)
             if ref is None:
                 ref = out.clone()
             err = (out.float() - ref.float()).abs().max().item()
-            res[(splits, block_n, warps, stages)] = (t / LAYERS * 1e6, kv_bytes / t / bw, err)
-        now = (tk.num_kv_splits(HK, 128), *tk.decode_block_config(tk.num_kv_splits(HK, 128), D))
-        now = (now[0], now[1], 4, now[2])
+            res[(splits, block_n, warps, stages, min_len)] = (t / LAYERS * 1e6, kv_bytes / t / bw, err)
         print(f"{ctx}: current config {now}: {res[now][0] if now in res else float('nan'):.2f} "
               "us/layer", flush=True)
         for cfg, (us, frac, err) in sorted(res.items(), key=lambda kv: kv[1][0])[:6]:

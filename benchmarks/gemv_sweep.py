@@ -1,7 +1,7 @@
 """Tune and check the bs1 GEMV kernel on a GPU host: `python -m benchmarks.gemv_sweep [--out DIR]`.
 
-For each Llama-3.1-8B projection shape, times a CUDA graph of back-to-back one-row products over
-distinct weights (32 layers' worth, so nothing is served from L2) for cuBLAS (`F.linear`) and for each
+For each projection shape of `--shape` (default llama-3.1-8b), times a CUDA graph of back-to-back
+one-row products over distinct weights (32 layers' worth, so nothing is served from L2) for cuBLAS (`F.linear`) and for each
 Triton config, as bytes streamed per second against the copy bandwidth measured in the same run; then a
 32-layer stack (norms and SiLU-mul between the products) with cuBLAS and with the kernel's default
 configs (`tide.layers.gemv.config_for`). Writes gemv_sweep.json. `--tp-size N`: one rank's shapes
@@ -17,14 +17,22 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from benchmarks.run import measure_copy_bandwidth
+from benchmarks.shapes import SHAPES
 from benchmarks.timing import capture, replay_seconds
 from tide.layers import gemv as G
 from tide.layers import triton_ops
 
-SHAPES = {"qkv": (6144, 4096, 32), "o": (4096, 4096, 32), "gate_up": (28672, 4096, 32),
-          "down": (4096, 14336, 32), "lm_head": (128256, 4096, 4)}
+
+
+def projections(cfg: dict) -> dict[str, tuple[int, int, int]]:
+    """name -> (N, K, copies timed back to back) of one layer's products and the lm_head."""
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    return {"qkv": (q + 2 * kv, h, 32), "o": (h, q, 32), "gate_up": (2 * inter, h, 32),
+            "down": (h, inter, 32), "lm_head": (cfg["vocab_size"], h, 4)}
 CONFIGS = [(bn, bk, w) for bn in (1, 2, 4) for bk in (512, 1024, 2048, 4096) for w in (2, 4, 8)
            if bn * bk <= 8192]
 
@@ -38,15 +46,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--tp-size", type=int, default=1, help="one rank's shapes at this TP size")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     args = ap.parse_args()
+    shape = SHAPES[args.shape]
     tp = args.tp_size
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
     res: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                 "copy_bandwidth_TBps": bw / 1e12, "tp_size": tp, "shapes": {}}
+                 "copy_bandwidth_TBps": bw / 1e12, "tp_size": tp, "shape": args.shape, "shapes": {}}
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     dt = torch.bfloat16
-    for name, (n, k, layers) in SHAPES.items():
+    for name, (n, k, layers) in projections(shape).items():
         n, k = (n, k // tp) if name in ("o", "down") else (n // tp, k)
         ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
         nbytes = layers * n * k * 2
@@ -55,7 +65,7 @@ def main() -> None:
         cublas = nbytes / graph_time(lambda: [F.linear(x, w) for w in ws]) / bw
         rows = {}
         for cfg in CONFIGS + [G.config_for(k)]:
-            if k % cfg[1] == 0:
+            if cfg[1] <= triton.next_power_of_2(k):  # uneven K: the last tile is masked
                 rows[str(cfg)] = nbytes / graph_time(
                     lambda: [G.gemv(x, w, out=o, config=cfg) for w, o in zip(ws, outs)]) / bw
         default = str(G.config_for(k))
@@ -66,11 +76,12 @@ def main() -> None:
         print(f"{name} N={n} K={k}: cuBLAS {cublas:.3f} of copy bw; default {default} {rows[default]:.3f}; "
               f"top " + ", ".join(f"{c} {v:.3f}" for c, v in top) + f"; max err {err:.1e}", flush=True)
         del ws, outs
-    H, I, eps, layers = 4096, 14336, 1e-5, 32
+    H, I, eps, layers = shape["hidden_size"], shape["intermediate_size"], 1e-5, 32
+    qkv_rows, o_cols = projections(shape)["qkv"][0], projections(shape)["o"][1]
     nw = torch.rand(H, device="cuda", dtype=dt) + 0.5
     delta = torch.randn(1, H, device="cuda", dtype=dt)
     resid = torch.randn(1, H, device="cuda", dtype=dt)
-    Q, O, Ir = 6144 // tp, H // tp, I // tp  # this rank's qkv rows, o columns, MLP width
+    Q, O, Ir = qkv_rows // tp, o_cols // tp, I // tp  # this rank's qkv rows, o columns, MLP width
     wq = [torch.randn(Q, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
     wo = [torch.randn(H, O, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
     wg = [torch.randn(2 * Ir, H, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]

@@ -178,8 +178,9 @@ def _decode(kernels, pool, q, lens, layer, splits, k, v):
 
 @needs_triton
 @pytest.mark.parametrize("window,cap", CASES)
-def test_interpreted_decode_matches_torch_native(kernels, window, cap):
-    """Sequences shorter than, at, just past and far past the window; 1 to 16 splits."""
+def test_interpreted_decode_matches_torch_native(kernels, monkeypatch, window, cap):
+    """Sequences shorter than, at, just past and far past the window; 1 to 16 splits; stage 2
+    merging the whole head in one program and in column slices."""
     lens = [1, 5, 8, 9, 130, 700]
     pool = _Pool(lens, seed=len(CASES) + (window or 0))
     layer = _layer(window, cap)
@@ -192,7 +193,8 @@ def test_interpreted_decode_matches_torch_native(kernels, window, cap):
         ref.append(torch_native.attend(q[i : i + 1], pool.k[slots], pool.v[slots], n - 1, kv0, layer))
     ref = torch.cat(ref)
     k, v = pool.poison_the_rest()
-    for splits in (1, 2, 16):
+    for splits, columns in ((1, DIM), (2, DIM), (16, DIM), (16, DIM // 2)):
+        monkeypatch.setattr(kernels, "STAGE2_COLUMNS", columns)
         out = _decode(kernels, pool, q, lens, layer, splits, k, v)
         assert not out.isnan().any(), f"splits {splits}: a hidden slot was read"
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)

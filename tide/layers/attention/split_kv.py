@@ -9,6 +9,9 @@ from __future__ import annotations
 
 # Shortest split of split-KV decode: short visible ranges use fewer, longer splits.
 MIN_SPLIT_LEN = 64
+# Head-dim columns per stage-2 program: the merge of up to 128 splits holds 128 x 64 fp32 values
+# in registers (the whole head at dim 256 would spill).
+STAGE2_COLUMNS = 64
 # Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
 # H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
 DECODE_BLOCK_N = 32

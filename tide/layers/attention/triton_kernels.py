@@ -33,6 +33,7 @@ from tide.layers.attention.split_kv import (
     EXTEND_BLOCK_M,
     EXTEND_BLOCK_N,
     MIN_SPLIT_LEN,
+    STAGE2_COLUMNS,
     decode_block_config,
     num_kv_splits,
 )
@@ -162,6 +163,8 @@ def _decode_stage2(
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr, SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """Merges the splits of one head's output, BLOCK_D columns of it per program (axis 2): each
+    program holds NUM_SPLITS x BLOCK_D partial outputs, few enough registers at head dim 256."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -172,7 +175,7 @@ def _decode_stage2(
     active = tl.cdiv(visible, _decode_split_len(visible, NUM_SPLITS, MIN_SPLIT_LEN))
     offs_s = tl.arange(0, NUM_SPLITS)
     mask_s = offs_s < active
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -184,6 +187,11 @@ def _decode_stage2(
     )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + b * stride_ot + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def stage2_columns(head_dim: int) -> int:
+    """Head-dim columns one stage-2 program merges."""
+    return min(triton.next_power_of_2(head_dim), STAGE2_COLUMNS)
 
 
 def _dot_precision(q: torch.Tensor) -> str:
@@ -227,11 +235,12 @@ def decode_attention(
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=stages, launch_pdl=use_pdl,
     )
-    _decode_stage2[(batch, num_heads)](
+    columns = stage2_columns(head_dim)
+    _decode_stage2[(batch, num_heads, triton.cdiv(head_dim, columns))](
         mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), window,
-        BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
+        BLOCK_D=columns, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
