@@ -16,6 +16,7 @@ DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def _option(default: Any, help: str) -> Any:
@@ -73,6 +74,10 @@ class EngineConfig:
         0.8, "hybrid sliding-window models (full and sliding layers, e.g. Gemma-2/3): slots of the "
              "sliding-window KV pool per slot of the full pool, in (0, 1]; the memory budget is "
              "split so both pools fit (smaller: more full-context tokens, fewer concurrent windows)")
+    kv_cache_dtype: str = _option(
+        "auto", "KV cache element type: auto (the model dtype) or fp8_e4m3 (one byte per value, "
+                "saturated to +-448, no scales: twice the tokens in the same memory and half the "
+                "bytes each decode step reads; logprobs move by the rounding)")
     # Scheduling.
     chunked_prefill_size: int = _option(8192, "longest prefill chunk in tokens; longer prompts "
                                               "are prefilled over several steps")
@@ -117,6 +122,13 @@ class EngineConfig:
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(
                 f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.enable_deterministic_inference:
+            raise ValueError(
+                "kv_cache_dtype fp8_e4m3 cannot be combined with enable_deterministic_inference: "
+                "tide.rl.logprobs (the trainer-side reference) keeps K/V in the model dtype")
         _positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _positive("chunked_prefill_size", self.chunked_prefill_size)
         _positive("max_prefill_tokens", self.max_prefill_tokens)

@@ -85,6 +85,8 @@ class ModelRunner:
         self.num_heads = model_config.num_attention_heads // self.tp.size
         self.num_kv_heads = self.tp.kv_heads(model_config.num_key_value_heads)[1]
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        # K/V element type: the model dtype, or one byte per value (kv_cache_dtype=fp8_e4m3).
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         self.context_len = config.context_length or model_config.max_position_embeddings
         if self.context_len > model_config.max_position_embeddings:
             raise ValueError(
@@ -172,7 +174,7 @@ class ModelRunner:
         hybrid = mc.is_hybrid and self.tp.size == 1
         sliding = [mc.layer_kind(i).is_sliding for i in range(mc.num_hidden_layers)]
         per_layer = MHATokenToKVPool.bytes_per_token(1, self.num_kv_heads, mc.head_dim,
-                                                     self.dtype)
+                                                     self.kv_dtype)
         n_swa = sum(sliding) if hybrid else 0
         ratio = self.config.swa_full_tokens_ratio
         full_bytes, swa_bytes = per_layer * (mc.num_hidden_layers - n_swa), per_layer * n_swa
@@ -212,9 +214,9 @@ class ModelRunner:
         region = None
         if hybrid:
             kv_shapes = SWAKVPool.layer_shapes(tokens, swa_tokens, sliding, self.num_kv_heads,
-                                               mc.head_dim, self.dtype)
+                                               mc.head_dim, self.kv_dtype)
         else:
-            kv_shapes = [((tokens + 1, self.num_kv_heads, mc.head_dim), self.dtype)] * (
+            kv_shapes = [((tokens + 1, self.num_kv_heads, mc.head_dim), self.kv_dtype)] * (
                 2 * mc.num_hidden_layers)
         if self.use_vmm:
             from tide.memory.vmm import VmmRegion, region_nbytes
@@ -228,7 +230,7 @@ class ModelRunner:
         if hybrid:
             allocator = SWATokenToKVPoolAllocator(tokens, swa_tokens, self.device)
             pool = SWAKVPool(tokens, swa_tokens, sliding, self.num_kv_heads, mc.head_dim,
-                             self.dtype, self.device, region=region)
+                             self.kv_dtype, self.device, region=region)
             pool.register_mapping(allocator.full_to_swa_index_mapping)
             self.req_to_token_pool.register_swa_mapping(allocator.full_to_swa_index_mapping)
             self.token_to_kv_pool_allocator: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator = (
@@ -240,7 +242,7 @@ class ModelRunner:
             return
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            tokens, mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.dtype, self.device,
+            tokens, mc.num_hidden_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype, self.device,
             region=region,
         )
         logger.info("KV cache: %d tokens, %.1f MiB", tokens, tokens * full_bytes / 2**20)
@@ -299,9 +301,11 @@ class ModelRunner:
                     "full_layers": list(self.token_to_kv_pool.full_layer_ids),
                     "swa_layers": list(self.token_to_kv_pool.swa_layer_ids),
                     "sliding_window": mc.sliding_window,
-                    "swa_full_tokens_ratio": self.config.swa_full_tokens_ratio}
+                    "swa_full_tokens_ratio": self.config.swa_full_tokens_ratio,
+                    "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
         return {"type": "full", "full_tokens": self.max_total_tokens,
-                "full_layers": list(range(mc.num_hidden_layers))}
+                "full_layers": list(range(mc.num_hidden_layers)),
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
 
     @property
     def max_batch_size(self) -> int:

@@ -17,6 +17,16 @@ import torch
 if TYPE_CHECKING:
     from tide.memory.vmm import VmmRegion
 
+# Largest finite float8_e4m3fn value: an fp8 KV cache saturates there (the Triton store does the same).
+FP8_E4M3_MAX = 448.0
+
+
+def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the KV cache stores it: cast to `dtype`, saturating at +-448 for float8_e4m3fn."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
+
 
 class ReqToTokenPool:
     """`size` request slots plus one reserved dummy row (index `size`, all zeros: every position maps
@@ -170,5 +180,5 @@ class MHATokenToKVPool:
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = to_kv_dtype(k, self.dtype)
+        self.v_buffer[layer_id][loc] = to_kv_dtype(v, self.dtype)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tide.memory.pools import TokenToKVPoolAllocator
+from tide.memory.pools import TokenToKVPoolAllocator, to_kv_dtype
 
 if TYPE_CHECKING:
     from tide.memory.vmm import VmmRegion
@@ -212,5 +212,5 @@ class SWAKVPool:
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> None:
         """`loc`: slots of this layer's pool (SWA slots for a sliding layer)."""
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = to_kv_dtype(k, self.dtype)
+        self.v_buffer[layer_id][loc] = to_kv_dtype(v, self.dtype)

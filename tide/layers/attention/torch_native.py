@@ -72,8 +72,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                 q_pos = prefix + s  # position of the block's first query
                 kv_pos = 0 if window is None else max(0, q_pos - window + 1)
                 slots = row[kv_pos : prefix + e]
+                # An fp8 cache's values are widened to the query's dtype (a no-op otherwise).
                 out[start + s : start + e] = attend(
-                    q[start + s : start + e], k_cache[slots], v_cache[slots], q_pos, kv_pos, layer
+                    q[start + s : start + e], k_cache[slots].to(q.dtype),
+                    v_cache[slots].to(q.dtype), q_pos, kv_pos, layer,
                 )
             start += n_new
         return out.view(-1, layer.num_heads * layer.head_dim)

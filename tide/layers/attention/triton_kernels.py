@@ -59,11 +59,12 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
     """One block of keys and values (pool rows `slots`, loaded where `mask_n`) through online softmax
     for the query rows of `q`; `keep` [rows, BLOCK_N] says which scores count. Returns the updated
     (max, sum, output). A row that has kept no score yet stays at max -inf, sum 0, output 0."""
+    # K/V widen to the query's dtype (an fp8 cache; a no-op when the cache holds that dtype).
     k = tl.load(
         K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
-    )
+    ).to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
     if SOFT_CAP:
         s = _soft_cap(s, logit_cap)
@@ -78,8 +79,8 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
         V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
         mask=mask_n[:, None] & mask_d[None, :],
         other=0.0,
-    )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    ).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
