@@ -231,7 +231,8 @@ def test_only_hybrid_models_get_two_pools(ckpts):
         layout = g3.get_server_info()["kv_cache_layout"]
         assert layout == {"type": "hybrid_swa", "full_tokens": 512, "swa_tokens": 128,
                           "full_layers": [2, 5], "swa_layers": [0, 1, 3, 4],
-                          "sliding_window": WINDOW, "swa_full_tokens_ratio": 0.25}
+                          "sliding_window": WINDOW, "swa_full_tokens_ratio": 0.25,
+                          "kv_cache_dtype": "float32"}
     with tide.Engine(str(ckpts["mistral"]), max_total_tokens=512) as mistral:
         # Every layer slides: no full layer to share a pool with, one pool as before.
         assert type(mistral.model_runner.token_to_kv_pool) is MHATokenToKVPool

@@ -172,10 +172,17 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
     r2 = (k2 * cos + k1 * sin).to(K.dtype.element_ty)
     if STORE_KV:
         loc = tl.load(Loc + t).to(tl.int64)
-        tl.store(KBuf + loc * stride_kb + hk, r1.to(KBuf.dtype.element_ty), mask=mk)
-        tl.store(KBuf + loc * stride_kb + hk + HALF, r2.to(KBuf.dtype.element_ty), mask=mk)
         v1 = tl.load(V + t * stride_vt + hk, mask=mk, other=0.0)
         v2 = tl.load(V + t * stride_vt + hk + HALF, mask=mk, other=0.0)
+        if KBuf.dtype.element_ty == tl.float8e4nv:
+            # An fp8 cache: from the model-dtype value, round to nearest even and saturate at
+            # +-448, as `tide.memory.pools.to_kv_dtype` does on the torch path.
+            r1 = r1.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            r2 = r2.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            v1 = v1.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            v2 = v2.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        tl.store(KBuf + loc * stride_kb + hk, r1.to(KBuf.dtype.element_ty), mask=mk)
+        tl.store(KBuf + loc * stride_kb + hk + HALF, r2.to(KBuf.dtype.element_ty), mask=mk)
         tl.store(VBuf + loc * stride_vb + hk, v1.to(VBuf.dtype.element_ty), mask=mk)
         tl.store(VBuf + loc * stride_vb + hk + HALF, v2.to(VBuf.dtype.element_ty), mask=mk)
     else:

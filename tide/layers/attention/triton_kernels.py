@@ -59,7 +59,7 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
     """One block of keys and values (pool rows `slots`, loaded where `mask_n`) through online softmax
     for the query rows of `q`; `keep` [rows, BLOCK_N] says which scores count. Returns the updated
     (max, sum, output). A row that has kept no score yet stays at max -inf, sum 0, output 0."""
-    # K/V widen to the query's dtype (an fp8 cache; a no-op when the cache holds that dtype).
+    # K/V widen to the query's dtype: fp16 with an fp8 cache (see `_query_for`), else a no-op.
     k = tl.load(
         K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
         mask=mask_n[None, :] & mask_d[:, None],
@@ -82,6 +82,15 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
     ).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _query_for(q, K):
+    """The query as the dots take it: with an fp8 cache, fp16, because e4m3 widens to fp16 in one
+    instruction on sm89+ (to bf16 it takes several) and every e4m3 value is exact in fp16."""
+    if K.dtype.element_ty == tl.float8e4nv:
+        q = q.to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -131,11 +140,11 @@ def _decode_stage1(
     offs_h = kvh * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(
+    q = _query_for(tl.load(
         Q + b * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
-    )
+    ), K)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -272,11 +281,11 @@ def _extend_kernel(
     mask_m = offs_m < ext_len
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(
+    q = _query_for(tl.load(
         Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
-    )
+    ), K)
     q_pos = prefix + offs_m
     kv_end = prefix + tl.minimum((mblk + 1) * BLOCK_M, ext_len)
     # Every key from kv_start on is seen by some query of the block (the first query sees back to
