@@ -6,6 +6,8 @@ head shapes; times stage 1 + stage 2 in a CUDA graph for each (splits, tokens pe
 stages) and prints the fastest next to the current default, as a fraction of copy bandwidth (KV bytes
 read / time). Extend: one 8k-token prefill chunk of prompts uniform in [100, 1024], no prefix, against
 torch's varlen flash attention on the same tensors, in TFLOP/s of causal attention.
+`--kv-dtype fp8` sweeps decode over an fp8 (e4m3) pool (`kv_cache_dtype="fp8_e4m3"`); `--only decode`
+skips the extend sweep.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from tide.layers.attention import triton_kernels as tk
 D = 128
 
 
-def _pool(lens: list[int], hk: int, seed: int, d: int = D):
+def _pool(lens: list[int], hk: int, seed: int, d: int = D, dtype: torch.dtype = torch.bfloat16):
     total = sum(lens) + 1
-    k = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16).to(dtype)
+    v = torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16).to(dtype)
     order = list(range(len(lens)))
     random.Random(seed).shuffle(order)
     starts = [0] * len(lens)
@@ -41,22 +43,22 @@ def _pool(lens: list[int], hk: int, seed: int, d: int = D):
     return k, v, table.cuda()
 
 
-def decode_sweep(bw: float) -> None:
+def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16) -> None:
     cases = [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
              (16, 8, 256, 64), (16, 8, 256, 256)]
     for hq, hk, d, batch in cases:
         rng = random.Random(batch)
         lens = [rng.randint(100, 1600) for _ in range(batch)]
-        k, v, table = _pool(lens, hk, batch, d)
+        k, v, table = _pool(lens, hk, batch, d, kv_dtype)
         q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
         req = torch.arange(batch, device="cuda", dtype=torch.int64)
         seq = torch.tensor(lens, device="cuda", dtype=torch.int64)
-        kv_bytes = sum(lens) * hk * d * 2 * 2
+        kv_bytes = sum(lens) * hk * d * 2 * k.element_size()
         res = {}
         ref = None
-        for splits, block_n, warps, stages in itertools.product((1, 2, 4), (32, 64, 128), (4, 8),
-                                                                (2, 3)):
+        blocks = (32, 64, 128) if k.element_size() > 1 else (32, 64, 128, 256)
+        for splits, block_n, warps, stages in itertools.product((1, 2, 4), blocks, (4, 8), (2, 3)):
             mid_o = torch.empty(batch, hq, splits, d, device="cuda")
             mid_l = torch.empty(batch, hq, splits, device="cuda")
 
@@ -85,7 +87,7 @@ def decode_sweep(bw: float) -> None:
             err = (out.float() - ref.float()).abs().max().item()
             res[(splits, block_n, warps, stages)] = (t * 1e6, kv_bytes / t / bw, err)
         splits = tk.num_kv_splits(batch * hk, 128)
-        default = (splits, *tk.decode_block_config(splits, d))
+        default = (splits, *tk.decode_block_config(splits, d, k.element_size()))
         default = (splits, default[1], 4, default[2])
         if default not in res:
             res[default] = (float("nan"), float("nan"), 0.0)
@@ -153,11 +155,19 @@ def extend_sweep() -> None:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--only", choices=["decode", "extend"], default=None)
+    args = ap.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    extend_sweep()
-    decode_sweep(bw)
+    if args.only != "decode":
+        extend_sweep()
+    if args.only != "extend":
+        decode_sweep(bw, torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16)
 
 
 if __name__ == "__main__":
