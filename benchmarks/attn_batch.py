@@ -64,13 +64,16 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16) -> None:
 
             def run() -> None:
                 tk._decode_stage1[(batch, hk, splits)](
-                    q, k, v, table, req, seq, mid_o, mid_l, q.stride(0), q.stride(1), k.stride(0),
-                    k.stride(1), v.stride(0), v.stride(1), table.stride(0), mid_o.stride(0),
-                    mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), d**-0.5,
-                    0, 1.0, GROUP=hq // hk, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=d, HEAD_DIM=d,
+                    q, k, v, table, req, seq, mid_o, mid_l, out, q.stride(0), q.stride(1),
+                    k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
+                    mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0),
+                    mid_l.stride(1), out.stride(0), out.stride(1), d**-0.5, 0, 1.0,
+                    GROUP=hq // hk, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=d, HEAD_DIM=d,
                     NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
                     SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=False, num_warps=warps,
                     num_stages=stages)
+                if splits == 1:
+                    return  # stage 1 wrote the output
                 tk._decode_stage2[(batch, hq, d // tk.stage2_columns(d))](
                     mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                     mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), 0,

@@ -1,10 +1,10 @@
 """Tune split-KV decode attention on a GPU host: `python -m benchmarks.decode_attn_sweep [--shape S]`.
 
 bs1, 8 layers of distinct KV at 1k, 8k and 32k context (`--contexts`): times stage 1 + stage 2 in a
-CUDA graph for each (max splits, tokens per block, warps, stages, shortest split) and prints the six fastest per context next to the
-config the engine uses now, with microseconds per layer, the KV bytes read as a fraction of copy
-bandwidth, and the largest output difference from the first config (all configs compute the same
-attention). Shapes: `llama` (Llama-3.1-8B: 32 q heads, 8 kv heads, head dim 128, full attention),
+CUDA graph for each (max splits, tokens per block, warps, stages, shortest split) and prints the six
+fastest per context next to the config the engine uses now, with microseconds per layer, the KV bytes
+read as a fraction of copy bandwidth, and the largest output difference from the first config (all
+configs compute the same attention). Shapes: `llama` (Llama-3.1-8B: 32 q heads, 8 kv heads, head dim 128, full attention),
 `gemma3` (Gemma-3-12B: 16 q heads, 8 kv heads, head dim 256, full attention as its global layers) and
 `gemma3-local` (the same heads over a 1024-token window, as its sliding layers).
 """
@@ -64,10 +64,11 @@ def main() -> None:
             def run() -> None:
                 for k, v in zip(ks, vs):
                     tk._decode_stage1[(1, HK, splits)](
-                        q, k, v, table, req, seq, mid_o, mid_l, q.stride(0), q.stride(1), k.stride(0),
-                        k.stride(1), v.stride(0), v.stride(1), table.stride(0), mid_o.stride(0),
-                        mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), D**-0.5,
-                        window, 1.0, GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D,
+                        q, k, v, table, req, seq, mid_o, mid_l, out, q.stride(0), q.stride(1),
+                        k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
+                        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0),
+                        mid_l.stride(1), out.stride(0), out.stride(1), D**-0.5, window, 1.0,
+                        GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D,
                         HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=min_len, SLIDING=window > 0,
                         SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=True, num_warps=warps,
                         num_stages=stages, launch_pdl=True)

@@ -110,9 +110,9 @@ def _decode_split_len(visible_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.c
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh,
     sm_scale, sliding_window, logit_cap,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -156,13 +156,23 @@ def _decode_stage1(
                                       stride_kh, stride_vt, stride_vh, offs_d, mask_d, sm_scale,
                                       logit_cap, m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
     out = acc / l_i[:, None]
-    lse = m_i + tl.log(l_i)
-    tl.store(
-        MidO + b * stride_mb + offs_h[:, None] * stride_mh + split * stride_ms + offs_d[None, :],
-        out,
-        mask=mask_h[:, None] & mask_d[None, :],
-    )
-    tl.store(MidLse + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
+    if NUM_SPLITS == 1:
+        # One split holds every visible key (large batches): its output is final, and stage 2
+        # (which would divide it by a weight of exactly 1) does not run.
+        tl.store(
+            Out + b * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+    else:
+        lse = m_i + tl.log(l_i)
+        tl.store(
+            MidO + b * stride_mb + offs_h[:, None] * stride_mh + split * stride_ms
+            + offs_d[None, :],
+            out,
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+        tl.store(MidLse + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -235,16 +245,18 @@ def decode_attention(
     use_pdl = pdl.enabled(q)
     block_n, stages = decode_block_config(num_splits, head_dim, k_buffer.element_size())
     _decode_stage1[(batch, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        sm_scale, window, logit_cap if logit_cap is not None else 1.0,
+        out.stride(0), out.stride(1), sm_scale, window, logit_cap if logit_cap is not None else 1.0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
         USE_PDL=use_pdl, num_warps=4, num_stages=stages, launch_pdl=use_pdl,
     )
+    if num_splits == 1:
+        return  # stage 1 wrote the output
     columns = stage2_columns(head_dim)
     _decode_stage2[(batch, num_heads, triton.cdiv(head_dim, columns))](
         mid_o, mid_lse, out, seq_lens,
