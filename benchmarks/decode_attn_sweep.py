@@ -1,12 +1,12 @@
 """Tune split-KV decode attention on a GPU host: `python -m benchmarks.decode_attn_sweep [--shape S]`.
 
-bs1, 8 layers of distinct KV at 1k, 8k and 32k context (`--contexts`): times stage 1 + stage 2 in a
-CUDA graph for each (max splits, tokens per block, warps, stages, shortest split) and prints the six
-fastest per context next to the config the engine uses now, with microseconds per layer, the KV bytes
-read as a fraction of copy bandwidth, and the largest output difference from the first config (all
-configs compute the same attention). Shapes: `llama` (Llama-3.1-8B: 32 q heads, 8 kv heads, head dim 128, full attention),
-`gemma3` (Gemma-3-12B: 16 q heads, 8 kv heads, head dim 256, full attention as its global layers) and
-`gemma3-local` (the same heads over a 1024-token window, as its sliding layers).
+bs1, 8 layers of distinct KV at 1k, 8k and 32k context (`--contexts`): times stage 1 + stage 2 in a CUDA
+graph for each (max splits, tokens per block, warps, stages, shortest split) and prints the six fastest
+per context next to the config the engine uses now, with microseconds per layer, the KV bytes read as a
+fraction of copy bandwidth, and the largest output difference from the first config (all configs compute
+the same attention). Shapes: `llama` (Llama-3.1-8B: 32 q heads, 8 kv heads, head dim 128, full
+attention), `gemma3` (Gemma-3-12B: 16 q heads, 8 kv heads, head dim 256, full attention as its global
+layers) and `gemma3-local` (the same heads over a 1024-token window, as its sliding layers).
 """
 
 from __future__ import annotations
