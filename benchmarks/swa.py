@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> Plan:
                          "at most 1024; --quick at most 128)")
     ap.add_argument("--swa-ratio", type=float, default=None,
                     help="swa_full_tokens_ratio of the two-pool engines (default: from the window)")
+    ap.add_argument("--contexts", default=None,
+                    help="contexts of (b), e.g. 1024,32768 (default 1024,8192,32768; --quick 1024,4096)")
     ap.add_argument("--decode-bs", type=int, default=64, help="batch size of (c)")
     ap.add_argument("--num-requests", type=int, default=None,
                     help="requests of (d) (default 256; --quick 64)")
@@ -84,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> Plan:
         shapes=shapes, parts=parts,
         request_len=args.request_len or (2048 if quick else 8192),
         capacity_requests=args.capacity_requests or 0,
-        contexts=(1024, 4096) if quick else (1024, 8192, 32768),
+        contexts=tuple(int(c) for c in args.contexts.split(",")) if args.contexts
+        else (1024, 4096) if quick else (1024, 8192, 32768),
         decode_bs=args.decode_bs,
         num_requests=args.num_requests or (64 if quick else 256),
         mem_fraction=args.mem_fraction, swa_ratio=args.swa_ratio, out=args.out,
@@ -214,7 +217,7 @@ def _peak_running(engine, n: int, request_len: int, new_tokens: int) -> tuple[in
 def part_b(shape: str, plan: Plan, bandwidth: float) -> dict[str, Any]:
     from benchmarks.run import bs1_decode, param_bytes
 
-    engine = _engine(shape, plan)
+    engine = _engine(shape, plan, cuda_graph_max_bs=1)  # bs1 replays only the bs1 graph
     mc = engine.model_runner.model_config
     nbytes = param_bytes(engine)
     per_layer = 2 * mc.num_key_value_heads * mc.head_dim * 2  # K+V, bf16

@@ -46,15 +46,16 @@ def test_kernels_compile_for_hopper():
                  dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, QH_P2=16, KH_P2=8, HEAD_DIM=256, HALF=128,
                       HALF_P2=128, STORE_KV=True, QK_NORM=True, GEMMA_NORM=True, USE_PDL=True),
                  num_warps=4)
-    compile_sm90(ops._gelu_tanh_mul_kernel, {"X": "*bf16", "Out": "*bf16"},
-                 dict(BLOCK=1024, USE_PDL=True), num_warps=4)
+    for act in ("silu", "gelu_tanh"):
+        compile_sm90(ops._act_mul_kernel, {"X": "*bf16", "Out": "*bf16"},
+                     dict(ACT=act, BLOCK=1024, USE_PDL=True), num_warps=4)
     from tide.layers import gemv
 
-    for even_k in (True, False):
+    for even_k, act in ((True, ""), (False, ""), (False, "gelu_tanh"), (True, "silu")):
         compile_sm90(gemv._gemv_kernel,
                      {"W": "*bf16", "X": "*bf16", "B": "*bf16", "Y": "*fp32", "N": "i32", "K": "i32"},
                      dict(HAS_BIAS=False, BLOCK_N=1, BLOCK_K=4096, EVEN_N=True, EVEN_K=even_k,
-                          USE_PDL=True), num_warps=4)
+                          ACT=act, USE_PDL=True), num_warps=4)
 
 
 def test_gemv_configs_cover_gemma_shapes():
@@ -138,6 +139,32 @@ def test_gemv_with_uneven_k_matches_linear(k, config):
     x = torch.randn(1, k, generator=gen).half()
     ref = (x.float() @ w.float().T + b.float()).half()
     _ulps_close(gemv.gemv(x, w, b, config=config), ref, ulps=2, atol=1e-3)
+
+
+@interpreted
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("k,config", [(384, None), (640, (2, 256, 1)), (2048, (1, 512, 2))])
+def test_gated_gemv_equals_the_projection_then_the_activation(act, k, config):
+    """bs1's MLP input in one launch (`gemv(act=...)`: the gate and up rows of a [gate | up]
+    weight in one program) gives the bits of the GEMV of the whole projection followed by the
+    elementwise activation kernel, at one tile (384), in uneven multi-row tiles (640, N = 37)
+    and in several K chunks (2048)."""
+    from tide.layers import gemv
+    from tide.layers import triton_ops as ops
+
+    gen = torch.Generator().manual_seed(k)
+    w = (torch.randn(2 * 37, k, generator=gen) * 0.1).half()
+    x = torch.randn(1, k, generator=gen).half()
+    two_launches = getattr(ops, f"{act}_and_mul")(gemv.gemv(x, w, config=config))
+    fused = gemv.gemv(x, w, config=config, act=act)
+    assert fused.shape == (1, 37) and fused.dtype == torch.float16
+    assert torch.equal(fused, two_launches)
+    ref = x.float() @ w.float().T
+    act_ref = torch.nn.functional.silu if act == "silu" else (
+        lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+    _ulps_close(fused, (act_ref(ref[:, :37]) * ref[:, 37:]).half(), ulps=8, atol=2e-3)
+    with pytest.raises(ValueError, match="bias"):
+        gemv.gemv(x, w, torch.zeros(74).half(), act=act)
 
 
 @interpreted

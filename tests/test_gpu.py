@@ -220,6 +220,27 @@ def test_gemv_matches_linear(n, k, bias):
     assert not gemv.supported(x[:, :256], w)
 
 
+@pytest.mark.parametrize("act,n,k", [("silu", 14336, 4096), ("gelu_tanh", 15360, 3840),
+                                      ("gelu_tanh", 14336, 3584), ("silu", 3072, 1024)])
+def test_gated_gemv_equals_projection_then_activation(act, n, k):
+    """bs1's MLP input in one launch (the gate and up rows of a [gate | up] weight per program)
+    gives the bits of the GEMV followed by the elementwise activation kernel, at Llama-3.1-8B,
+    Gemma-3-12B, Gemma-2-9B and Qwen3-0.6B shapes, and stays within bf16 rounding of cuBLAS + torch."""
+    from tide.layers import gemv, triton_ops
+
+    torch.manual_seed(1)
+    w = torch.randn(2 * n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    two_launches = getattr(triton_ops, f"{act}_and_mul")(gemv.gemv(x, w))
+    fused = gemv.gemv(x, w, act=act)
+    assert fused.shape == (1, n) and torch.equal(fused, two_launches)
+    y = torch.nn.functional.linear(x, w).float()
+    gate = torch.nn.functional.silu(y[:, :n]) if act == "silu" else torch.nn.functional.gelu(
+        y[:, :n], approximate="tanh")
+    ref = gate * y[:, n:]
+    assert torch.allclose(fused.float(), ref, atol=3e-2, rtol=3e-2), (fused.float() - ref).abs().max()
+
+
 @pytest.mark.parametrize("vocab", [128256, 151936, 1000])
 def test_argmax_rows_matches_torch(vocab):
     """First index of the maximum per row as torch.argmax: ties, -inf rows, NaN (the maximum),

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tide.layers.linear import Linear
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -22,3 +27,18 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
         return triton_ops.gelu_tanh_and_mul(x)
     d = x.shape[-1] // 2
     return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
+def gated_mlp_input(gate_up: Linear, x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up of the [gate | up] projection `gate_up` of `x`; `act`: "silu", "gelu_tanh"
+    or "gelu" (exact). A single CUDA row (bs1 decode) on the decode GEMV takes one launch for the
+    projection and the activation together (`gemv.gemv(act=...)`, the same bits as the two-launch
+    path); everything else projects, then applies the activation."""
+    if (act != "gelu" and x.is_cuda and x.shape[0] == 1 and gate_up.bias is None
+            and not gate_up.batch_invariant):
+        from tide.layers import gemv
+
+        if gemv.supported(x, gate_up.weight):
+            return gemv.gemv(x, gate_up.weight, act=act)
+    y = gate_up(x)
+    return silu_and_mul(y) if act == "silu" else gelu_and_mul(y, "none" if act == "gelu" else "tanh")

@@ -17,23 +17,35 @@ import triton
 import triton.language as tl
 
 from tide.layers import pdl
+from tide.layers.triton_ops import act_and_mul
+
+
+@triton.jit
+def _weight_tile(ptrs, k0, row_mask, cols, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of the program's weight rows."""
+    if EVEN_N and EVEN_K:
+        return tl.load(ptrs + k0)
+    return tl.load(ptrs + k0, mask=row_mask[:, None] & (k0 + cols < K)[None, :], other=0.0)
 
 
 @triton.jit
 def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 ACT: tl.constexpr, USE_PDL: tl.constexpr):
+    """Y[rows] = W[rows] . X. With ACT ("silu", "gelu_tanh"; "" for none) W is a [gate | up]
+    projection of 2N rows: the program also streams its up rows (rows + N) and stores
+    act(gate) * up, each product rounded to the weight dtype first as the unfused pair rounds."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows[:, None].to(tl.int64) * K + cols[None, :]
-    # The first weight tile does not depend on the previous kernel: with PDL it streams in while
+    # The first weight tiles do not depend on the previous kernel: with PDL they stream in while
     # that kernel finishes.
-    if EVEN_N and EVEN_K:
-        w = tl.load(w_ptrs)
-    else:
-        w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+    w = _weight_tile(w_ptrs, 0, row_mask, cols, K, EVEN_N, EVEN_K)
+    if ACT != "":
+        up_ptrs = w_ptrs + N.to(tl.int64) * K
+        w_up = _weight_tile(up_ptrs, 0, row_mask, cols, K, EVEN_N, EVEN_K)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -42,20 +54,25 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
     else:
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
     acc = w.to(tl.float32) * x[None, :]
+    if ACT != "":
+        acc_up = w_up.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             x = tl.load(X + k0 + cols).to(tl.float32)
         else:
             x = tl.load(X + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_ptrs + k0)
-        else:
-            w = tl.load(w_ptrs + k0, mask=row_mask[:, None] & (k0 + cols < K)[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += _weight_tile(w_ptrs, k0, row_mask, cols, K, EVEN_N, EVEN_K).to(tl.float32) * x[None, :]
+        if ACT != "":
+            w_up = _weight_tile(up_ptrs, k0, row_mask, cols, K, EVEN_N, EVEN_K)
+            acc_up += w_up.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(Y + rows, y.to(W.dtype.element_ty).to(Y.dtype.element_ty), mask=row_mask)
+    y = y.to(W.dtype.element_ty)
+    if ACT != "":
+        up = tl.sum(acc_up, 1).to(W.dtype.element_ty).to(tl.float32)
+        y = act_and_mul(y.to(tl.float32), up, ACT, W.dtype.element_ty)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
 
 
 def config_for(k: int) -> tuple[int, int, int] | None:
@@ -86,11 +103,17 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         out: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+         act: str = "") -> torch.Tensor:
     """y[1, N] = x[1, K] @ weight[N, K].T (+ bias), accumulated in fp32 and rounded to the weight
-    dtype, in `out` (any float dtype) or a new tensor."""
+    dtype, in `out` (any float dtype) or a new tensor. `act` ("silu", "gelu_tanh"): `weight` is a
+    [gate | up] projection of 2N rows and y = act(gate) * up, bit for bit what the projection
+    followed by `triton_ops.silu_and_mul` / `gelu_tanh_and_mul` gives, in one launch."""
     n, k = weight.shape
+    if act:
+        if bias is not None:
+            raise ValueError("a gated GEMV takes no bias")
+        n //= 2
     block_n, block_k, warps = config or config_for(k)  # type: ignore[misc]
     if out is None:
         out = torch.empty(1, n, dtype=weight.dtype, device=weight.device)
@@ -99,6 +122,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         weight, x, bias if bias is not None else x, out, n, k,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
-        EVEN_K=k % block_k == 0, USE_PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
+        EVEN_K=k % block_k == 0, ACT=act, USE_PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
     )
     return out

@@ -8,8 +8,6 @@ rounds to the model dtype (residual sum, normalized activations before the weigh
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -221,23 +219,23 @@ def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty)
-    tl.store(Out + row * stride_o + cols, act * up, mask=mask)
+def act_and_mul(gate, up, ACT: tl.constexpr, OUT_TY: tl.constexpr):
+    """act(gate) * up from fp32 `gate` and `up` (values of the model dtype `OUT_TY`), rounded as
+    `F.silu(gate) * up` / `F.gelu(gate, approximate="tanh") * up` round: the activation to OUT_TY,
+    then the product. ACT: "silu" or "gelu_tanh". Shared by the elementwise kernel below and the
+    decode GEMV's gated form, so both give the same bits."""
+    if ACT == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) * (...)
+        # 0.5 * (1 + tanh(u)) = sigmoid(2u): no cancellation where tanh(u) is near -1.
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
+    return (act.to(OUT_TY).to(tl.float32) * up).to(OUT_TY)
 
 
 @triton.jit
-def _gelu_tanh_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+def _act_mul_kernel(X, Out, stride_x, stride_o, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -246,15 +244,12 @@ def _gelu_tanh_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexp
     mask = cols < n_cols
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) * (...)
-    # 0.5 * (1 + tanh(u)) = sigmoid(2u): no cancellation where tanh(u) is near -1.
-    act = (gate / (1.0 + tl.exp(-2.0 * inner))).to(Out.dtype.element_ty)
-    tl.store(Out + row * stride_o + cols, (act.to(tl.float32) * up).to(Out.dtype.element_ty),
+    tl.store(Out + row * stride_o + cols, act_and_mul(gate, up, ACT, Out.dtype.element_ty),
              mask=mask)
 
 
-def _gated(kernel: Any, x: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up for a fused [gate | up] projection output by one launch of `kernel`."""
+def _gated(act: str, x: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for a fused [gate | up] projection output, in one launch."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -262,8 +257,8 @@ def _gated(kernel: Any, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     block = 1024
     use_pdl = pdl.enabled(x)
-    kernel[(x2.shape[0], triton.cdiv(d, block))](
-        x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, USE_PDL=use_pdl,
+    _act_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        x2, out, x2.stride(0), out.stride(0), d, ACT=act, BLOCK=block, num_warps=4, USE_PDL=use_pdl,
         launch_pdl=use_pdl)
     return out.view(*x.shape[:-1], d)
 
@@ -271,12 +266,12 @@ def _gated(kernel: Any, x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up, in one launch; rounds where `F.gelu(gate, approximate="tanh") * up`
     does (the activation, then the product)."""
-    return _gated(_gelu_tanh_mul_kernel, x)
+    return _gated("gelu_tanh", x)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, in one launch; rounds where `F.silu(gate) * up` does."""
-    return _gated(_silu_mul_kernel, x)
+    return _gated("silu", x)
 
 
 @triton.jit

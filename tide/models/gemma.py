@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tide.executor.forward_batch import ForwardBatch
-from tide.layers.activation import gelu_and_mul
+from tide.layers.activation import gated_mlp_input
 from tide.layers.attention.layer import Attention
 from tide.layers.linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tide.layers.norm import GemmaRMSNorm
@@ -63,10 +63,10 @@ class GemmaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = gate_up_projection(config, False)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.act = "gelu_tanh" if config.hidden_act == "gelu_pytorch_tanh" else "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_and_mul(self.gate_up_proj(x), self.approximate))
+        return self.down_proj(gated_mlp_input(self.gate_up_proj, x, self.act))
 
 
 class GemmaDecoderLayer(nn.Module):

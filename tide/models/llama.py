@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tide.executor.forward_batch import ForwardBatch
-from tide.layers.activation import silu_and_mul
+from tide.layers.activation import gated_mlp_input
 from tide.layers.attention.layer import Attention
 from tide.layers.linear import (
     MergedLinear,
@@ -102,7 +102,7 @@ class DecoderMLP(nn.Module):
                                            bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=reduce)
+        return self.down_proj(gated_mlp_input(self.gate_up_proj, x, "silu"), reduce=reduce)
 
 
 class DecoderLayer(nn.Module):
