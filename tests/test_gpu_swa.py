@@ -245,3 +245,69 @@ def test_sliding_decode_time_does_not_grow_with_context():
     full = seconds(65536, None)
     assert long <= 1.25 * short, f"window 1024: {short * 1e6:.1f} us at 2k, {long * 1e6:.1f} us at 64k"
     assert full >= 3 * long, f"full attention at 64k {full * 1e6:.1f} us vs window {long * 1e6:.1f} us"
+
+
+def test_decode_reads_the_newest_keys_the_previous_launch_stores():
+    """With PDL the decode kernel loads its first block of keys before it waits on the kernel
+    before it; the newest token's K/V, which that kernel (rope-and-store) writes, must still be
+    read after the wait. Here the writer is long (8,192 filler tokens, the decode batch's newest
+    tokens last), the newest slots hold NaN until it writes them, and both run 20 times eagerly and
+    20 times from a CUDA graph. Lengths put the newest token first, inside and past the first key
+    block of its split."""
+    from tide.layers import triton_ops
+    from tide.layers.attention import torch_native, triton_kernels
+    from tide.layers.attention.layer import Attention
+
+    torch.manual_seed(0)
+    hq, hk, d, filler, width = 16, 8, 256, 8192, 2048
+    lens = [1, 2, 33, 64, 65, 1000, 1024, 1025]
+    bs = len(lens)
+    layer = Attention(hq, hk, d, d**-0.5, 0)
+    k = torch.randn(bs * width + filler, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.arange(bs * width, device="cuda", dtype=torch.int32).view(bs, width)
+    seq = torch.tensor(lens, device="cuda")
+    newest = table[torch.arange(bs, device="cuda"), seq - 1].long()
+    loc = torch.cat([torch.arange(bs * width, bs * width + filler, device="cuda"), newest])
+    positions = torch.cat([torch.arange(filler, device="cuda") % 1000, seq - 1])
+    angles = torch.rand(2048, d, device="cuda") * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    q_new = torch.randn(filler + bs, hq * d, device="cuda", dtype=torch.bfloat16)
+    k_new = torch.randn(filler + bs, hk * d, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    q = torch.empty_like(q_new)
+    out = torch.empty(bs, hq, d, device="cuda", dtype=torch.bfloat16)
+    splits = triton_kernels.num_kv_splits(bs * hk, 128)
+    mid_o = torch.empty(bs, hq, splits, d, device="cuda")
+    mid_lse = torch.empty(bs, hq, splits, device="cuda")
+    req = torch.arange(bs, device="cuda")
+    poison = torch.full((bs, hk, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        k[newest] = poison
+        v[newest] = poison
+        q.copy_(q_new)
+        triton_ops.rope_and_store_kv(positions, q, k_new, v_new, cos, sin, hq, hk, d, loc, k, v)
+        triton_kernels.decode_attention(q[filler:].view(bs, hq, d), k, v, out, table, req, seq,
+                                        mid_o, mid_lse, layer.scaling)
+
+    def check() -> None:
+        torch.cuda.synchronize()
+        qd = q[filler:].view(bs, hq, d)
+        ref = torch.cat([torch_native.attend(qd[i : i + 1].float(), k[table[i, :n].long()].float(),
+                                             v[table[i, :n].long()].float(), n - 1, 0, layer)
+                         for i, n in enumerate(lens)])
+        assert out.isfinite().all(), "a newest key was read before its store"
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+    for _ in range(20):
+        step()
+        check()
+    graph = torch.cuda.CUDAGraph()
+    step()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(20):
+        graph.replay()
+        check()

@@ -5,8 +5,12 @@ hides launch latency and ramp-up between the many short kernels of a decode step
 PDL kernel in tide keeps: it calls `gdc_launch_dependents()` (the next kernel may launch now) and
 `gdc_wait()` (block until the previous kernel has finished and its writes are visible) before it reads
 anything an earlier kernel wrote and before it writes anything. Only loads of data that no kernel in
-flight writes (weights) may come before the wait. Since every PDL kernel waits, "finished" stays
-transitive along the stream, and kernels launched without PDL keep plain stream order.
+flight writes may come before the wait. Since every PDL kernel waits, "finished" stays transitive along
+the stream, and kernels launched without PDL keep plain stream order: a kernel in flight was launched
+after the last operation without PDL (a CUDA graph's start, an input copy, a torch op). So weights, the
+step's inputs (positions, sequence lengths, the request table up to the previous token) and the KV of
+earlier tokens may be read before the wait; activations and the newest token's table entry and K/V,
+which PDL kernels of the same forward write, may not.
 
 `TIDE_PDL=0` in the environment turns it off (for comparisons).
 """

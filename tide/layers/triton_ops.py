@@ -141,13 +141,15 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
                        GEMMA_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
+    # Positions are an input of the step and the tables constant: read before the wait (PDL).
     pos = tl.load(Pos + t)
     offs = tl.arange(0, HALF_P2)
     mask_d = offs < HALF
     cos = tl.load(Cos + pos * stride_cos + offs, mask=mask_d, other=0.0)
     sin = tl.load(Sin + pos * stride_cos + offs, mask=mask_d, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     heads_q = tl.arange(0, QH_P2)
     mq = (heads_q < NUM_Q_HEADS)[:, None] & mask_d[None, :]
     pq = Q + t * stride_qt + heads_q[:, None] * HEAD_DIM + offs[None, :]

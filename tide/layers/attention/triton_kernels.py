@@ -4,7 +4,8 @@
   query sees, for all q heads of that kv head's group (GQA-aware: the group rides the M dim of
   `tl.dot`), writing a partial output and its log-sum-exp; stage 2 merges the splits. The grid depends
   only on the batch size, so the pair can be captured in a CUDA graph; sequence lengths are read on the
-  device.
+  device. With PDL a split's first block of keys streams in while the kernel before it (the layer's
+  rope-and-store) still runs; only the newest key, which that kernel stores, waits for it.
 - Extend: one program per (request, q head, block of new tokens), streaming the keys the block's
   queries see (cached prefix, then the new tokens, already stored in the pool) through `req_to_token`
   with a causal mask on the new part.
@@ -53,19 +54,31 @@ def _soft_cap(s, cap):
 
 
 @triton.jit
-def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                  offs_d, mask_d, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """One block of keys and values (pool rows `slots`, loaded where `mask_n`) through online softmax
-    for the query rows of `q`; `keep` [rows, BLOCK_N] says which scores count. Returns the updated
-    (max, sum, output). A row that has kept no score yet stays at max -inf, sum 0, output 0."""
-    # K/V widen to the query's dtype: fp16 with an fp8 cache (see `_query_for`), else a no-op.
+def _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt, stride_vh, offs_d,
+                   mask_d):
+    """Keys [D, BLOCK_N] and values [BLOCK_N, D] of pool rows `slots` (loaded where `mask_n`, else
+    0), in the cache's dtype."""
     k = tl.load(
         K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
-    ).to(q.dtype)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale
+    )
+    v = tl.load(
+        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
+def _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """One loaded block of keys and values through online softmax for the query rows of `q`;
+    `keep` [rows, BLOCK_N] says which scores count. Returns the updated (max, sum, output). A row
+    that has kept no score yet stays at max -inf, sum 0, output 0."""
+    # K/V widen to the query's dtype: fp16 with an fp8 cache (see `_query_for`), else a no-op.
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * sm_scale
     if SOFT_CAP:
         s = _soft_cap(s, logit_cap)
     qk = tl.where(keep, s, float("-inf"))
@@ -75,13 +88,18 @@ def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, strid
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(qk - m_sub[:, None])
     alpha = tl.exp(m_i - m_sub)
-    v = tl.load(
-        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-        mask=mask_n[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  offs_d, mask_d, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """`_attend_kv` of the keys and values at pool rows `slots` (loaded where `mask_n`)."""
+    k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          offs_d, mask_d)
+    return _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
 
 
 @triton.jit
@@ -121,7 +139,6 @@ def _decode_stage1(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -140,6 +157,24 @@ def _decode_stage1(
     offs_h = kvh * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    # The first block of keys streams in before the wait (PDL): the step's inputs and the KV of
+    # earlier tokens were written before this forward began. Only the newest token's table entry
+    # and K/V come from this forward (the record of its slot, the layer's rope-and-store launch);
+    # a first block that holds it loads again after the wait.
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    early = mask_n
+    if USE_PDL:
+        early = mask_n & (offs_n < seq_len - 1)
+    slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=early, other=0).to(tl.int64)
+    k, v = _load_kv_block(K, V, slots, early, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          offs_d, mask_d)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if end == seq_len and start + BLOCK_N >= seq_len:
+            slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt,
+                                  stride_vh, offs_d, mask_d)
     q = _query_for(tl.load(
         Q + b * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :],
@@ -148,7 +183,9 @@ def _decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    m_i, l_i, acc = _attend_kv(q, k, v, mask_n[None, :], sm_scale, logit_cap, m_i, l_i, acc,
+                               SOFT_CAP, DOT_PRECISION)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -187,16 +224,17 @@ def _decode_stage2(
     program holds NUM_SPLITS x BLOCK_D partial outputs, few enough registers at head dim 256."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.load(SeqLens + b)
+    seq_len = tl.load(SeqLens + b)  # an input of the step: read before the wait
     visible = seq_len - _decode_visible_start(seq_len, sliding_window, SLIDING)
     active = tl.cdiv(visible, _decode_split_len(visible, NUM_SPLITS, MIN_SPLIT_LEN))
     offs_s = tl.arange(0, NUM_SPLITS)
     mask_s = offs_s < active
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp(lse - m)
