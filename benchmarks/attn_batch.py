@@ -70,7 +70,8 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16) -> None:
                     mid_l.stride(1), out.stride(0), out.stride(1), d**-0.5, 0, 1.0,
                     GROUP=hq // hk, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=d, HEAD_DIM=d,
                     NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
-                    SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=False, num_warps=warps,
+                    SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=False, PREFETCH=False,
+                    num_warps=warps,
                     num_stages=stages)
                 if splits == 1:
                     return  # stage 1 wrote the output

@@ -70,7 +70,8 @@ def main() -> None:
                         mid_l.stride(1), out.stride(0), out.stride(1), D**-0.5, window, 1.0,
                         GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D,
                         HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=min_len, SLIDING=window > 0,
-                        SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=True, num_warps=warps,
+                        SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=True,
+                        PREFETCH=D > tk.PREFETCH_MAX_SMALL_HEAD_DIM, num_warps=warps,
                         num_stages=stages, launch_pdl=True)
                     tk._decode_stage2[(1, HQ, D // tk.stage2_columns(D))](
                         mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

@@ -12,6 +12,12 @@ MIN_SPLIT_LEN = 64
 # Head-dim columns per stage-2 program: the merge of up to 128 splits holds 128 x 64 fp32 values
 # in registers (the whole head at dim 256 would spill).
 STAGE2_COLUMNS = 64
+# Decode loads a split's first key block before its PDL wait only above this head dim. The block held
+# across the wait takes registers: at head dim 128 (64 -> 78 a thread) a quarter fewer programs fit
+# an SM, and on an H100 the kernel measured 14% slower at 32k context and 5% at batch 64 (faster at
+# 1k); at head dim 256 the same number fit and it was faster everywhere (1k 11.3 -> 9.0 us per layer,
+# 32k 100 -> 98; benchmarks/RESULTS.md).
+PREFETCH_MAX_SMALL_HEAD_DIM = 128
 # Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
 # H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
 DECODE_BLOCK_N = 32

@@ -4,8 +4,8 @@
   query sees, for all q heads of that kv head's group (GQA-aware: the group rides the M dim of
   `tl.dot`), writing a partial output and its log-sum-exp; stage 2 merges the splits. The grid depends
   only on the batch size, so the pair can be captured in a CUDA graph; sequence lengths are read on the
-  device. With PDL a split's first block of keys streams in while the kernel before it (the layer's
-  rope-and-store) still runs; only the newest key, which that kernel stores, waits for it.
+  device. With PDL and head dim > 128 a split's first block of keys streams in while the kernel before
+  it (the layer's rope-and-store) still runs; only the newest key, which that kernel stores, waits.
 - Extend: one program per (request, q head, block of new tokens), streaming the keys the block's
   queries see (cached prefix, then the new tokens, already stored in the pool) through `req_to_token`
   with a causal mask on the new part.
@@ -34,6 +34,7 @@ from tide.layers.attention.split_kv import (
     EXTEND_BLOCK_M,
     EXTEND_BLOCK_N,
     MIN_SPLIT_LEN,
+    PREFETCH_MAX_SMALL_HEAD_DIM,
     STAGE2_COLUMNS,
     decode_block_config,
     num_kv_splits,
@@ -112,6 +113,16 @@ def _query_for(q, K):
 
 
 @triton.jit
+def _load_query(Q, b, stride_qt, stride_qh, offs_h, mask_h, offs_d, mask_d, K):
+    """The decode query rows of request `b`'s heads `offs_h`, as the dots take them."""
+    return _query_for(tl.load(
+        Q + b * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    ), K)
+
+
+@triton.jit
 def _decode_visible_start(seq_len, sliding_window, SLIDING: tl.constexpr):
     """Position of the first key the decode query (at position seq_len - 1) sees."""
     start = seq_len * 0
@@ -135,7 +146,7 @@ def _decode_stage1(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -157,35 +168,37 @@ def _decode_stage1(
     offs_h = kvh * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    # The first block of keys streams in before the wait (PDL): the step's inputs and the KV of
-    # earlier tokens were written before this forward began. Only the newest token's table entry
-    # and K/V come from this forward (the record of its slot, the layer's rope-and-store launch);
-    # a first block that holds it loads again after the wait.
-    offs_n = start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    early = mask_n
-    if USE_PDL:
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if USE_PDL and PREFETCH:
+        # The first block of keys streams in before the wait: the step's inputs and the KV of
+        # earlier tokens were written before this forward began. Only the newest token's table
+        # entry and K/V come from this forward (the record of its slot, the layer's rope-and-store
+        # launch); a first block that holds it loads again after the wait.
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
         early = mask_n & (offs_n < seq_len - 1)
-    slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=early, other=0).to(tl.int64)
-    k, v = _load_kv_block(K, V, slots, early, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          offs_d, mask_d)
-    if USE_PDL:
+        slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=early, other=0).to(tl.int64)
+        k, v = _load_kv_block(K, V, slots, early, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                              offs_d, mask_d)
         tl.extra.cuda.gdc_wait()
         if end == seq_len and start + BLOCK_N >= seq_len:
             slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
             k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt,
                                   stride_vh, offs_d, mask_d)
-    q = _query_for(tl.load(
-        Q + b * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    ), K)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    m_i, l_i, acc = _attend_kv(q, k, v, mask_n[None, :], sm_scale, logit_cap, m_i, l_i, acc,
-                               SOFT_CAP, DOT_PRECISION)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        q = _load_query(Q, b, stride_qt, stride_qh, offs_h, mask_h, offs_d, mask_d, K)
+        m_i, l_i, acc = _attend_kv(q, k, v, mask_n[None, :], sm_scale, logit_cap, m_i, l_i, acc,
+                                   SOFT_CAP, DOT_PRECISION)
+        loop_start = start + BLOCK_N
+    else:
+        # Every block in the pipelined loop (peeling the first one out of it measured slower at
+        # long contexts).
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        q = _load_query(Q, b, stride_qt, stride_qh, offs_h, mask_h, offs_d, mask_d, K)
+        loop_start = start
+    for n0 in range(loop_start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -291,7 +304,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
-        USE_PDL=use_pdl, num_warps=4, num_stages=stages, launch_pdl=use_pdl,
+        USE_PDL=use_pdl, PREFETCH=head_dim > PREFETCH_MAX_SMALL_HEAD_DIM, num_warps=4,
+        num_stages=stages, launch_pdl=use_pdl,
     )
     if num_splits == 1:
         return  # stage 1 wrote the output
