@@ -400,7 +400,8 @@ def test_long_prompt_does_not_stall_health(server, info):
     took = time.monotonic() - started
     err = assert_error(result[0], 400, "text")
     assert err["code"] == "context_length_exceeded"
-    assert took > 0.3 and len(latencies) >= 5, (took, len(latencies))  # the probes overlapped it
+    # The probes overlapped it (each ran before it answered); its duration varies with the machine.
+    assert len(latencies) >= 5, (took, len(latencies))
     assert max(latencies) < 1.0, max(latencies)
 
 
