@@ -166,13 +166,14 @@ def _layer(window, cap) -> Attention:
     return Attention(HEADS, KV_HEADS, DIM, DIM**-0.5, 0, sliding_window=window, logit_cap=cap)
 
 
-def _decode(kernels, pool, q, lens, layer, splits, k, v):
+def _decode(kernels, pool, q, lens, layer, splits, k, v, prefetch=None):
     out = torch.empty_like(q)
     bs = q.shape[0]
     mid_o = torch.empty(bs, HEADS, splits, DIM)
     mid_lse = torch.empty(bs, HEADS, splits)
     kernels.decode_attention(q, k, v, out, pool.table, torch.arange(bs), torch.tensor(lens), mid_o,
-                             mid_lse, layer.scaling, layer.sliding_window, layer.logit_cap)
+                             mid_lse, layer.scaling, layer.sliding_window, layer.logit_cap,
+                             prefetch=prefetch)
     return out
 
 
@@ -180,7 +181,9 @@ def _decode(kernels, pool, q, lens, layer, splits, k, v):
 @pytest.mark.parametrize("window,cap", CASES)
 def test_interpreted_decode_matches_torch_native(kernels, monkeypatch, window, cap):
     """Sequences shorter than, at, just past and far past the window; 1 to 16 splits; stage 2
-    merging the whole head in one program and in column slices."""
+    merging the whole head in one program and in column slices; stage 1 with every key block in its
+    loop and with the first block loaded apart (`prefetch`, the GPU's path above head dim 128: the
+    newest key left out of it and, where the first block holds it, the block loaded again)."""
     lens = [1, 5, 8, 9, 130, 700]
     pool = _Pool(lens, seed=len(CASES) + (window or 0))
     layer = _layer(window, cap)
@@ -193,9 +196,10 @@ def test_interpreted_decode_matches_torch_native(kernels, monkeypatch, window, c
         ref.append(torch_native.attend(q[i : i + 1], pool.k[slots], pool.v[slots], n - 1, kv0, layer))
     ref = torch.cat(ref)
     k, v = pool.poison_the_rest()
-    for splits, columns in ((1, DIM), (2, DIM), (16, DIM), (16, DIM // 2)):
+    for splits, columns, prefetch in ((1, DIM, False), (2, DIM, False), (16, DIM, False),
+                                      (16, DIM // 2, False), (1, DIM, True), (16, DIM, True)):
         monkeypatch.setattr(kernels, "STAGE2_COLUMNS", columns)
-        out = _decode(kernels, pool, q, lens, layer, splits, k, v)
+        out = _decode(kernels, pool, q, lens, layer, splits, k, v, prefetch)
         assert not out.isnan().any(), f"splits {splits}: a hidden slot was read"
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     if window is not None:  # the window is exact: one more key changes the result

@@ -171,18 +171,20 @@ def _decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    if USE_PDL and PREFETCH:
+    if PREFETCH:
         # The first block of keys streams in before the wait: the step's inputs and the KV of
         # earlier tokens were written before this forward began. Only the newest token's table
         # entry and K/V come from this forward (the record of its slot, the layer's rope-and-store
-        # launch); a first block that holds it loads again after the wait.
+        # launch); a first block that holds it loads again after the wait. (Without PDL there is
+        # nothing to overlap, and the same steps give the same result.)
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         early = mask_n & (offs_n < seq_len - 1)
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=early, other=0).to(tl.int64)
         k, v = _load_kv_block(K, V, slots, early, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
                               offs_d, mask_d)
-        tl.extra.cuda.gdc_wait()
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
         if end == seq_len and start + BLOCK_N >= seq_len:
             slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
             k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt,
@@ -283,9 +285,13 @@ def decode_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    *,
+    prefetch: bool | None = None,
 ) -> None:
     """One decode query per request over its keys (the last `sliding_window` of them for a sliding
-    layer), scores soft-capped at `logit_cap` when given."""
+    layer), scores soft-capped at `logit_cap` when given. `prefetch`: whether a split's first key
+    block loads before the PDL wait (None: with PDL above head dim 128, see `split_kv`); True also
+    without PDL runs the same steps (the CPU tests do)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -294,6 +300,8 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
+    if prefetch is None:
+        prefetch = use_pdl and head_dim > PREFETCH_MAX_SMALL_HEAD_DIM
     block_n, stages = decode_block_config(num_splits, head_dim, k_buffer.element_size())
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
@@ -304,7 +312,7 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
-        USE_PDL=use_pdl, PREFETCH=head_dim > PREFETCH_MAX_SMALL_HEAD_DIM, num_warps=4,
+        USE_PDL=use_pdl, PREFETCH=prefetch, num_warps=4,
         num_stages=stages, launch_pdl=use_pdl,
     )
     if num_splits == 1:
