@@ -73,11 +73,11 @@ def _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt, st
 
 
 @triton.jit
-def _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """One loaded block of keys and values through online softmax for the query rows of `q`;
-    `keep` [rows, BLOCK_N] says which scores count. Returns the updated (max, sum, output). A row
-    that has kept no score yet stays at max -inf, sum 0, output 0."""
+def _scores_to_weights(q, k, keep, sm_scale, logit_cap, m_i, SOFT_CAP: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Online-softmax step for one block of keys `k` [D, BLOCK_N] (cache dtype): the new running
+    max, the block's weights p and the factor alpha that rescales what was accumulated before.
+    `keep` [rows, BLOCK_N] says which scores count."""
     # K/V widen to the query's dtype: fp16 with an fp8 cache (see `_query_for`), else a no-op.
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * sm_scale
     if SOFT_CAP:
@@ -89,6 +89,17 @@ def _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.c
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(qk - m_sub[:, None])
     alpha = tl.exp(m_i - m_sub)
+    return m_new, p, alpha
+
+
+@triton.jit
+def _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """One loaded block of keys and values through online softmax for the query rows of `q`.
+    Returns the updated (max, sum, output). A row that has kept no score yet stays at max -inf,
+    sum 0, output 0. Decode loads a block's keys and values together (`_load_kv_block`)."""
+    m_new, p, alpha = _scores_to_weights(q, k, keep, sm_scale, logit_cap, m_i, SOFT_CAP,
+                                         DOT_PRECISION)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -97,10 +108,22 @@ def _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.c
 def _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
                   offs_d, mask_d, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
-    """`_attend_kv` of the keys and values at pool rows `slots` (loaded where `mask_n`)."""
-    k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          offs_d, mask_d)
-    return _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
+    """Extend's step: `_attend_kv` of the keys and values at pool rows `slots` (loaded where
+    `mask_n`), the values loaded after the scores."""
+    k = tl.load(
+        K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    )
+    m_new, p, alpha = _scores_to_weights(q, k, keep, sm_scale, logit_cap, m_i, SOFT_CAP,
+                                         DOT_PRECISION)
+    v = tl.load(
+        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -204,9 +227,10 @@ def _decode_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, mask_n[None, :], kvh, stride_kt,
-                                      stride_kh, stride_vt, stride_vh, offs_d, mask_d, sm_scale,
-                                      logit_cap, m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
+        k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
+                              offs_d, mask_d)
+        m_i, l_i, acc = _attend_kv(q, k, v, mask_n[None, :], sm_scale, logit_cap, m_i, l_i, acc,
+                                   SOFT_CAP, DOT_PRECISION)
     out = acc / l_i[:, None]
     if NUM_SPLITS == 1:
         # One split holds every visible key (large batches): its output is final, and stage 2
