@@ -165,6 +165,10 @@ def test_gated_gemv_equals_the_projection_then_the_activation(act, k, config):
     _ulps_close(fused, (act_ref(ref[:, :37]) * ref[:, 37:]).half(), ulps=8, atol=2e-3)
     with pytest.raises(ValueError, match="bias"):
         gemv.gemv(x, w, torch.zeros(74).half(), act=act)
+    with pytest.raises(ValueError, match="even rows"):
+        gemv.gemv(x, w[:73], config=config, act=act)
+    with pytest.raises(ValueError, match="act must be"):
+        gemv.gemv(x, w, config=config, act="gelu")  # exact GELU has no fused form
 
 
 @interpreted

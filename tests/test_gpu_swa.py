@@ -253,14 +253,16 @@ def test_decode_reads_the_newest_keys_the_previous_launch_stores():
     read after the wait. Here the writer is long (8,192 filler tokens, the decode batch's newest
     tokens last), the newest slots hold NaN until it writes them, and both run 20 times eagerly and
     20 times from a CUDA graph. Lengths put the newest token first, inside and past the first key
-    block of its split."""
-    from tide.layers import triton_ops
+    block of its split (32 and 96: in its last slot)."""
+    from tide.layers import pdl, triton_ops
     from tide.layers.attention import torch_native, triton_kernels
     from tide.layers.attention.layer import Attention
 
+    if not pdl.enabled(torch.empty(1, device="cuda")):
+        pytest.skip("the race needs programmatic dependent launch (sm90+, TIDE_PDL not 0)")
     torch.manual_seed(0)
     hq, hk, d, filler, width = 16, 8, 256, 8192, 2048
-    lens = [1, 2, 33, 64, 65, 1000, 1024, 1025]
+    lens = [1, 2, 32, 33, 64, 65, 96, 1000, 1024, 1025]
     bs = len(lens)
     layer = Attention(hq, hk, d, d**-0.5, 0)
     k = torch.randn(bs * width + filler, hk, d, device="cuda", dtype=torch.bfloat16)

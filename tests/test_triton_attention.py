@@ -183,8 +183,9 @@ def test_interpreted_decode_matches_torch_native(kernels, monkeypatch, window, c
     """Sequences shorter than, at, just past and far past the window; 1 to 16 splits; stage 2
     merging the whole head in one program and in column slices; stage 1 with every key block in its
     loop and with the first block loaded apart (`prefetch`, the GPU's path above head dim 128: the
-    newest key left out of it and, where the first block holds it, the block loaded again)."""
-    lens = [1, 5, 8, 9, 130, 700]
+    newest key left out of it and, where the first block holds it, the block loaded again; 32, 96
+    and 128 put the newest key in the last slot of a split's first block)."""
+    lens = [1, 5, 8, 9, 32, 96, 128, 130, 700]
     pool = _Pool(lens, seed=len(CASES) + (window or 0))
     layer = _layer(window, cap)
     q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(1))

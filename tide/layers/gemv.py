@@ -110,9 +110,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     [gate | up] projection of 2N rows and y = act(gate) * up, bit for bit what the projection
     followed by `triton_ops.silu_and_mul` / `gelu_tanh_and_mul` gives, in one launch."""
     n, k = weight.shape
+    if act not in ("", "silu", "gelu_tanh"):
+        raise ValueError(f"act must be '', 'silu' or 'gelu_tanh', got {act!r}")
     if act:
         if bias is not None:
             raise ValueError("a gated GEMV takes no bias")
+        if n % 2:
+            raise ValueError(f"a gated GEMV needs a [gate | up] weight of even rows, got {n}")
         n //= 2
     block_n, block_k, warps = config or config_for(k)  # type: ignore[misc]
     if out is None:

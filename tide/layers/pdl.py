@@ -8,9 +8,10 @@ anything an earlier kernel wrote and before it writes anything. Only loads of da
 flight writes may come before the wait. Since every PDL kernel waits, "finished" stays transitive along
 the stream, and kernels launched without PDL keep plain stream order: a kernel in flight was launched
 after the last operation without PDL (a CUDA graph's start, an input copy, a torch op). So weights, the
-step's inputs (positions, sequence lengths, the request table up to the previous token) and the KV of
-earlier tokens may be read before the wait; activations and the newest token's table entry and K/V,
-which PDL kernels of the same forward write, may not.
+step's inputs (positions, sequence lengths, the request table: all written by operations without PDL)
+and the KV of earlier tokens may be read before the wait; activations and the newest token's K/V, which
+PDL kernels of the same forward write, may not. A kernel whose programs may return before waiting must
+keep at least one program that waits, or the chain breaks.
 
 `TIDE_PDL=0` in the environment turns it off (for comparisons).
 """

@@ -18,6 +18,10 @@ STAGE2_COLUMNS = 64
 # 1k); at head dim 256 the same number fit and it was faster everywhere (1k 11.3 -> 9.0 us per layer,
 # 32k 100 -> 98; benchmarks/RESULTS.md).
 PREFETCH_MAX_SMALL_HEAD_DIM = 128
+# ... and only for key blocks of at most this many bytes (32 keys at head dim 256 in bf16, as
+# measured): fp8 caches at head dim 256 with few splits take 128-key blocks, which would hold four
+# times the registers across the wait, unmeasured.
+PREFETCH_MAX_BLOCK_BYTES = 32 * 256 * 2
 # Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
 # H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
 DECODE_BLOCK_N = 32

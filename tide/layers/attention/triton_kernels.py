@@ -34,6 +34,7 @@ from tide.layers.attention.split_kv import (
     EXTEND_BLOCK_M,
     EXTEND_BLOCK_N,
     MIN_SPLIT_LEN,
+    PREFETCH_MAX_BLOCK_BYTES,
     PREFETCH_MAX_SMALL_HEAD_DIM,
     STAGE2_COLUMNS,
     decode_block_config,
@@ -184,7 +185,9 @@ def _decode_stage1(
     start = kv_start + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     if start >= end:
-        return  # stage 2 only reads the splits that hold tokens
+        # Stage 2 only reads the splits that hold tokens. Split 0 always holds one (seq_len >= 1)
+        # and waits, so this launch still ends after the one before it (PDL's chain).
+        return
 
     offs_g = tl.arange(0, BLOCK_H)
     mask_h = offs_g < GROUP
@@ -195,11 +198,11 @@ def _decode_stage1(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     if PREFETCH:
-        # The first block of keys streams in before the wait: the step's inputs and the KV of
-        # earlier tokens were written before this forward began. Only the newest token's table
-        # entry and K/V come from this forward (the record of its slot, the layer's rope-and-store
-        # launch); a first block that holds it loads again after the wait. (Without PDL there is
-        # nothing to overlap, and the same steps give the same result.)
+        # The first block of keys streams in before the wait: the step's inputs, the request table
+        # and the KV of earlier tokens were written by operations without PDL, which every kernel
+        # of the forward waited for. The newest token's K/V come from the layer's rope-and-store
+        # (PDL, maybe still running): it is left out, and a first block that holds it loads again
+        # after the wait. (Without PDL there is nothing to overlap; the same steps, same result.)
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         early = mask_n & (offs_n < seq_len - 1)
@@ -314,8 +317,9 @@ def decode_attention(
 ) -> None:
     """One decode query per request over its keys (the last `sliding_window` of them for a sliding
     layer), scores soft-capped at `logit_cap` when given. `prefetch`: whether a split's first key
-    block loads before the PDL wait (None: with PDL above head dim 128, see `split_kv`); True also
-    without PDL runs the same steps (the CPU tests do)."""
+    block loads before the PDL wait (None: with PDL, above head dim 128 and for key blocks of at most
+    `PREFETCH_MAX_BLOCK_BYTES`, see `split_kv`); True also without PDL runs the same steps (the CPU
+    tests do)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -324,9 +328,10 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
-    if prefetch is None:
-        prefetch = use_pdl and head_dim > PREFETCH_MAX_SMALL_HEAD_DIM
     block_n, stages = decode_block_config(num_splits, head_dim, k_buffer.element_size())
+    if prefetch is None:
+        prefetch = (use_pdl and head_dim > PREFETCH_MAX_SMALL_HEAD_DIM
+                    and block_n * head_dim * k_buffer.element_size() <= PREFETCH_MAX_BLOCK_BYTES)
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
