@@ -34,6 +34,8 @@ def gated_mlp_input(gate_up: Linear, x: torch.Tensor, act: str) -> torch.Tensor:
     or "gelu" (exact). A single CUDA row (bs1 decode) on the decode GEMV takes one launch for the
     projection and the activation together (`gemv.gemv(act=...)`, the same bits as the two-launch
     path); everything else projects, then applies the activation."""
+    if act not in ("silu", "gelu_tanh", "gelu"):
+        raise ValueError(f"act must be 'silu', 'gelu_tanh' or 'gelu', got {act!r}")
     if (act != "gelu" and x.is_cuda and x.shape[0] == 1 and gate_up.bias is None
             and not gate_up.batch_invariant):
         from tide.layers import gemv
