@@ -69,32 +69,6 @@ def test_gemv_configs_cover_gemma_shapes():
     assert gemv.config_for(100) is None and gemv.config_for(8200) is None
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_gated_mlp_input_applies_the_named_activation(bias):
-    """The MLP input dispatcher off the fused path (CPU; on CUDA also with a bias, batch-invariant
-    projections and exact GELU): act(gate) * up of the [gate | up] projection, for each name."""
-    from tide.layers.activation import gated_mlp_input
-    from tide.layers.linear import MergedLinear
-
-    torch.manual_seed(0)
-    proj = MergedLinear(24, {0: 10, 1: 10}, bias=bias)
-    with torch.no_grad():
-        proj.weight.normal_()
-        if bias:
-            proj.bias.normal_()
-    x = torch.randn(3, 24)
-    y = x @ proj.weight.T + (proj.bias if bias else 0)
-    gate, up = y[:, :10], y[:, 10:]
-    F = torch.nn.functional
-    want = {"silu": F.silu(gate) * up, "gelu_tanh": F.gelu(gate, approximate="tanh") * up,
-            "gelu": F.gelu(gate) * up}
-    for act, ref in want.items():
-        torch.testing.assert_close(gated_mlp_input(proj, x, act), ref, atol=1e-5, rtol=1e-5)
-    assert (want["gelu"] - want["gelu_tanh"]).abs().max() > 1e-6  # the names differ in the math
-    with pytest.raises(ValueError, match="act must be"):
-        gated_mlp_input(proj, x, "relu")
-
-
 def _gemma_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
