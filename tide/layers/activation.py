@@ -36,11 +36,9 @@ def gated_mlp_input(gate_up: Linear, x: torch.Tensor, act: str) -> torch.Tensor:
     path); everything else projects, then applies the activation."""
     if act not in ("silu", "gelu_tanh", "gelu"):
         raise ValueError(f"act must be 'silu', 'gelu_tanh' or 'gelu', got {act!r}")
-    if (act != "gelu" and x.is_cuda and x.shape[0] == 1 and gate_up.bias is None
-            and not gate_up.batch_invariant):
+    if act != "gelu" and gate_up.bias is None and gate_up.uses_gemv(x):
         from tide.layers import gemv
 
-        if gemv.supported(x, gate_up.weight):
-            return gemv.gemv(x, gate_up.weight, act=act)
+        return gemv.gemv(x, gate_up.weight, act=act)
     y = gate_up(x)
     return silu_and_mul(y) if act == "silu" else gelu_and_mul(y, "none" if act == "gelu" else "tanh")

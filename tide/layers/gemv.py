@@ -61,7 +61,8 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
             x = tl.load(X + k0 + cols).to(tl.float32)
         else:
             x = tl.load(X + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        acc += _weight_tile(w_ptrs, k0, row_mask, cols, K, EVEN_N, EVEN_K).to(tl.float32) * x[None, :]
+        w = _weight_tile(w_ptrs, k0, row_mask, cols, K, EVEN_N, EVEN_K)
+        acc += w.to(tl.float32) * x[None, :]
         if ACT != "":
             w_up = _weight_tile(up_ptrs, k0, row_mask, cols, K, EVEN_N, EVEN_K)
             acc_up += w_up.to(tl.float32) * x[None, :]

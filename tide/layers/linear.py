@@ -48,13 +48,21 @@ class Linear(nn.Module):
 
             y = batch_invariant.linear(x, self.weight, bias)
             return y if out is None else out.copy_(y)
-        if x.is_cuda and x.shape[0] == 1:
+        if self.uses_gemv(x):
             from tide.layers import gemv
 
-            if gemv.supported(x, self.weight):
-                return gemv.gemv(x, self.weight, bias, out=out)
+            return gemv.gemv(x, self.weight, bias, out=out)
         y = nn.functional.linear(x, self.weight, bias)
         return y if out is None else out.copy_(y)
+
+    def uses_gemv(self, x: torch.Tensor) -> bool:
+        """Whether the product of `x` runs the decode GEMV (`tide.layers.gemv`): one CUDA row of a
+        shape it takes, outside deterministic inference."""
+        if self.batch_invariant or not (x.is_cuda and x.shape[0] == 1):
+            return False
+        from tide.layers import gemv
+
+        return gemv.supported(x, self.weight)
 
 
 class Embedding(nn.Module):
