@@ -3,17 +3,12 @@
     python -m benchmarks.deterministic [--only gemm,throughput,bs1] [--out DIR]
 
 - gemm: the batch-invariant GEMM (`batch_invariant_triton.linear`) against cuBLAS (`F.linear`) at every
-  projection shape of the model and M in {1, 64, 256, 1024, 8192}, for each candidate tile
-  configuration. A configuration must serve every M of its (N, K) (that is what keeps it
-  batch-invariant), so the pick per (N, K) minimises the summed time over the M's, weighted as the
-  standard workload spends it. Each pick is checked bit-invariant (rows of M = 1, 37 and 256 equal)
-  and, unless --no-apply, installed in `GEMM_CONFIGS` for the engine runs that follow.
+  projection shape of the model and M from 1 to 8192: the tile shape tide picks for that M
+  (`gemm_config`, used where `tile_shapes_agree`), and the one shape per (N, K) it falls back to
+  (`fixed_config`). Each shape's rows are checked bit-equal to the M = 8192 product's.
 - throughput: the standard 256-request workload (prompt and output lengths uniform in [100, 1024],
   seed 0, ignore_eos; `benchmarks.run.workload`) on a default engine and on a deterministic one.
 - bs1: bs1 decode tok/s at 128 and 1024 tokens of context, default vs deterministic.
-
-The sweep and the engine runs fit separate invocations (`--only gemm`, then `--only throughput,bs1
---gemm-configs DIR/deterministic.json` to use the sweep's picks).
 
 Writes deterministic.json into --out and prints every number as it is measured.
 """
@@ -31,29 +26,13 @@ from typing import Any
 import torch
 from tide.layers import batch_invariant_triton as bt
 from tide.memory import empty_device_cache
-from triton.runtime.errors import OutOfResources
 
 from benchmarks.run import bs1_decode, make_engine, tide_throughput, workload
 
 SHAPE = "llama-3.1-8b"
 # (N, K) of the model's projections: qkv, o, gate_up, down, lm_head.
 PROJECTIONS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-M_VALUES = [1, 64, 256, 1024, 8192]
-# How much of the standard workload's GEMM time each M stands for (decode batches of tens to 256
-# rows; prefill chunks of thousands): the weights of the per-(N, K) pick.
-M_WEIGHTS = {1: 0.5, 64: 1.0, 256: 3.0, 1024: 1.0, 8192: 2.0}
-CANDIDATES = [
-    bt.GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
-    bt.GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    bt.GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
-    bt.GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
-    bt.GemmConfig(128, 64, 64, num_warps=4, num_stages=4, programs_per_sm=2),
-    bt.GemmConfig(64, 128, 64, num_warps=4, num_stages=4, programs_per_sm=2),
-    bt.GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-    bt.GemmConfig(64, 64, 64, num_warps=4, num_stages=4),
-    bt.GemmConfig(64, 128, 128, num_warps=4, num_stages=3),
-    bt.GemmConfig(128, 128, 128, num_warps=8, num_stages=2),
-]
+M_VALUES = [1, 8, 32, 64, 128, 256, 512, 2048, 8192]
 
 
 def _time(fn, reps: int = 30) -> float:
@@ -73,47 +52,31 @@ def _time(fn, reps: int = 30) -> float:
     return times[len(times) // 2]
 
 
-def _invariant(w: torch.Tensor, cfg: bt.GemmConfig) -> bool:
-    x = torch.randn(256, w.shape[1], device="cuda", dtype=w.dtype)
-    full = bt.linear(x, w, config=cfg)
-    return all(torch.equal(bt.linear(x[s : s + m], w, config=cfg), full[s : s + m])
-               for s, m in [(0, 1), (9, 1), (100, 37), (0, 256)])
-
-
-def gemm_sweep(res: dict[str, Any]) -> dict[tuple[int, int], bt.GemmConfig]:
-    picks: dict[tuple[int, int], bt.GemmConfig] = {}
+def gemm_table(res: dict[str, Any]) -> None:
     out: dict[str, Any] = {}
     for n, k in PROJECTIONS:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in M_VALUES}
-        cublas = {m: _time(lambda x=xs[m], w=w: torch.nn.functional.linear(x, w)) for m in M_VALUES}
-        rows = {"cublas_us": {m: t * 1e6 for m, t in cublas.items()}, "configs": []}
-        best, best_cost = None, float("inf")
-        for cfg in CANDIDATES + [bt.gemm_config(n, k)]:
-            try:
-                times = {m: _time(lambda x=xs[m], w=w, cfg=cfg: bt.linear(x, w, config=cfg))
-                         for m in M_VALUES}
-            except OutOfResources as e:  # more shared memory than the GPU has: skip it
-                print(f"  {n}x{k} {cfg}: {type(e).__name__}", flush=True)
-                continue
-            cost = sum(M_WEIGHTS[m] * times[m] / cublas[m] for m in M_VALUES) / sum(M_WEIGHTS.values())
-            rows["configs"].append({"config": asdict(cfg), "us": {m: t * 1e6 for m, t in times.items()},
-                                    "weighted_ratio_to_cublas": cost})
-            ratios = " ".join(f"M={m}:{times[m] / cublas[m]:.2f}" for m in M_VALUES)
-            print(f"  N={n} K={k} {cfg}: x cuBLAS {ratios} (weighted {cost:.2f})", flush=True)
-            if cost < best_cost:
-                best, best_cost = cfg, cost
-        assert best is not None
-        invariant = _invariant(w, best)
-        rows["pick"] = {"config": asdict(best), "weighted_ratio_to_cublas": best_cost,
-                        "bit_invariant": invariant}
-        print(f"pick N={n} K={k}: {best} (weighted x{best_cost:.2f} of cuBLAS, invariant {invariant})",
-              flush=True)
-        if invariant:
-            picks[(n, k)] = best
+        x = torch.randn(max(M_VALUES), k, device="cuda", dtype=torch.bfloat16)
+        agree = bt.tile_shapes_agree(k, w.dtype, w.device)
+        full = bt.linear(x, w, config=bt.gemm_config(x.shape[0], n, k))
+        rows: dict[str, Any] = {"tile_shapes_agree": agree}
+        for m in M_VALUES:
+            xm = x[:m]
+            picked, fixed = bt.gemm_config(m, n, k), bt.fixed_config(n, k)
+            cublas = _time(lambda xm=xm, w=w: torch.nn.functional.linear(xm, w))
+            t_pick = _time(lambda xm=xm, w=w, c=picked: bt.linear(xm, w, config=c))
+            t_fixed = _time(lambda xm=xm, w=w, c=fixed: bt.linear(xm, w, config=c))
+            equal = torch.equal(bt.linear(xm, w, config=picked), full[:m])
+            rows[str(m)] = {"picked": asdict(picked), "cublas_us": cublas * 1e6,
+                            "picked_us": t_pick * 1e6, "fixed_us": t_fixed * 1e6,
+                            "rows_equal_m8192": equal}
+            print(f"N={n} K={k} M={m}: cuBLAS {cublas * 1e6:.1f} us, picked "
+                  f"{picked.block_m}x{picked.block_n} {t_pick / cublas:.2f}x, fixed "
+                  f"{t_fixed / cublas:.2f}x, rows equal {equal}", flush=True)
         out[f"{n}x{k}"] = rows
+        del w, x
+        empty_device_cache(reason="benchmark_teardown", ledger=None)
     res["gemm"] = out
-    return picks
 
 
 def _engine_runs(res: dict[str, Any], parts: set[str], num_requests: int) -> None:
@@ -151,10 +114,6 @@ def main() -> None:
     ap.add_argument("--only", default="gemm,throughput,bs1")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--no-apply", action="store_true",
-                    help="keep the built-in GEMM configs for the engine runs (sweep only reports)")
-    ap.add_argument("--gemm-configs", default=None,
-                    help="a deterministic.json from an earlier --only gemm run: use its picks")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     os.makedirs(args.out, exist_ok=True)
@@ -165,19 +124,9 @@ def main() -> None:
         with open(os.path.join(args.out, "deterministic.json"), "w") as f:
             json.dump(res, f, indent=2, default=str)
 
-    if args.gemm_configs:
-        with open(args.gemm_configs) as f:
-            earlier = json.load(f)["gemm"]
-        for key, rows in earlier.items():
-            if rows["pick"]["bit_invariant"]:
-                n, k = (int(v) for v in key.split("x"))
-                bt.GEMM_CONFIGS[(n, k)] = bt.GemmConfig(**rows["pick"]["config"])
     if "gemm" in parts:
-        picks = gemm_sweep(res)
-        if not args.no_apply:
-            bt.GEMM_CONFIGS.update(picks)
+        gemm_table(res)
         save()
-    res["gemm_configs_used"] = {f"{n}x{k}": asdict(bt.gemm_config(n, k)) for n, k in PROJECTIONS}
     if parts & {"throughput", "bs1"}:
         _engine_runs(res, parts, args.num_requests)
     save()

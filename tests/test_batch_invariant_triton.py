@@ -51,16 +51,18 @@ def test_kernels_compile_for_hopper():
         pytest.skip("kernels are interpreted in this process")
     from tide.layers import batch_invariant_triton as bt
 
-    cfg = bt.gemm_config(4096, 4096)
-    gemm = _compile_sm90(
-        bt._matmul_kernel,
-        {"A": "*bf16", "W": "*bf16", "Bias": "*bf16", "C": "*bf16", "M": "i32", "N": "i32", "K": "i32"},
-        dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", BLOCK_M=cfg.block_m,
-             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=132,
-             USE_PDL=True),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
-    assert gemm.metadata.shared >= (cfg.num_stages - 1) * stage_bytes
+    for cfg in bt._candidate_configs(4096):
+        gemm = _compile_sm90(
+            bt._matmul_kernel,
+            {"A": "*bf16", "W": "*bf16", "Bias": "*bf16", "C": "*bf16", "M": "i32", "N": "i32",
+             "K": "i32"},
+            dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", BLOCK_M=cfg.block_m,
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=132,
+                 USE_PDL=True),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
+        assert gemm.metadata.shared >= (cfg.num_stages - 1) * stage_bytes, cfg
+        assert gemm.metadata.shared <= 227 * 1024, cfg  # an H100's shared memory per block
     _compile_sm90(
         bt._attention_kernel,
         {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i32",
@@ -139,9 +141,54 @@ def test_linear_shapes_and_config(bt):
     assert bt.linear(torch.empty(0, 64).half(), w, config=cfg).shape == (0, 40)
     with pytest.raises(ValueError, match="input features"):
         bt.linear(x, torch.randn(40, 32).half(), config=cfg)
-    # The configuration is a function of (N, K): the same for every M by construction.
-    assert bt.gemm_config(4096, 4096) == bt.gemm_config(4096, 4096)
-    assert bt.gemm_config(128256, 4096).block_n >= bt.gemm_config(4096, 4096).block_n
+    # Every tile shape steps K alike (that fixes a row's bits); shapes differ by M and N.
+    picks = {bt.gemm_config(m, n, 4096) for m in (1, 8, 64, 128, 200, 300, 600, 8192)
+             for n in (4096, 6144, 28672, 128256)}
+    assert {c.block_k for c in picks} | {bt.fixed_config(n, 4096).block_k for n in (4096, 28672)} \
+        == {bt.K_STEP}
+    assert len(picks) >= 4
+    assert set(bt._candidate_configs(4096)) >= picks
+
+
+@interpreted
+def test_tile_shapes_agree_picks_by_m_and_rows_stay_equal(bt):
+    """With MMA-like dots every tile shape gives the same bits: the check says so (once, then
+    remembered), and rows of products picked by M equal the rows of a large product."""
+    k = 128
+    bt._AGREE.pop((k, torch.float16, torch.device("cpu")), None)
+    assert bt.tile_shapes_agree(k, torch.float16, torch.device("cpu"))
+    assert bt._AGREE[(k, torch.float16, torch.device("cpu"))] is True
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(96, k, generator=gen).half()
+    x = torch.randn(300, k, generator=gen).half()
+    full = bt.linear(x, w)  # 300 rows: a 128-row tile shape
+    assert bt._pick_config(300, 96, k, x) != bt._pick_config(1, 96, k, x)
+    for start, m in [(0, 1), (7, 8), (3, 64), (100, 129), (40, 256)]:
+        assert torch.equal(bt.linear(x[start : start + m], w), full[start : start + m]), (start, m)
+
+
+@interpreted
+def test_tile_shapes_that_differ_fall_back_to_one_shape(bt, monkeypatch):
+    """A device whose tile shapes give different bits serves every M with `fixed_config`."""
+    k = 192
+    key = (k, torch.float16, torch.device("cpu"))
+    bt._AGREE.pop(key, None)
+    real = bt.linear
+    calls = []
+
+    def perturbed(x, w, bias=None, config=None):
+        calls.append(config)
+        y = real(x, w, bias, config=config)
+        return y + 1 if config is not None and config.block_m == 16 else y
+
+    monkeypatch.setattr(bt, "linear", perturbed)
+    assert not bt.tile_shapes_agree(k, torch.float16, torch.device("cpu"))
+    assert len(calls) >= 2
+    monkeypatch.setattr(bt, "linear", real)
+    x = torch.randn(3, k).half()
+    assert bt._pick_config(3, 4096, k, x) == bt.fixed_config(4096, k)
+    assert bt._pick_config(3000, 4096, k, x) == bt.fixed_config(4096, k)
+    bt._AGREE.pop(key)
 
 
 # ---- row-wise reductions

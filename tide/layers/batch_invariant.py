@@ -59,10 +59,17 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 def set_batch_invariant(model: nn.Module) -> None:
     """Route every projection (`tide.layers.linear.Linear`) of `model` through `linear`, and every
     Gemma RMSNorm on CUDA through the one-program-per-row Triton kernel (torch's CUDA mean picks its
-    reduction layout from the number of rows)."""
+    reduction layout from the number of rows). On CUDA the model's weights must be in place: the
+    GEMM's tile-shape check (`batch_invariant_triton.tile_shapes_agree`) runs here, per K."""
     from tide.layers.linear import Linear
     from tide.layers.norm import GemmaRMSNorm
 
     for module in model.modules():
         if isinstance(module, (Linear, GemmaRMSNorm)):
             module.batch_invariant = True
+        if isinstance(module, Linear) and module.weight.is_cuda:
+            from tide.layers import batch_invariant_triton
+
+            # Before any CUDA graph is captured: which tile shapes the GEMM may pick (by M).
+            batch_invariant_triton.tile_shapes_agree(
+                module.weight.shape[1], module.weight.dtype, module.weight.device)

@@ -4,12 +4,15 @@ Invariant here: the bits of one row's result depend only on that row's inputs (a
 the token's own context), never on how many rows share the launch or where the row sits. Each op
 gets it by construction, not by tuning luck:
 
-- `linear`: a persistent GEMM whose tile configuration (BLOCK_M/N/K, warps, stages) is a function of
-  (N, K) only (`gemm_config`), never of M, and which never splits K. A row's dot products then run
-  the same compiled kernel and the same K-order (BLOCK_K slices, first to last, fp32 accumulator)
-  whether M is 1 or 8192; which tile a row lands in changes nothing, as an MMA output row reads only
-  its own A row. (Autotuning over M would break this; so would cuBLAS, which picks its algorithm and
-  split-K from M.)
+- `linear`: a persistent GEMM that never splits K and always steps through K in `K_STEP`-column
+  slices, first to last, into an fp32 accumulator. A row's dot products are then the same sequence
+  of MMA steps whether M is 1 or 8192, and which tile a row lands in changes nothing, as an MMA
+  output row reads only its own A row. The tile shape (BLOCK_M/N, warps, stages) is picked from M
+  (`gemm_config`) only where the device has been shown to give bit-equal rows for every tile shape
+  tide picks at that K and dtype (`tile_shapes_agree`, checked once per process and device; on an
+  H100, bf16, mma.sync and wgmma tiles from 16x16 to 128x256 agree). Where it has not, one tile
+  shape per (N, K) serves every M (`fixed_config`). (cuBLAS is never used: it picks its algorithm
+  and split-K from M.)
 - `attention`: ONE kernel serves decode and extend. A program takes BLOCK_M (token, q head) rows of
   one request and one kv head. The keys are cut into splits at fixed positions (ATTN_SPLIT keys
   each, from position 0); within a split the keys stream in BLOCK_N-key blocks, in order, with the
@@ -35,13 +38,17 @@ dependents, then wait, before any load).
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from tide.layers import pdl
+
+logger = logging.getLogger(__name__)
 
 _NO_FUSION = {"enable_fp_fusion": False}
 
@@ -51,7 +58,7 @@ _NO_FUSION = {"enable_fp_fusion": False}
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile configuration of `linear` for one (N, K): fixed for every M (see the module doc)."""
+    """Tile configuration of `linear`."""
 
     block_m: int
     block_n: int
@@ -64,24 +71,94 @@ class GemmConfig:
     programs_per_sm: int = 1
 
 
-# Per-(N, K) overrides, e.g. from `benchmarks/deterministic.py --gemm-sweep` on the target GPU.
-# Changing an entry changes the (still batch-invariant) bits of that projection.
-GEMM_CONFIGS: dict[tuple[int, int], GemmConfig] = {}
+K_STEP = 64  # every tile's BLOCK_K: it fixes the order of a row's K reduction
 
 
-def gemm_config(n: int, k: int) -> GemmConfig:
-    """The tile configuration for an [M, k] x [k, n] product, chosen from (n, k) alone.
+def gemm_config(m: int, n: int, k: int) -> GemmConfig:
+    """The tile shape for an [m, k] x [k, n] product where tile shapes agree (`tile_shapes_agree`).
 
-    128x128x64 tiles with 8 warps keep large-M prefill GEMMs compute-efficient; narrow outputs
-    (n < 8192) use 64-wide column tiles so a small-M decode GEMM still spreads over enough SMs to
-    stream the weight at full bandwidth.
+    Measured on an H100 (bf16, Llama-3.1-8B projections, `python -m benchmarks.deterministic --only
+    gemm`): up to 8 rows, 16-row mma tiles over 64 columns spread the weight stream over every SM;
+    up to 128 rows, 64-row tiles, narrow ones (32 columns, two programs per SM) where N is small;
+    from 256 rows, 128-row tiles, 256 columns wide for wide N or many rows. Every shape steps K by
+    `K_STEP`.
     """
-    cfg = GEMM_CONFIGS.get((n, k))
-    if cfg is not None:
-        return cfg
+    if m <= 8:
+        return GemmConfig(16, 64, K_STEP, num_warps=4, num_stages=6)
+    wide = n >= 16384
+    if m <= 64 or (m <= 128 and not wide):
+        if wide:
+            return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4)
+        return GemmConfig(64, 32, K_STEP, num_warps=4, num_stages=8, programs_per_sm=2)
+    if wide or m > 512 or (m > 256 and n >= 6144):
+        return GemmConfig(128, 256, K_STEP, num_warps=8, num_stages=3)
+    if m > 256 or n >= 6144:
+        return GemmConfig(128, 128, K_STEP, num_warps=8, num_stages=3)
+    return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4)
+
+
+def fixed_config(n: int, k: int) -> GemmConfig:
+    """The one tile shape that serves every M of an (n, k) product where tile shapes have not been
+    shown to agree: 128-row tiles keep prefill compute-efficient; narrow outputs use 64-wide
+    column tiles so a decode GEMM still spreads over enough SMs."""
     if n >= 8192:
-        return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
-    return GemmConfig(128, 64, 64, num_warps=4, num_stages=4)
+        return GemmConfig(128, 128, K_STEP, num_warps=8, num_stages=3)
+    return GemmConfig(128, 64, K_STEP, num_warps=4, num_stages=4)
+
+
+# Every tile shape `gemm_config` or `fixed_config` can return: `tile_shapes_agree` checks them all,
+# so a product run with any of them gives the bits of any other.
+_PROBE_ROWS = (1, 8, 64, 128, 256, 512, 1024)
+_PROBE_COLS = (4096, 6144, 16384)
+
+
+def _candidate_configs(k: int) -> list[GemmConfig]:
+    configs = [gemm_config(m, n, k) for m in _PROBE_ROWS for n in _PROBE_COLS]
+    configs += [fixed_config(n, k) for n in _PROBE_COLS]
+    return list(dict.fromkeys(configs))
+
+
+_AGREE: dict[tuple[int, torch.dtype, torch.device], bool] = {}
+
+
+def tile_shapes_agree(k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every tile shape tide may pick gives bit-equal rows for products of inner size `k`
+    in `dtype` on `device`: random [16, k] x [k, 64] products, one run per shape, compared bit for
+    bit (a shape the device cannot run counts as disagreeing). Checked once per (k, dtype, device)
+    and remembered; `set_batch_invariant` checks every projection of a model before any CUDA graph
+    is captured (a product first met during capture uses `fixed_config`)."""
+    key = (k, dtype, torch.device(device))
+    known = _AGREE.get(key)
+    if known is not None:
+        return known
+    gen = torch.Generator(device="cpu").manual_seed(k)
+    x = torch.randn(16, k, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(64, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype)
+    agree = True
+    ref = None
+    for cfg in _candidate_configs(k):
+        try:
+            y = linear(x, w, config=cfg)
+        except OutOfResources:
+            agree = False
+            break
+        if ref is None:
+            ref = y
+        elif not torch.equal(y, ref):
+            agree = False
+            break
+    _AGREE[key] = agree
+    logger.info("batch-invariant GEMM, K=%d %s on %s: tile shapes %s", k, dtype, device,
+                "agree bit for bit: picked by M" if agree else "differ: one shape for every M")
+    return agree
+
+
+def _pick_config(m: int, n: int, k: int, x: torch.Tensor) -> GemmConfig:
+    key = (k, x.dtype, x.device)
+    agree = _AGREE.get(key)
+    if agree is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        agree = tile_shapes_agree(k, x.dtype, x.device)
+    return gemm_config(m, n, k) if agree else fixed_config(n, k)
 
 
 def _precision(x: torch.Tensor) -> str:
@@ -141,8 +218,8 @@ def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm,
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: GemmConfig | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), x [..., K], weight [N, K]; fp32 accumulation, rounded to x's dtype.
-    Row-for-row equal whatever the number of rows (module doc). `config` overrides `gemm_config`
-    (benchmark sweeps only)."""
+    Row-for-row equal whatever the number of rows (module doc). `config` overrides the pick
+    (benchmarks and tests; its BLOCK_K decides the bits)."""
     lead = x.shape[:-1]
     k = x.shape[-1]
     n = weight.shape[0]
@@ -157,7 +234,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    cfg = config or gemm_config(n, k)
+    cfg = config or _pick_config(m, n, k, x2)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 2
     progs = min(tiles, sms * cfg.programs_per_sm)
