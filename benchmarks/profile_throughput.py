@@ -350,13 +350,17 @@ def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str
     result: dict[str, Any] = {"unit": "device kernel seconds" if cuda else "CPU operator seconds"}
     if cuda:  # every kernel of the run by class, whatever launched it (a check on the attribution)
         every = dict.fromkeys(KERNEL_CLASSES, 0.0)
+        names: dict[str, float] = {}
         for avg in prof.key_averages():
             t = getattr(avg, "self_device_time_total", None)
             if t is None:
                 t = getattr(avg, "self_cuda_time_total", 0.0)
             if t and not avg.key.startswith(("tide.", "aten::", "cuda")):
                 every[kernel_class(avg.key)] += t / 1e6
+                names[avg.key[:80]] = names.get(avg.key[:80], 0.0) + t / 1e6
         result["all_kernels"] = every
+        # With PDL a kernel's time includes its wait on the one before: TIDE_PDL=0 for own times.
+        result["top_kernels_s"] = dict(sorted(names.items(), key=lambda kv: -kv[1])[:16])
     for kind, classes in out.items():
         total = sum(classes.values())
         if total:

@@ -279,13 +279,14 @@ class _Paged:
                      sliding_window=self.window, logit_cap=self.cap)
         return {i: out[s : s + n] for i, s, n in zip(reqs, starts, ext)}
 
-    def decode(self, bt, reqs: list[int], pos: list[int], scratch=None) -> dict[int, torch.Tensor]:
+    def decode(self, bt, reqs: list[int], pos: list[int], scratch=None,
+               rows: int | None = None) -> dict[int, torch.Tensor]:
         """One decode step: the token at pos[j] of each request (K/V of 0..pos[j] cached)."""
         q = torch.stack([self.q[i][p] for i, p in zip(reqs, pos)])
         out = torch.empty_like(q)
         bt.attention(q, self.k, self.v, out, self.req_to_token, torch.tensor(reqs),
                      torch.tensor([p + 1 for p in pos]), self.scale, scratch=scratch,
-                     sliding_window=self.window, logit_cap=self.cap)
+                     sliding_window=self.window, logit_cap=self.cap, decode_rows=rows)
         return {i: out[j] for j, i in enumerate(reqs)}
 
     def reference(self, i: int) -> torch.Tensor:
@@ -338,14 +339,29 @@ def test_attention_same_bits_for_decode_extend_chunks_and_prefix(small_splits, h
             e = min(s + size, 200)
             assert torch.equal(paged.extend(bt, [2], [s], [e])[2], full[2][s:e]), (size, s)
     # Decode steps, one token per request, in batches of other compositions; the splits of
-    # batches up to `scratch.max_batch` run in parallel programs, larger ones in one.
+    # batches up to `scratch.max_batch` run in parallel programs, larger ones in one; programs of
+    # extend's 64 rows and of the decode's 16.
     scratch = bt.DecodeSplitScratch(2, heads[0], 16, 512, "cpu")
     for reqs, pos in [([0, 1, 2, 3], [36, 4, 199, 18]), ([2], [199]), ([2, 0], [127, 0]),
                       ([3, 2], [0, 128])]:
         for sc in (None, scratch):
-            out = paged.decode(bt, reqs, pos, sc)
-            for i, p in zip(reqs, pos):
-                assert torch.equal(out[i], full[i][p]), (reqs, i, p, sc is not None)
+            for rows in (None, bt.ATTN_DECODE_BLOCK_M):
+                out = paged.decode(bt, reqs, pos, sc, rows)
+                for i, p in zip(reqs, pos):
+                    assert torch.equal(out[i], full[i][p]), (reqs, i, p, sc is not None, rows)
+
+
+@interpreted
+def test_decode_tiles_agree_checks_once(bt):
+    """With MMA-like dots a 16-row decode program gives extend's bits: the check says so and is
+    remembered; a group too wide for fewer rows keeps extend's row count."""
+    key = (4, 16, torch.float16, torch.device("cpu"))
+    bt._DECODE_AGREE.pop(key, None)
+    assert bt.decode_tiles_agree(8, 2, 16, torch.float16, torch.device("cpu"))
+    assert bt._DECODE_AGREE[key] is True
+    assert not bt.decode_tiles_agree(64, 1, 16, torch.float16, torch.device("cpu"))
+    assert not bt.decode_tiles_agree(8, 2, 256, torch.float16, torch.device("cpu"))
+    bt._DECODE_AGREE.pop(key)
 
 
 @interpreted

@@ -21,11 +21,13 @@ gets it by construction, not by tuning luck:
   token's reduction order is therefore a function of its position only: the same in a decode step
   (one token), a prefill, any chunk of a chunked prefill and on top of a cached prefix, whatever
   else is in the batch. The decode call is the extend kernel with one new token per request (a
-  runtime flag, never specialised), so the two are the same machine code, not two kernels that
-  happen to agree. Small decode batches run a token's splits in parallel programs that write their
-  partials, and `_combine_kernel` merges them with the same `_fold` in the same order (elementwise
-  IEEE ops, no fusion: the same bits as the in-kernel merge); the split positions never depend on
-  the batch, only which program computes a split does.
+  runtime flag). Where `decode_tiles_agree` (checked once per shape and device before graph
+  capture) it runs 16-row programs on one warp instead of 64 rows on four: every warp then holds
+  its rows in the same layout, so the same instructions reduce a row in the same order; elsewhere
+  it is extend's machine code itself. Small decode batches run a token's splits in parallel
+  programs that write their partials, and `_combine_kernel` merges them with the same `_fold` in
+  the same order (elementwise IEEE ops, no fusion: the same bits as the in-kernel merge); the
+  split positions never depend on the batch, only which program computes a split does.
 - `log_softmax`: one program per row, a fixed chunked pass over the vocabulary.
 - `rms_norm`: one program per row (Gemma's fp32 form; the Llama-style RMSNorm in `triton_ops` is
   already one program per row with a block set by the hidden size only).
@@ -335,7 +337,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 # ----------------------------------------------------------------------------------------- attention
 
-ATTN_BLOCK_M = 64  # (token, q head) rows per program
+ATTN_BLOCK_M = 64  # (token, q head) rows per program, on 4 warps (16 rows a warp)
+# A decode step's programs (one token: its q heads of one kv head) where `decode_tiles_agree`: 16
+# rows on one warp, a quarter of extend's softmax work on padding rows. Each warp of extend's
+# programs holds 16 rows laid out as this one warp does, so a row's reductions run in the same
+# order (measured on an H100: equal bits; 2, 4 warps or 32 rows differ). At head dim 256 one warp
+# holds too much (slower than extend's programs, measured), so decode keeps extend's there.
+ATTN_DECODE_BLOCK_M = 16
+ATTN_DECODE_MAX_HEAD_DIM = 128
 ATTN_BLOCK_N = 64  # keys per step of the online softmax
 ATTN_SPLIT = 512  # keys per split: positions [s * ATTN_SPLIT, (s + 1) * ATTN_SPLIT) form split s
 
@@ -450,6 +459,8 @@ def _attention_kernel(
             v = tl.load(V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                         mask=mask_n[:, None] & mask_d[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            # A row's sum runs over how the MMA layout spreads its columns within one warp: the
+            # same for extend's 64 rows on 4 warps and decode's 16 rows on one (module doc).
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         # A row that sees no key of this split (its position is before the split) gets 0/0 here
@@ -498,6 +509,55 @@ def _combine_kernel(MidO, MidLse, Out, SeqLens, stride_mb, stride_mh, stride_ms,
              mask=mask_d[None, :])
 
 
+_DECODE_AGREE: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
+
+
+def decode_tiles_agree(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       device: torch.device) -> bool:
+    """Whether a decode step run with `ATTN_DECODE_BLOCK_M` rows per program (one warp) gives the
+    bits of the same token's extend (`ATTN_BLOCK_M` rows, 4 warps) on `device`: a random
+    600-token request (two splits), its last token through both, with all splits in one program
+    and in parallel ones. Groups wider than the decode rows and head dims above
+    `ATTN_DECODE_MAX_HEAD_DIM` are not checked: False.
+    Checked once per (padded group, head_dim, dtype, device) and remembered; `attention` reads the
+    answer (unchecked: extend's row count). The Triton backend checks at start-up."""
+    group_p = triton.next_power_of_2(num_heads // num_kv_heads)
+    key = (group_p, head_dim, dtype, torch.device(device))
+    known = _DECODE_AGREE.get(key)
+    if known is not None:
+        return known
+    if group_p > ATTN_DECODE_BLOCK_M or head_dim > ATTN_DECODE_MAX_HEAD_DIM:
+        _DECODE_AGREE[key] = False  # not worth it (see ATTN_DECODE_BLOCK_M): extend's rows
+        return False
+    n = 600
+    gen = torch.Generator(device="cpu").manual_seed(head_dim)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q, kb, vb = rand(n, num_heads, head_dim), rand(n, num_kv_heads, head_dim), rand(n, num_kv_heads,
+                                                                                   head_dim)
+    r2t = torch.arange(n, dtype=torch.int32, device=device)[None]
+    req = torch.zeros(1, dtype=torch.int64, device=device)
+    lens = torch.full((1,), n, dtype=torch.int64, device=device)
+    full = torch.empty_like(q)
+    attention(q, kb, vb, full, r2t, req, lens, head_dim**-0.5,
+              extend=(lens, torch.zeros_like(lens), n))
+    scratch = DecodeSplitScratch(1, num_heads, head_dim, n, device)
+    agree = True
+    for sc in (None, scratch):
+        one = torch.empty_like(q[-1:])
+        attention(q[-1:], kb, vb, one, r2t, req, lens, head_dim**-0.5, scratch=sc,
+                  decode_rows=ATTN_DECODE_BLOCK_M)
+        agree &= torch.equal(one, full[-1:])
+    _DECODE_AGREE[key] = agree
+    logger.info("batch-invariant decode attention, %d/%d heads of %d, %s on %s: %s", num_heads,
+                num_kv_heads, head_dim, dtype, device,
+                f"{ATTN_DECODE_BLOCK_M} rows a program give extend's bits" if agree
+                else "extend's row count (fewer rows change the bits)")
+    return agree
+
+
 class DecodeSplitScratch:
     """fp32 partials for decode steps of at most `max_batch` requests whose splits run in parallel
     programs (`attention`): [max_batch, Hq, splits of the longest context, D] and the log-sum-exps.
@@ -534,6 +594,7 @@ def attention(
     scratch: DecodeSplitScratch | None = None,
     sliding_window: int | None = None,
     logit_cap: float | None = None,
+    decode_rows: int | None = None,
 ) -> None:
     """Causal attention of each request's new tokens over its whole cached sequence (new K/V already
     stored). `extend` = (extend_lens, extend_starts, max_extend_len) for an extend batch; None for a
@@ -546,7 +607,9 @@ def attention(
     larger than `scratch.max_batch` (or without scratch), do all of it in one program per block of
     tokens; smaller decode batches run the splits in parallel programs and merge them in
     `_combine_kernel`. Same kernel, same splits, same merge order: a token's bits are the same in
-    every case (module doc)."""
+    every case (module doc). A decode step whose splits run in one program takes
+    `ATTN_DECODE_BLOCK_M` rows on one warp where `decode_tiles_agree` has shown that gives
+    extend's bits, else extend's `ATTN_BLOCK_M` rows on 4 warps; `decode_rows` forces a row count (the check itself, tests)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -557,6 +620,15 @@ def attention(
     if batch == 0:
         return
     parallel = extend is None and scratch is not None and batch <= scratch.max_batch
+    block_m = ATTN_BLOCK_M
+    if extend is None:
+        if decode_rows is not None:
+            block_m = max(decode_rows, group_p)
+        elif not parallel and _DECODE_AGREE.get((group_p, head_dim, q.dtype, q.device)):
+            # Split-parallel batches are latency-bound: 4 warps a program beat 1 (bs1: 134 vs
+            # 102 tok/s, Llama-3.1-8B, H100).
+            block_m = ATTN_DECODE_BLOCK_M
+    warps = 4 * block_m // ATTN_BLOCK_M if block_m < ATTN_BLOCK_M else 4  # 16 rows a warp
     if extend is None:
         ext_lens = ext_starts = seq_lens  # not read
         is_decode = 1
@@ -584,10 +656,10 @@ def attention(
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         sm_scale, logit_cap or 0.0, is_decode, int(parallel), split_progs, sliding_window or 0,
-        HAS_CAP=logit_cap is not None, GROUP=group, GROUP_P=group_p, BLOCK_M=ATTN_BLOCK_M,
+        HAS_CAP=logit_cap is not None, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m,
         BLOCK_N=ATTN_BLOCK_N, SPLIT=ATTN_SPLIT,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PRECISION=_precision(q),
-        USE_PDL=use_pdl, num_warps=4, num_stages=2, launch_pdl=use_pdl, **_NO_FUSION,
+        USE_PDL=use_pdl, num_warps=warps, num_stages=2, launch_pdl=use_pdl, **_NO_FUSION,
     )
     if parallel:
         _combine_kernel[(batch, num_heads)](

@@ -34,15 +34,17 @@ class TritonAttnBackend(AttentionBackend):
         return cls(runner.num_heads, runner.num_kv_heads, mc.head_dim,
                    runner.max_batch_size, runner.device,
                    deterministic=runner.config.enable_deterministic_inference,
-                   max_context_len=runner.context_len)
+                   max_context_len=runner.context_len, dtype=runner.dtype)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_batch_size: int,
                  device: torch.device, max_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
-                 deterministic: bool = False, max_context_len: int | None = None) -> None:
+                 deterministic: bool = False, max_context_len: int | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         """`deterministic`: decode and extend both run `batch_invariant_triton.attention` (one
         kernel; a token's keys split at fixed positions and merged in order). With
         `max_context_len`, small decode batches run those splits in parallel programs (scratch
-        for them is allocated here); without it every split runs in one program."""
+        for them is allocated here); without it every split runs in one program. `dtype`: the
+        model's (the deterministic decode's row count is checked for it)."""
         from tide.layers.attention import triton_kernels
 
         self.kernels = triton_kernels
@@ -54,6 +56,11 @@ class TritonAttnBackend(AttentionBackend):
             limit = DecodeSplitScratch.parallel_batch_limit(num_kv_heads, device)
             self._det_scratch = DecodeSplitScratch(min(limit, max_batch_size), num_heads, head_dim,
                                                    max_context_len, device)
+        if deterministic:
+            from tide.layers.batch_invariant_triton import decode_tiles_agree
+
+            # Before any graph capture: whether decode programs may take fewer rows than extend's.
+            decode_tiles_agree(num_heads, num_kv_heads, head_dim, dtype, device)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.max_kv_splits = max_kv_splits
         # Split-KV scratch, sized for the largest batch x splits any batch size uses (small batches
