@@ -80,13 +80,16 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     """The tile shape for an [m, k] x [k, n] product where tile shapes agree (`tile_shapes_agree`).
 
     Measured on an H100 (bf16, Llama-3.1-8B projections, `python -m benchmarks.deterministic --only
-    gemm`): up to 8 rows, 16-row mma tiles over 64 columns spread the weight stream over every SM;
-    up to 128 rows, 64-row tiles, narrow ones (32 columns, two programs per SM) where N is small;
-    from 256 rows, 128-row tiles, 256 columns wide for wide N or many rows. Every shape steps K by
+    gemm`): up to 8 rows, 16-row mma tiles over 64 columns spread the weight stream over every SM
+    (at one row on 8 warps: 1.00-1.43x cuBLAS, against 1.01-1.54x on 4); up to 128 rows, 64-row
+    tiles, narrow ones (32 columns, two programs per SM) where N is small; from 256 rows, 128-row
+    tiles, 256 columns wide for wide N or many rows. Every shape steps K by
     `K_STEP`.
     """
+    if m == 1:
+        return GemmConfig(16, 64, K_STEP, num_warps=8, num_stages=6)
     if m <= 8:
-        return GemmConfig(16, 64, K_STEP, num_warps=4, num_stages=6)
+        return GemmConfig(16, 64, K_STEP, num_warps=4, num_stages=8)
     wide = n >= 16384
     if m <= 64 or (m <= 128 and not wide):
         if wide:
@@ -609,7 +612,8 @@ def attention(
     `_combine_kernel`. Same kernel, same splits, same merge order: a token's bits are the same in
     every case (module doc). A decode step whose splits run in one program takes
     `ATTN_DECODE_BLOCK_M` rows on one warp where `decode_tiles_agree` has shown that gives
-    extend's bits, else extend's `ATTN_BLOCK_M` rows on 4 warps; `decode_rows` forces a row count (the check itself, tests)."""
+    extend's bits, else extend's `ATTN_BLOCK_M` rows on 4 warps; `decode_rows` forces a row count
+    (the check itself, tests)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
