@@ -5,7 +5,7 @@
 - gemm: the batch-invariant GEMM (`batch_invariant_triton.linear`) against cuBLAS (`F.linear`) at every
   projection shape of the model and M from 1 to 8192: the tile shape tide picks for that M
   (`gemm_config`, used where `tile_shapes_agree`), and the one shape per (N, K) it falls back to
-  (`fixed_config`). Each shape's rows are checked bit-equal to the M = 8192 product's.
+  (`fixed_config`). The picked shape's rows are checked bit-equal to the M = 8192 product's.
 - throughput: the standard 256-request workload (prompt and output lengths uniform in [100, 1024],
   seed 0, ignore_eos; `benchmarks.run.workload`) on a default engine and on a deterministic one.
 - bs1: bs1 decode tok/s at 128 and 1024 tokens of context, default vs deterministic.

@@ -172,7 +172,7 @@ def test_tile_shapes_that_differ_fall_back_to_one_shape(bt, monkeypatch):
     """A device whose tile shapes give different bits serves every M with `fixed_config`."""
     k = 192
     key = (k, torch.float16, torch.device("cpu"))
-    bt._AGREE.pop(key, None)
+    monkeypatch.delitem(bt._AGREE, key, raising=False)
     real = bt.linear
     calls = []
 
@@ -188,7 +188,7 @@ def test_tile_shapes_that_differ_fall_back_to_one_shape(bt, monkeypatch):
     x = torch.randn(3, k).half()
     assert bt._pick_config(3, 4096, k, x) == bt.fixed_config(4096, k)
     assert bt._pick_config(3000, 4096, k, x) == bt.fixed_config(4096, k)
-    bt._AGREE.pop(key)
+    bt._AGREE.pop(key)  # the monkeypatch would restore nothing: it was absent
 
 
 # ---- row-wise reductions
@@ -362,6 +362,9 @@ def test_decode_tiles_agree_checks_once(bt):
     assert not bt.decode_tiles_agree(64, 1, 16, torch.float16, torch.device("cpu"))
     assert not bt.decode_tiles_agree(8, 2, 256, torch.float16, torch.device("cpu"))
     bt._DECODE_AGREE.pop(key)
+    paged = _Paged([20], 8, 2)
+    with pytest.raises(ValueError, match="decode_rows"):
+        paged.decode(bt, [0], [19], rows=8)
 
 
 @interpreted

@@ -89,7 +89,8 @@ class _Reference:
         else:
             mc = self.model_config
             self.backend = backend_cls(mc.num_attention_heads, mc.num_key_value_heads,  # type: ignore[call-arg]
-                                       mc.head_dim, 1, self.device, deterministic=True)
+                                       mc.head_dim, 1, self.device, deterministic=True,
+                                       dtype=self.dtype)
 
     def load(self, hf_model: nn.Module) -> None:
         named = [(n, p.detach()) for n, p in hf_model.named_parameters()]

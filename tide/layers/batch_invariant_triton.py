@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
+from triton.compiler.errors import CompilationError
+from triton.runtime import errors as _triton_errors
 
 from tide.layers import pdl
 
@@ -81,10 +82,11 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
 
     Measured on an H100 (bf16, Llama-3.1-8B projections, `python -m benchmarks.deterministic --only
     gemm`): up to 8 rows, 16-row mma tiles over 64 columns spread the weight stream over every SM
-    (at one row on 8 warps: 1.00-1.43x cuBLAS, against 1.01-1.54x on 4); up to 128 rows, 64-row
-    tiles, narrow ones (32 columns, two programs per SM) where N is small; from 256 rows, 128-row
-    tiles, 256 columns wide for wide N or many rows. Every shape steps K by
-    `K_STEP`.
+    (at one row on 8 warps: 1.00-1.43x cuBLAS, against 1.01-1.54x on 4). Wide outputs (N >= 16384)
+    take 64x128 tiles up to 64 rows and 128x256 beyond. Narrower ones take 64x32 tiles (two
+    programs per SM) up to 128 rows; then 128x128 from 129 rows where N >= 6144, 64x128 up to 256
+    rows and 128x128 up to 512 where N is smaller; 128x256 beyond 256 rows (N >= 6144) or 512.
+    Every shape steps K by `K_STEP`.
     """
     if m == 1:
         return GemmConfig(16, 64, K_STEP, num_warps=8, num_stages=6)
@@ -124,37 +126,51 @@ def _candidate_configs(k: int) -> list[GemmConfig]:
 
 
 _AGREE: dict[tuple[int, torch.dtype, torch.device], bool] = {}
+# A tile shape the device cannot compile or run counts as disagreeing (PTXASError: newer Triton).
+_CANNOT_RUN = tuple(e for e in (_triton_errors.OutOfResources,
+                                getattr(_triton_errors, "PTXASError", None), CompilationError)
+                    if e is not None)
 
 
-def tile_shapes_agree(k: int, dtype: torch.dtype, device: torch.device) -> bool:
+def _device_key(device: torch.device | str) -> torch.device:
+    """`device` with its index (the current CUDA device for a bare "cuda"), as tensors report it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def tile_shapes_agree(k: int, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether every tile shape tide may pick gives bit-equal rows for products of inner size `k`
-    in `dtype` on `device`: random [16, k] x [k, 64] products, one run per shape, compared bit for
-    bit (a shape the device cannot run counts as disagreeing). Checked once per (k, dtype, device)
-    and remembered; `set_batch_invariant` checks every projection of a model before any CUDA graph
-    is captured (a product first met during capture uses `fixed_config`)."""
-    key = (k, dtype, torch.device(device))
+    in `dtype` on `device`: a random [128, k] x [k, 256] product with a bias, one run per shape,
+    compared bit for bit (a shape the device cannot compile or run counts as disagreeing). Checked
+    once per (k, dtype, device) and remembered; `set_batch_invariant` checks every projection of a
+    model before any CUDA graph is captured (a product first met during capture uses
+    `fixed_config`)."""
+    key = (k, dtype, _device_key(device))
     known = _AGREE.get(key)
     if known is not None:
         return known
     gen = torch.Generator(device="cpu").manual_seed(k)
-    x = torch.randn(16, k, generator=gen).to(device=device, dtype=dtype)
-    w = (torch.randn(64, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype)
+    x = torch.randn(128, k, generator=gen).to(device=key[2], dtype=dtype)
+    w = (torch.randn(256, k, generator=gen) * k**-0.5).to(device=key[2], dtype=dtype)
+    bias = torch.randn(256, generator=gen).to(device=key[2], dtype=dtype)
     agree = True
+    reason = "agree bit for bit: picked by M"
     ref = None
     for cfg in _candidate_configs(k):
         try:
-            y = linear(x, w, config=cfg)
-        except OutOfResources:
-            agree = False
+            y = linear(x, w, bias, config=cfg)
+        except _CANNOT_RUN as e:
+            agree, reason = False, f"{cfg} cannot run here ({type(e).__name__}): one shape for every M"
             break
         if ref is None:
             ref = y
         elif not torch.equal(y, ref):
-            agree = False
+            agree, reason = False, f"{cfg} gives other bits: one shape for every M"
             break
     _AGREE[key] = agree
-    logger.info("batch-invariant GEMM, K=%d %s on %s: tile shapes %s", k, dtype, device,
-                "agree bit for bit: picked by M" if agree else "differ: one shape for every M")
+    logger.info("batch-invariant GEMM, K=%d %s on %s: tile shapes %s", k, dtype, key[2], reason)
     return agree
 
 
@@ -516,16 +532,18 @@ _DECODE_AGREE: dict[tuple[int, int, torch.dtype, torch.device], bool] = {}
 
 
 def decode_tiles_agree(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       device: torch.device) -> bool:
+                       device: torch.device | str) -> bool:
     """Whether a decode step run with `ATTN_DECODE_BLOCK_M` rows per program (one warp) gives the
-    bits of the same token's extend (`ATTN_BLOCK_M` rows, 4 warps) on `device`: a random
-    600-token request (two splits), its last token through both, with all splits in one program
-    and in parallel ones. Groups wider than the decode rows and head dims above
-    `ATTN_DECODE_MAX_HEAD_DIM` are not checked: False.
-    Checked once per (padded group, head_dim, dtype, device) and remembered; `attention` reads the
-    answer (unchecked: extend's row count). The Triton backend checks at start-up."""
+    bits of the same tokens' extend (`ATTN_BLOCK_M` rows, 4 warps) on `device`: a random
+    600-token request (two splits), four of its last tokens decoded as four requests (rows in each
+    warp of extend's program), with and without a logit cap. Only batches whose splits run in one
+    program use those rows, so only they are checked. Groups wider than the decode rows and head
+    dims above `ATTN_DECODE_MAX_HEAD_DIM` are not checked: False. Checked once per (padded group,
+    head_dim, dtype, device) and remembered; `attention` reads the answer (unchecked: extend's
+    row count). The Triton backend checks at start-up, before any graph capture."""
     group_p = triton.next_power_of_2(num_heads // num_kv_heads)
-    key = (group_p, head_dim, dtype, torch.device(device))
+    dev = _device_key(device)
+    key = (group_p, head_dim, dtype, dev)
     known = _DECODE_AGREE.get(key)
     if known is not None:
         return known
@@ -533,29 +551,33 @@ def decode_tiles_agree(num_heads: int, num_kv_heads: int, head_dim: int, dtype: 
         _DECODE_AGREE[key] = False  # not worth it (see ATTN_DECODE_BLOCK_M): extend's rows
         return False
     n = 600
+    # Tokens 587, 591, 595, 599: in extend's 16-token blocks at offsets 11, 15, 3, 7, so their
+    # rows (4 a token at a group of 4) lie in each of its four warps.
+    pos = torch.arange(n - 13, n, 4, device=dev)
     gen = torch.Generator(device="cpu").manual_seed(head_dim)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)
 
     q, kb, vb = rand(n, num_heads, head_dim), rand(n, num_kv_heads, head_dim), rand(n, num_kv_heads,
                                                                                    head_dim)
-    r2t = torch.arange(n, dtype=torch.int32, device=device)[None]
-    req = torch.zeros(1, dtype=torch.int64, device=device)
-    lens = torch.full((1,), n, dtype=torch.int64, device=device)
-    full = torch.empty_like(q)
-    attention(q, kb, vb, full, r2t, req, lens, head_dim**-0.5,
-              extend=(lens, torch.zeros_like(lens), n))
-    scratch = DecodeSplitScratch(1, num_heads, head_dim, n, device)
+    r2t = torch.arange(n, dtype=torch.int32, device=dev)[None]
+    one_req = torch.zeros(1, dtype=torch.int64, device=dev)
+    n_t = torch.full((1,), n, dtype=torch.int64, device=dev)
+    reqs = torch.zeros(len(pos), dtype=torch.int64, device=dev)  # four queries of one request
+    lens = pos + 1
     agree = True
-    for sc in (None, scratch):
-        one = torch.empty_like(q[-1:])
-        attention(q[-1:], kb, vb, one, r2t, req, lens, head_dim**-0.5, scratch=sc,
+    for cap in (None, 30.0):
+        full = torch.empty_like(q)
+        attention(q, kb, vb, full, r2t, one_req, n_t, head_dim**-0.5,
+                  extend=(n_t, torch.zeros_like(n_t), n), logit_cap=cap)
+        out = torch.empty_like(q[pos])
+        attention(q[pos], kb, vb, out, r2t, reqs, lens, head_dim**-0.5, logit_cap=cap,
                   decode_rows=ATTN_DECODE_BLOCK_M)
-        agree &= torch.equal(one, full[-1:])
+        agree &= torch.equal(out, full[pos])
     _DECODE_AGREE[key] = agree
     logger.info("batch-invariant decode attention, %d/%d heads of %d, %s on %s: %s", num_heads,
-                num_kv_heads, head_dim, dtype, device,
+                num_kv_heads, head_dim, dtype, dev,
                 f"{ATTN_DECODE_BLOCK_M} rows a program give extend's bits" if agree
                 else "extend's row count (fewer rows change the bits)")
     return agree
@@ -627,6 +649,9 @@ def attention(
     block_m = ATTN_BLOCK_M
     if extend is None:
         if decode_rows is not None:
+            if decode_rows < 16 or decode_rows & (decode_rows - 1) or decode_rows > ATTN_BLOCK_M:
+                raise ValueError(f"decode_rows must be a power of two from 16 to {ATTN_BLOCK_M}, "
+                                 f"got {decode_rows}")
             block_m = max(decode_rows, group_p)
         elif not parallel and _DECODE_AGREE.get((group_p, head_dim, q.dtype, q.device)):
             # Split-parallel batches are latency-bound: 4 warps a program beat 1 (bs1: 134 vs
