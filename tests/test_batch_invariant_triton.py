@@ -63,15 +63,17 @@ def test_kernels_compile_for_hopper():
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
         assert gemm.metadata.shared >= (cfg.num_stages - 1) * stage_bytes, cfg
         assert gemm.metadata.shared <= 227 * 1024, cfg  # an H100's shared memory per block
-    _compile_sm90(
-        bt._attention_kernel,
-        {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i32",
-         "ReqPoolIdx": "*i64", "SeqLens": "*i64", "ExtendLens": "*i64", "ExtendStarts": "*i64",
-         "MidO": "*fp32", "MidLse": "*fp32", "sm_scale": "fp32", "is_decode": "i32",
-         "write_partials": "i32", "split_progs": "i32", "logit_cap": "fp32", "window": "i32"},
-        dict(HAS_CAP=True, GROUP=4, GROUP_P=4, BLOCK_M=64, BLOCK_N=64, SPLIT=bt.ATTN_SPLIT, BLOCK_D=128,
-             HEAD_DIM=128, PRECISION="tf32", USE_PDL=True),
-        num_warps=4, num_stages=2, enable_fp_fusion=False)
+    # Extend's 64-row programs on 4 warps, and the decode's 16 rows on one.
+    for rows, warps in ((bt.ATTN_BLOCK_M, 4), (bt.ATTN_DECODE_BLOCK_M, 1)):
+        _compile_sm90(
+            bt._attention_kernel,
+            {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i32",
+             "ReqPoolIdx": "*i64", "SeqLens": "*i64", "ExtendLens": "*i64", "ExtendStarts": "*i64",
+             "MidO": "*fp32", "MidLse": "*fp32", "sm_scale": "fp32", "is_decode": "i32",
+             "write_partials": "i32", "split_progs": "i32", "logit_cap": "fp32", "window": "i32"},
+            dict(HAS_CAP=True, GROUP=4, GROUP_P=4, BLOCK_M=rows, BLOCK_N=64, SPLIT=bt.ATTN_SPLIT,
+                 BLOCK_D=128, HEAD_DIM=128, PRECISION="tf32", USE_PDL=True),
+            num_warps=warps, num_stages=2, enable_fp_fusion=False)
     _compile_sm90(bt._combine_kernel,
                   {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "SeqLens": "*i64",
                    "window": "i32"},
