@@ -657,7 +657,7 @@ def attention(
             # Split-parallel batches are latency-bound: 4 warps a program beat 1 (bs1: 134 vs
             # 102 tok/s, Llama-3.1-8B, H100).
             block_m = ATTN_DECODE_BLOCK_M
-    warps = 4 * block_m // ATTN_BLOCK_M if block_m < ATTN_BLOCK_M else 4  # 16 rows a warp
+    warps = block_m // 16  # 16 rows a warp: extend's 64 on 4, the decode's 16 on 1
     if extend is None:
         ext_lens = ext_starts = seq_lens  # not read
         is_decode = 1
