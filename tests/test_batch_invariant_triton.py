@@ -55,10 +55,9 @@ def test_kernels_compile_for_hopper():
         gemm = _compile_sm90(
             bt._matmul_kernel,
             {"A": "*bf16", "W": "*bf16", "Bias": "*bf16", "C": "*bf16", "M": "i32", "N": "i32",
-             "K": "i32"},
+             "K": "i32", "num_progs": "i32"},
             dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", BLOCK_M=cfg.block_m,
-                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=132,
-                 USE_PDL=True),
+                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, USE_PDL=True),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
         assert gemm.metadata.shared >= (cfg.num_stages - 1) * stage_bytes, cfg
@@ -69,10 +68,11 @@ def test_kernels_compile_for_hopper():
             bt._attention_kernel,
             {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i32",
              "ReqPoolIdx": "*i64", "SeqLens": "*i64", "ExtendLens": "*i64", "ExtendStarts": "*i64",
-             "MidO": "*fp32", "MidLse": "*fp32", "sm_scale": "fp32", "is_decode": "i32",
+             "MidO": "*fp32", "MidLse": "*fp32", "Order": "*i64", "sm_scale": "fp32",
+             "is_decode": "i32",
              "write_partials": "i32", "split_progs": "i32", "logit_cap": "fp32", "window": "i32"},
             dict(HAS_CAP=True, GROUP=4, GROUP_P=4, BLOCK_M=rows, BLOCK_N=64, SPLIT=bt.ATTN_SPLIT,
-                 BLOCK_D=128, HEAD_DIM=128, PRECISION="tf32", USE_PDL=True),
+                 BLOCK_D=128, HEAD_DIM=128, PRECISION="tf32", USE_PDL=True, ORDERED=rows == 16),
             num_warps=warps, num_stages=2, enable_fp_fusion=False)
     _compile_sm90(bt._combine_kernel,
                   {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "SeqLens": "*i64",
@@ -282,13 +282,15 @@ class _Paged:
         return {i: out[s : s + n] for i, s, n in zip(reqs, starts, ext)}
 
     def decode(self, bt, reqs: list[int], pos: list[int], scratch=None,
-               rows: int | None = None) -> dict[int, torch.Tensor]:
-        """One decode step: the token at pos[j] of each request (K/V of 0..pos[j] cached)."""
+               rows: int | None = None, ordered: bool = False) -> dict[int, torch.Tensor]:
+        """One decode step: the token at pos[j] of each request (K/V of 0..pos[j] cached);
+        `ordered`: programs start with the longest request (`decode_order`)."""
         q = torch.stack([self.q[i][p] for i, p in zip(reqs, pos)])
         out = torch.empty_like(q)
-        bt.attention(q, self.k, self.v, out, self.req_to_token, torch.tensor(reqs),
-                     torch.tensor([p + 1 for p in pos]), self.scale, scratch=scratch,
-                     sliding_window=self.window, logit_cap=self.cap, decode_rows=rows)
+        seq_lens = torch.tensor([p + 1 for p in pos])
+        bt.attention(q, self.k, self.v, out, self.req_to_token, torch.tensor(reqs), seq_lens,
+                     self.scale, scratch=scratch, sliding_window=self.window, logit_cap=self.cap,
+                     decode_rows=rows, longest_first=bt.decode_order(seq_lens) if ordered else None)
         return {i: out[j] for j, i in enumerate(reqs)}
 
     def reference(self, i: int) -> torch.Tensor:
@@ -346,11 +348,12 @@ def test_attention_same_bits_for_decode_extend_chunks_and_prefix(small_splits, h
     scratch = bt.DecodeSplitScratch(2, heads[0], 16, 512, "cpu")
     for reqs, pos in [([0, 1, 2, 3], [36, 4, 199, 18]), ([2], [199]), ([2, 0], [127, 0]),
                       ([3, 2], [0, 128])]:
-        for sc in (None, scratch):
-            for rows in (None, bt.ATTN_DECODE_BLOCK_M):
-                out = paged.decode(bt, reqs, pos, sc, rows)
-                for i, p in zip(reqs, pos):
-                    assert torch.equal(out[i], full[i][p]), (reqs, i, p, sc is not None, rows)
+        for sc, rows, ordered in [(None, None, False), (None, bt.ATTN_DECODE_BLOCK_M, False),
+                                  (None, bt.ATTN_DECODE_BLOCK_M, True), (scratch, None, False),
+                                  (scratch, bt.ATTN_DECODE_BLOCK_M, True)]:
+            out = paged.decode(bt, reqs, pos, sc, rows, ordered)
+            for i, p in zip(reqs, pos):
+                assert torch.equal(out[i], full[i][p]), (reqs, i, p, sc is not None, rows, ordered)
 
 
 @interpreted
@@ -367,6 +370,11 @@ def test_decode_tiles_agree_checks_once(bt):
     paged = _Paged([20], 8, 2)
     with pytest.raises(ValueError, match="decode_rows"):
         paged.decode(bt, [0], [19], rows=8)
+    q = paged.q[0][:2]
+    with pytest.raises(ValueError, match="longest_first"):
+        bt.attention(q, paged.k, paged.v, torch.empty_like(q), paged.req_to_token,
+                     torch.tensor([0, 0]), torch.tensor([5, 9]), paged.scale,
+                     longest_first=torch.tensor([1, 0, 2]))
 
 
 @interpreted

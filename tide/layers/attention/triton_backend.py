@@ -69,6 +69,7 @@ class TritonAttnBackend(AttentionBackend):
         self._mid_o = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
         self._mid_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
         self._extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self._decode_order: torch.Tensor | None = None  # deterministic decode: rows, longest first
 
     def store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
                  fb: "ForwardBatch", positions: torch.Tensor | None) -> torch.Tensor:
@@ -103,6 +104,12 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.is_decode:
+            if self.deterministic:
+                from tide.layers.batch_invariant_triton import decode_order
+
+                # Once per step, on device (inside a captured graph too): every layer's programs
+                # start with the longest requests.
+                self._decode_order = decode_order(fb.seq_lens)
             return
         device = fb.input_ids.device
         starts = [0]
@@ -171,6 +178,6 @@ class TritonAttnBackend(AttentionBackend):
             fb.token_to_kv_pool.get_value_buffer(layer.layer_id), out,
             fb.req_to_token_for(layer.layer_id), fb.req_pool_indices, fb.seq_lens, layer.scaling,
             extend=extend, scratch=self._det_scratch, sliding_window=layer.sliding_window,
-            logit_cap=layer.logit_cap,
+            logit_cap=layer.logit_cap, longest_first=self._decode_order if extend is None else None,
         )
         return out
