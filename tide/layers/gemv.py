@@ -76,13 +76,30 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
 
 
-def config_for(k: int) -> tuple[int, int, int] | None:
-    """(block_n, block_k, num_warps), one row per program. K from 256 to 4096 is one tile (the next
-    power of two, the columns past K masked: Gemma's 3840 and 3584 too), so with PDL a program holds
-    its whole weight row before the previous kernel ends; K > 8192 goes in 2048-column chunks
-    (8 warps); any other K in the widest of 1024/512/256 that divides it. The first two measured
-    best in decode on an H200 (benchmarks/RESULTS.md). None: K is none of these.
-    (`block_n` > 1, uneven N and K are for `gemv(config=...)`, which the sweep uses.)"""
+# (N, K) -> (block_n, block_k, num_warps) where a sweep measured a better config than the K rule
+# below (`python -m benchmarks.gemv_sweep --tp-size 2`, H100, 2026-11-26, fraction of copy
+# bandwidth): one rank's Llama-3.1-8B qkv, o and down at TP=2, 0.866 -> 0.969, 0.831 -> 0.907,
+# 0.972 -> 0.997. The same configs on the TP=1 shapes were not measured better in full decode.
+_MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {
+    (3072, 4096): (4, 2048, 8),
+    (4096, 2048): (2, 1024, 2),
+    (4096, 7168): (2, 4096, 4),
+}
+
+
+def config_for(k: int, n: int | None = None) -> tuple[int, int, int] | None:
+    """(block_n, block_k, num_warps) for an [N, K] weight. K up to 1024 is one tile of two rows on
+    two warps (Qwen3-0.6B's K = 1024 products: 0.50-0.56 -> 0.77-1.04 of copy bandwidth on an
+    H100, against one row on four warps). K from 1025 to 4096 is one tile (the next power of two,
+    the columns past K masked: Gemma's 3840 and 3584 too), so with PDL a program holds its whole
+    weight row before the previous kernel ends; K > 8192 goes in 2048-column chunks (8 warps);
+    any other K in the widest of 1024/512/256 that divides it. Shapes in `_MEASURED` take their
+    measured config. None: K is none of these. (`block_n` > 1, uneven N and K are for
+    `gemv(config=...)`, which the sweep uses.)"""
+    if n is not None and (n, k) in _MEASURED:
+        return _MEASURED[(n, k)]
+    if 256 <= k <= 1024:
+        return 2, triton.next_power_of_2(k), 2
     if 256 <= k <= 4096:
         return 1, triton.next_power_of_2(k), 4
     if k > 8192 and k % 2048 == 0:
@@ -119,7 +136,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if n % 2:
             raise ValueError(f"a gated GEMV needs a [gate | up] weight of even rows, got {n}")
         n //= 2
-    block_n, block_k, warps = config or config_for(k)  # type: ignore[misc]
+    block_n, block_k, warps = config or config_for(k, weight.shape[0])  # type: ignore[misc]
     if out is None:
         out = torch.empty(1, n, dtype=weight.dtype, device=weight.device)
     x = x.contiguous()

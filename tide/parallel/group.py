@@ -5,7 +5,8 @@ The group is not torch's default process group (a colocated trainer may own that
 group of its own (`tide.weights.distributed.init_custom_process_group`), gloo on CPU, NCCL on CUDA.
 With one rank every collective is the identity and nothing is communicated. On GPUs, sums small
 enough for one slot of `tide.layers.one_shot` (every decode step's) take that one-shot kernel
-over peer memory instead of NCCL, unless `disable_custom_all_reduce`.
+over peer memory instead of NCCL, unless `disable_custom_all_reduce`; so do gathers that fit one
+(a zero-padded sum).
 
 Layers read the group once, when they are built, from `tp_context` (a scoped context that rejects
 nesting), so model code never passes it around.
@@ -102,11 +103,22 @@ class TpGroup:
         return out.view(self.size, *x.shape)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] on every rank -> [..., size * n], rank r's columns at [r * n, (r + 1) * n)."""
+        """[..., n] on every rank -> [..., size * n], rank r's columns at [r * n, (r + 1) * n).
+
+        Where the result fits a one-shot slot (a decode step's vocab-parallel logits), each rank
+        places its columns in zeros and the one-shot kernel sums them: every element is one rank's
+        value plus zeros, so it arrives exactly (a -0.0 as +0.0), in one launch where NCCL's
+        all-gather in a CUDA graph costs tens of microseconds."""
         if self.size == 1:
             return x
         n = x.shape[-1]
-        rows = x.reshape(-1, n).contiguous()
+        rows = x.reshape(-1, n)
+        if self.one_shot is not None:
+            full = rows.new_zeros(rows.shape[0], self.size * n)
+            if self.one_shot.fits(full):
+                full[:, self.rank * n : (self.rank + 1) * n] = rows
+                return self.one_shot(full).view(*x.shape[:-1], self.size * n)
+        rows = rows.contiguous()
         out = torch.empty((self.size * rows.shape[0], n), dtype=x.dtype, device=x.device)
         self.pg._allgather_base(out, rows).wait()
         out = out.view(self.size, rows.shape[0], n).transpose(0, 1)
