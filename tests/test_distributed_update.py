@@ -17,7 +17,7 @@ import tide
 from conftest import InThread, free_port, named_weights, sgd_steps
 from tide.weights import init_custom_process_group
 from tide.weights.distributed import HANDSHAKE_MAGIC, MIN_BUCKET_BYTES, PROTOCOL_VERSION
-from tide.weights.receive import BroadcastReceiver, piece_copies
+from tide.weights.receive import BroadcastReceiver, PartDest, piece_copies
 
 JOIN_S = 60.0
 
@@ -79,6 +79,49 @@ def test_handshake_agrees_on_rank_0s_coalescing_and_per_tensor_updates_arrive():
     with pytest.raises(ValueError, match="coalesce_tensors"):
         init_custom_process_group("gloo", "127.0.0.1", free_port(), 0, 2, "g", timeout_s=5,
                                   coalesce_tensors=-1)
+
+
+@pytest.mark.parametrize("flattened", [False, True], ids=["per-tensor", "flattened"])
+def test_parts_of_tensors_arrive_exactly(flattened):
+    """What a tensor-parallel rank keeps: row parts (a range of the flat buffer, copied straight from
+    the pieces) and column parts (strided: staged one tensor at a time), in pieces that split them
+    across both receive buffers, beside whole tensors and a drained one."""
+    trainer, engine_side = _pair(bucket_bytes=16 << 10)
+    gen = torch.Generator().manual_seed(3)
+    named = [(f"t{i}", torch.randn(shape, generator=gen)) for i, shape in
+             enumerate([(90, 40), (64, 100), (3000,), (70, 90), (33, 65), (40, 50)])]
+    # (destination, expected): rows 30..75 of t0, columns 20..70 of t1, t2 whole, t3 drained,
+    # columns 0..32 of t4, rows 0..13 of t5.
+    cuts = [(0, 30, 45), (1, 20, 50), None, "drop", (1, 0, 32), (0, 0, 13)]
+    dests, expected = [], []
+    for (_, t), cut in zip(named, cuts):
+        if cut == "drop":
+            dests.append(None)
+            expected.append(None)
+        elif cut is None:
+            dests.append(torch.zeros_like(t))
+            expected.append(t)
+        else:
+            part = t.narrow(*cut)
+            rows = torch.zeros(part.shape)
+            dests.append(PartDest(rows, tuple(t.shape), *cut))
+            expected.append(part)
+    if flattened:
+        sender = InThread(trainer.broadcast_flattened, torch.cat([t.reshape(-1) for _, t in named]),
+                          name="trainer-send")
+    else:
+        sender = InThread(trainer.broadcast_weights, named, name="trainer-send")
+    receiver = BroadcastReceiver(engine_side)
+    if flattened:
+        receiver.receive_flattened(torch.float32, [(d, t.numel()) for (_, t), d in zip(named, dests)])
+    else:
+        receiver.receive_tensors([(tuple(t.shape), t.dtype, d) for (_, t), d in zip(named, dests)])
+    receiver.finish()
+    sender.result(JOIN_S)
+    for (name, _), d, want in zip(named, dests, expected):
+        if want is not None:
+            got = d.rows if isinstance(d, PartDest) else d
+            assert torch.equal(got, want), name
 
 
 @pytest.mark.parametrize("bad", [1, MIN_BUCKET_BYTES - 1, -5, True, 1.5, (4 << 30) + 1])

@@ -12,6 +12,12 @@ the receive stream waits for the copy of piece i before piece i+2 reuses its buf
 behind the work already queued on the current stream; `finish()` waits for these two streams only.
 With gloo everything runs in order on the host.
 
+Under tensor parallelism a rank keeps part of most tensors (`PartDest`): the tensor arrives whole and
+only the part is copied out, as soon as it has arrived. In the flattened form a row part is a range of
+the flat buffer and is copied straight from the pieces; a column part (strided) is assembled in a
+staging tensor of its own, allocated when its first piece arrives and copied out after its last, so
+one or two tensors are staged at a time, not the whole update.
+
 Atomicity is the caller's: it validates the whole update first and passes `None` destinations for an
 update that failed validation, so every broadcast is still drained and nothing is written.
 """
@@ -25,6 +31,24 @@ from dataclasses import dataclass
 import torch
 
 from tide.weights.distributed import WeightUpdateGroup
+
+
+@dataclass(frozen=True)
+class PartDest:
+    """A tensor of `shape` this rank keeps part of: `narrow(dim, start, size)` of it is written into
+    `rows` (this rank's parameter memory, of the part's shape)."""
+
+    rows: torch.Tensor
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    size: int
+
+    def part(self, whole: torch.Tensor) -> torch.Tensor:
+        return whole.view(self.shape).narrow(self.dim, self.start, self.size)
+
+
+Dest = torch.Tensor | PartDest | None
 
 
 @dataclass(frozen=True)
@@ -111,49 +135,57 @@ class BroadcastReceiver:
             done.record(self._copy)
         return done
 
-    def receive_tensors(self, items: Sequence[tuple[tuple[int, ...], torch.dtype,
-                                                     torch.Tensor | None]]) -> None:
+    def receive_tensors(self, items: Sequence[tuple[tuple[int, ...], torch.dtype, Dest]]) -> None:
         """One broadcast per (shape, dtype, destination or None: drained) in order, in the NCCL
         groups the group agreed (`WeightUpdateGroup.broadcast_many`). A contiguous destination
-        on the group's device receives directly; others go through a buffer, copied out once
-        their group has arrived."""
+        on the group's device receives directly; others (and parts) go through a buffer, copied
+        out once their group has arrived."""
         step = max(1, self.group.coalesce_tensors) if self.cuda else 1
         for first in range(0, len(items), step):
             targets: list[torch.Tensor] = []
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             for shape, dtype, dest in items[first:first + step]:
-                if dest is not None and dest.is_contiguous() and dest.device == self.device:
+                if (isinstance(dest, torch.Tensor) and dest.is_contiguous()
+                        and dest.device == self.device):
                     targets.append(dest)  # straight into the parameter's rows
                     continue
-                numel = 1
-                for d in shape:
-                    numel *= int(d)
-                buf = self._buffer(numel, dtype).view(shape)
+                buf = self._buffer(numel_of(shape), dtype).view(shape)
                 targets.append(buf)
-                if dest is not None:
+                if isinstance(dest, PartDest):
+                    pairs.append((dest.rows, dest.part(buf)))
+                elif dest is not None:
                     pairs.append((dest, buf))
             with self._on(self._recv):
                 self.group.broadcast_many(targets)
             if pairs:
                 self._copy_out(pairs)
 
-    def receive_flattened(self, dtype: torch.dtype,
-                          items: Sequence[tuple[torch.Tensor | None, int]]) -> None:
+    def receive_flattened(self, dtype: torch.dtype, items: Sequence[tuple[Dest, int]]) -> None:
         """One dtype's flat buffer: `items` are (destination or None, numel) in the trainer's order."""
         numels = [n for _, n in items]
         pieces = self.group.pieces(sum(numels), torch.empty((), dtype=dtype).element_size())
+        # Elements [lows[i], lows[i] + flats[i].numel()) of tensor i go to flats[i]; a part that is
+        # not such a range is staged whole (`parts`), one tensor at a time.
         flats: list[torch.Tensor | None] = []
+        lows: list[int] = []
+        parts: dict[int, PartDest] = {}
+        stages: dict[int, torch.Tensor] = {}
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for dest, numel in items:
-            if dest is None:
-                flats.append(None)
-            elif dest.is_contiguous():
-                flats.append(dest.view(-1))
-            else:  # assembled whole, then written in one copy
+        for i, (dest, numel) in enumerate(items):
+            low, flat = 0, None
+            if isinstance(dest, PartDest):
+                if dest.dim == 0 and dest.rows.is_contiguous():  # rows: a range of the tensor
+                    low, flat = dest.start * (numel // max(1, dest.shape[0])), dest.rows.view(-1)
+                else:
+                    parts[i] = dest
+            elif dest is not None and dest.is_contiguous():
+                flat = dest.view(-1)
+            elif dest is not None:  # assembled whole, then written in one copy
                 with self._on(self._copy):
-                    stage = torch.empty(numel, dtype=dtype, device=self.device)
-                flats.append(stage)
-                staged.append((dest, stage.view(dest.shape)))
+                    flat = torch.empty(numel, dtype=dtype, device=self.device)
+                staged.append((dest, flat.view(dest.shape)))
+            flats.append(flat)
+            lows.append(low)
         size = max(end - start for start, end in pieces)
         buffers = [self._buffer(size, dtype) for _ in range(min(2, len(pieces)))]
         released: list[torch.cuda.Event | None] = [None] * len(buffers)
@@ -166,10 +198,28 @@ class BroadcastReceiver:
             self._receive(buf)
             pairs = []
             for c in copies:
-                flat = flats[c.index]
-                if flat is not None:
-                    pairs.append((flat[c.dst_start : c.dst_start + c.src_end - c.src_start],
+                count = c.src_end - c.src_start
+                part = parts.get(c.index)
+                if part is not None:
+                    stage = stages.get(c.index)
+                    if stage is None:
+                        with self._on(self._copy):
+                            stage = torch.empty(numels[c.index], dtype=dtype, device=self.device)
+                        stages[c.index] = stage
+                    pairs.append((stage[c.dst_start : c.dst_start + count],
                                   buf[c.src_start : c.src_end]))
+                    if c.dst_start + count == numels[c.index]:  # its last elements
+                        pairs.append((part.rows, part.part(stages.pop(c.index))))
+                    continue
+                flat = flats[c.index]
+                if flat is None:
+                    continue
+                lo = max(c.dst_start, lows[c.index])
+                hi = min(c.dst_start + count, lows[c.index] + flat.numel())
+                if hi > lo:
+                    skip = lo - c.dst_start
+                    pairs.append((flat[lo - lows[c.index] : hi - lows[c.index]],
+                                  buf[c.src_start + skip : c.src_start + skip + hi - lo]))
             if pairs:
                 released[slot] = self._copy_out(pairs)
         if staged:
@@ -180,3 +230,11 @@ class BroadcastReceiver:
         if self._recv is not None and self._copy is not None:
             self._copy.synchronize()
             self._recv.synchronize()
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    """Elements of a tensor of `shape` (1 for a scalar)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -23,7 +23,7 @@ from tide.weights.distributed import (
 )
 from tide.weights.loader import PinnedStaging, read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
-from tide.weights.receive import BroadcastReceiver
+from tide.weights.receive import BroadcastReceiver, Dest, PartDest, numel_of
 from tide.weights.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -238,7 +238,8 @@ class WeightUpdater:
         tensor-parallel rank: `peer_error`) still receives every broadcast (into scratch memory) so
         the trainer never hangs, writes nothing, then raises ValueError; a valid one is validated
         completely before the first broadcast is received. Under tensor parallelism a tensor this
-        rank holds only part of arrives whole in a staging buffer and its part is written after."""
+        rank holds only part of arrives whole and its part is copied out as soon as it has arrived
+        (`PartDest`)."""
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"group_name {group_name!r} is not an open weight update group")
@@ -254,27 +255,24 @@ class WeightUpdater:
             error = e
         if error is None and peer_error is not None:
             error = ValueError(peer_error)
-        staged: list[tuple[WeightTarget, torch.Tensor]] = []
 
-        def dest(name: str) -> torch.Tensor | None:
+        def dest(name: str) -> Dest:
             target = targets.get(name) if error is None else None
             if target is None:
                 return None
+            rows = self.weight_map.rows(target)
             if target.split is None:
-                return self.weight_map.rows(target)
-            dtype = self.weight_map.params[target.param_name].dtype
-            whole = torch.empty(target.shape, dtype=dtype, device=group.device)
-            staged.append((target, whole))
-            return whole
+                return rows
+            return PartDest(rows, target.shape, *target.split)
 
         if group.device.type == "cuda" and self._receive_streams is None:
             self._receive_streams = (torch.cuda.Stream(group.device), torch.cuda.Stream(group.device))
         receiver = BroadcastReceiver(group, self._receive_streams)
         try:
             if load_format == "flattened_bucket":
-                order: dict[torch.dtype, list[tuple[torch.Tensor | None, int]]] = {}
+                order: dict[torch.dtype, list[tuple[Dest, int]]] = {}
                 for name, shape, dtype in metas:
-                    order.setdefault(dtype, []).append((dest(name), _numel(shape)))
+                    order.setdefault(dtype, []).append((dest(name), numel_of(shape)))
                 for dtype, items in order.items():
                     receiver.receive_flattened(dtype, items)
             else:
@@ -282,8 +280,6 @@ class WeightUpdater:
                                           for name, shape, dtype in metas])
         finally:
             receiver.finish()
-        for target, whole in staged:
-            self.weight_map.write(target, whole)
         if error is not None:
             raise error
         if group.device.type != "cuda":
@@ -322,13 +318,6 @@ class WeightUpdater:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 __all__ = [
