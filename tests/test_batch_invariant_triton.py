@@ -144,8 +144,10 @@ def test_linear_shapes_and_config(bt):
     with pytest.raises(ValueError, match="input features"):
         bt.linear(x, torch.randn(40, 32).half(), config=cfg)
     # Every tile shape steps K alike (that fixes a row's bits); shapes differ by M and N.
-    picks = {bt.gemm_config(m, n, 4096) for m in (1, 8, 64, 128, 200, 300, 600, 8192)
-             for n in (4096, 6144, 28672, 128256)}
+    # Every shape any M up to 2048 and any N around the width thresholds can pick is one the
+    # start-up check runs (`tile_shapes_agree`).
+    picks = {bt.gemm_config(m, n, 4096) for m in range(1, 2049)
+             for n in (2048, 4096, 6143, 6144, 16383, 16384, 28672, 128256)}
     assert {c.block_k for c in picks} | {bt.fixed_config(n, 4096).block_k for n in (4096, 28672)} \
         == {bt.K_STEP}
     assert len(picks) >= 4

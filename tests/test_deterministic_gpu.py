@@ -287,12 +287,34 @@ def test_attention_decode_equals_extend_on_gpu():
     scratch = bt.DecodeSplitScratch(4, hq, d, 2048, "cuda")
     # All splits in one program (extend's 64 rows, and the 16 rows on one warp that decode takes
     # where `decode_tiles_agree`) / in parallel programs.
-    for sc, rows in ((None, None), (None, bt.ATTN_DECODE_BLOCK_M), (scratch, None)):
+    # A larger batch launches its requests longest first (`decode_order`), or in any order.
+    seq = torch.tensor([lens[2], lens[0]], device="cuda")
+    orders = [None, bt.decode_order(seq), torch.tensor([0, 1], device="cuda")]
+    for sc, rows, order in ((None, None, None), (None, bt.ATTN_DECODE_BLOCK_M, None),
+                            (scratch, None, None), (None, bt.ATTN_DECODE_BLOCK_M, orders[1]),
+                            (None, bt.ATTN_DECODE_BLOCK_M, orders[2]), (None, None, orders[1])):
         out = torch.empty_like(q)
-        bt.attention(q, kb, vb, out, r2t, torch.tensor([2, 0], device="cuda"),
-                     torch.tensor([lens[2], lens[0]], device="cuda"), scale, scratch=sc,
-                     decode_rows=rows)
-        assert torch.equal(out[0], full[2][-1]) and torch.equal(out[1], full[0][-1]), rows
+        bt.attention(q, kb, vb, out, r2t, torch.tensor([2, 0], device="cuda"), seq, scale,
+                     scratch=sc, decode_rows=rows, longest_first=order)
+        assert torch.equal(out[0], full[2][-1]) and torch.equal(out[1], full[0][-1]), (rows, order)
+    # The order is sorted inside a captured graph and read there: the replay gives the same bits.
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            bt.attention(q, kb, vb, out, r2t, torch.tensor([2, 0], device="cuda"), seq, scale,
+                         decode_rows=bt.ATTN_DECODE_BLOCK_M, longest_first=bt.decode_order(seq))
+        pool = torch.tensor([2, 0], device="cuda")
+        with torch.cuda.graph(graph, stream=side):
+            bt.attention(q, kb, vb, out, r2t, pool, seq, scale, decode_rows=bt.ATTN_DECODE_BLOCK_M,
+                         longest_first=bt.decode_order(seq))
+    torch.cuda.current_stream().wait_stream(side)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], full[2][-1]) and torch.equal(out[1], full[0][-1])
     assert bt.decode_tiles_agree(hq, hk, d, torch.bfloat16, "cuda")
     ref = torch.softmax((qs[2].float().transpose(0, 1) @ kb[r2t[2, :1500].long()].float()
                          .repeat_interleave(4, 1).permute(1, 2, 0)) * scale

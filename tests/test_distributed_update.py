@@ -89,10 +89,11 @@ def test_parts_of_tensors_arrive_exactly(flattened):
     trainer, engine_side = _pair(bucket_bytes=16 << 10)
     gen = torch.Generator().manual_seed(3)
     named = [(f"t{i}", torch.randn(shape, generator=gen)) for i, shape in
-             enumerate([(90, 40), (64, 100), (3000,), (70, 90), (33, 65), (40, 50)])]
+             enumerate([(90, 40), (64, 100), (3000,), (70, 90), (33, 65), (40, 100), (0, 8)])]
     # (destination, expected): rows 30..75 of t0, columns 20..70 of t1, t2 whole, t3 drained,
-    # columns 0..32 of t4, rows 0..13 of t5.
-    cuts = [(0, 30, 45), (1, 20, 50), None, "drop", (1, 0, 32), (0, 0, 13)]
+    # columns 0..32 of t4, rows 10..40 of t5 (across the boundary of the 4096-element pieces at
+    # 24576), and the no rows of an empty t6.
+    cuts = [(0, 30, 45), (1, 20, 50), None, "drop", (1, 0, 32), (0, 10, 30), (0, 0, 0)]
     dests, expected = [], []
     for (_, t), cut in zip(named, cuts):
         if cut == "drop":
@@ -122,6 +123,10 @@ def test_parts_of_tensors_arrive_exactly(flattened):
         if want is not None:
             got = d.rows if isinstance(d, PartDest) else d
             assert torch.equal(got, want), name
+    with pytest.raises(ValueError, match="outside"):
+        PartDest(torch.zeros(5, 8), (10, 8), 0, 6, 5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        PartDest(torch.zeros(5, 7), (10, 8), 0, 5, 5)
 
 
 @pytest.mark.parametrize("bad", [1, MIN_BUCKET_BYTES - 1, -5, True, 1.5, (4 << 30) + 1])

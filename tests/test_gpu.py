@@ -199,7 +199,8 @@ def test_memory_saver_keeps_addresses_and_graphs(gqa_checkpoint):
 
 @pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (1000, 512, True),
                                       (129, 768, False), (8192, 3840, False), (3840, 15360, True),
-                                      (1000, 3584, True)])
+                                      (1000, 3584, True), (4096, 1024, False), (3072, 4096, False),
+                                      (4096, 2048, True), (4096, 7168, False)])
 def test_gemv_matches_linear(n, k, bias):
     """The one-row Triton GEMV equals F.linear within bf16 rounding (fp32 accumulation both)."""
     from tide.layers import gemv

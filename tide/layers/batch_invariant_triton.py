@@ -131,7 +131,7 @@ def fixed_config(n: int, k: int) -> GemmConfig:
 
 # Every tile shape `gemm_config` or `fixed_config` can return: `tile_shapes_agree` checks them all,
 # so a product run with any of them gives the bits of any other.
-_PROBE_ROWS = (1, 8, 64, 128, 192, 256, 512, 1024)
+_PROBE_ROWS = (1, 8, 64, 128, 256, 512, 1024)
 _PROBE_COLS = (4096, 6144, 16384)
 
 
@@ -208,8 +208,9 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# M and the program count change with the batch: runtime values, so a new batch size never
-# compiles a new kernel (a compile in the middle of serving stalls every request for seconds).
+# M and the program count change with the batch: run-time values, so neither compiles a new kernel
+# (a compile in the middle of serving stalls every request); a batch size compiles only where it
+# picks a tile shape not met before (start-up checks and graph capture meet most).
 @triton.jit(do_not_specialize=["M", "num_progs"])
 def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_progs,
                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -710,9 +711,12 @@ def attention(
         ext_lens, ext_starts, max_len = extend
         split_progs, blocks, is_decode = 1, triton.cdiv(max_len, ATTN_BLOCK_M // group_p), 0
     mid_o, mid_lse = (scratch.mid_o, scratch.mid_lse) if parallel and scratch else (out, out)
-    if longest_first is not None and longest_first.shape != (batch,):
-        raise ValueError(f"longest_first must hold the batch's {batch} rows, got shape "
-                         f"{tuple(longest_first.shape)}")
+    if longest_first is not None and (longest_first.shape != (batch,)
+                                      or longest_first.dtype not in (torch.int32, torch.int64)
+                                      or longest_first.device != q.device):
+        raise ValueError(f"longest_first must hold the batch's {batch} row indices (int32/int64 "
+                         f"on {q.device}), got {longest_first.dtype} of shape "
+                         f"{tuple(longest_first.shape)} on {longest_first.device}")
     ordered = extend is None and not parallel and longest_first is not None
     use_pdl = pdl.enabled(q)
     block_d = triton.next_power_of_2(head_dim)

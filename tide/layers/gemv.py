@@ -1,10 +1,11 @@
 """One-row projections (decode at batch size 1) as a Triton GEMV kernel.
 
 At one row a projection is a pure weight stream: y = W x reads every weight once and does almost no
-math. cuBLAS reaches 59-95% of copy bandwidth on the Llama-3.1-8B shapes at one row; this kernel, one
-program per output row streaming K in `block_k` chunks, reaches 85-106% (a read-only stream can beat a
-copy's read+write rate). Measured with `python -m benchmarks.gemv_sweep` on an H200. With PDL (see
-`tide.layers.pdl`) each program loads its first weight tile before waiting on the previous kernel.
+math. cuBLAS reaches 59-95% of copy bandwidth on the Llama-3.1-8B shapes at one row; this kernel, a
+program per one to four output rows streaming K in `block_k` chunks, reaches 85-106% (a read-only
+stream can beat a copy's read+write rate). Measured with `python -m benchmarks.gemv_sweep` on an
+H200. With PDL (see `tide.layers.pdl`) each program loads its first weight tile before waiting on the
+previous kernel.
 
 `supported()` says whether a product qualifies (one CUDA row, contiguous weight, a K `config_for` takes);
 `Linear` falls back to `F.linear` otherwise. The output is rounded to the weight dtype like cuBLAS's.
@@ -79,7 +80,8 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
 # (N, K) -> (block_n, block_k, num_warps) where a sweep measured a better config than the K rule
 # below (`python -m benchmarks.gemv_sweep --tp-size 2`, H100, 2026-11-26, fraction of copy
 # bandwidth): one rank's Llama-3.1-8B qkv, o and down at TP=2, 0.866 -> 0.969, 0.831 -> 0.907,
-# 0.972 -> 0.997. The same configs on the TP=1 shapes were not measured better in full decode.
+# 0.972 -> 0.997. Keyed by shape: another model with the same [N, K] (Qwen3-1.7B's qkv is 4096 x
+# 2048) takes the same config, measured on that same shape.
 _MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {
     (3072, 4096): (4, 2048, 8),
     (4096, 2048): (2, 1024, 2),
@@ -88,14 +90,13 @@ _MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {
 
 
 def config_for(k: int, n: int | None = None) -> tuple[int, int, int] | None:
-    """(block_n, block_k, num_warps) for an [N, K] weight. K up to 1024 is one tile of two rows on
-    two warps (Qwen3-0.6B's K = 1024 products: 0.50-0.56 -> 0.77-1.04 of copy bandwidth on an
+    """(block_n, block_k, num_warps) for an [N, K] weight. K from 256 to 1024 is one tile of two
+    rows on two warps (Qwen3-0.6B's K = 1024 products: 0.50-0.56 -> 0.77-1.04 of copy bandwidth on an
     H100, against one row on four warps). K from 1025 to 4096 is one tile (the next power of two,
     the columns past K masked: Gemma's 3840 and 3584 too), so with PDL a program holds its whole
     weight row before the previous kernel ends; K > 8192 goes in 2048-column chunks (8 warps);
     any other K in the widest of 1024/512/256 that divides it. Shapes in `_MEASURED` take their
-    measured config. None: K is none of these. (`block_n` > 1, uneven N and K are for
-    `gemv(config=...)`, which the sweep uses.)"""
+    measured config. None: K is none of these (`gemv(config=...)` takes any config: the sweep)."""
     if n is not None and (n, k) in _MEASURED:
         return _MEASURED[(n, k)]
     if 256 <= k <= 1024:

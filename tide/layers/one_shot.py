@@ -162,8 +162,12 @@ class OneShotAllReduce:
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through the one-shot kernel (else NCCL); the same on every rank."""
-        return (x.dtype in _DTYPES and x.is_contiguous()
-                and 0 < x.numel() * x.element_size() <= SLOT_BYTES)
+        return x.is_contiguous() and self.fits_numel(x.numel(), x.dtype)
+
+    @staticmethod
+    def fits_numel(numel: int, dtype: torch.dtype) -> bool:
+        """Whether a contiguous tensor of `numel` elements of `dtype` fits one slot."""
+        return dtype in _DTYPES and 0 < numel * dtype.itemsize <= SLOT_BYTES
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place (`fits(x)` must hold); returns `x`."""

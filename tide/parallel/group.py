@@ -108,16 +108,17 @@ class TpGroup:
         Where the result fits a one-shot slot (a decode step's vocab-parallel logits), each rank
         places its columns in zeros and the one-shot kernel sums them: every element is one rank's
         value plus zeros, so it arrives exactly (a -0.0 as +0.0), in one launch where NCCL's
-        all-gather in a CUDA graph costs tens of microseconds."""
+        all-gather in a CUDA graph costs tens of microseconds. (NCCL's gather keeps a -0.0: a
+        logit's sign of zero may differ between the two paths, never a token or a logprob.)"""
         if self.size == 1:
             return x
         n = x.shape[-1]
         rows = x.reshape(-1, n)
-        if self.one_shot is not None:
+        if self.one_shot is not None and self.one_shot.fits_numel(rows.shape[0] * self.size * n,
+                                                                  x.dtype):
             full = rows.new_zeros(rows.shape[0], self.size * n)
-            if self.one_shot.fits(full):
-                full[:, self.rank * n : (self.rank + 1) * n] = rows
-                return self.one_shot(full).view(*x.shape[:-1], self.size * n)
+            full[:, self.rank * n : (self.rank + 1) * n] = rows
+            return self.one_shot(full).view(*x.shape[:-1], self.size * n)
         rows = rows.contiguous()
         out = torch.empty((self.size * rows.shape[0], n), dtype=x.dtype, device=x.device)
         self.pg._allgather_base(out, rows).wait()

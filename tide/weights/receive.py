@@ -33,7 +33,7 @@ import torch
 from tide.weights.distributed import WeightUpdateGroup
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PartDest:
     """A tensor of `shape` this rank keeps part of: `narrow(dim, start, size)` of it is written into
     `rows` (this rank's parameter memory, of the part's shape)."""
@@ -43,6 +43,16 @@ class PartDest:
     dim: int
     start: int
     size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dim < len(self.shape) or not (
+                0 <= self.start and self.start + self.size <= self.shape[self.dim]):
+            raise ValueError(f"part (dim {self.dim}, start {self.start}, size {self.size}) is "
+                             f"outside a tensor of shape {self.shape}")
+        part = (*self.shape[: self.dim], self.size, *self.shape[self.dim + 1 :])
+        if tuple(self.rows.shape) != part:
+            raise ValueError(f"rows of shape {tuple(self.rows.shape)} cannot hold a part of "
+                             f"shape {part}")
 
     def part(self, whole: torch.Tensor) -> torch.Tensor:
         return whole.view(self.shape).narrow(self.dim, self.start, self.size)

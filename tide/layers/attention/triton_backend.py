@@ -108,8 +108,11 @@ class TritonAttnBackend(AttentionBackend):
                 from tide.layers.batch_invariant_triton import decode_order
 
                 # Once per step, on device (inside a captured graph too): every layer's programs
-                # start with the longest requests.
-                self._decode_order = decode_order(fb.seq_lens)
+                # start with the longest requests. Batches whose splits run in parallel programs
+                # (`_det_scratch`) do not use it.
+                bs = fb.seq_lens.shape[0]
+                parallel = self._det_scratch is not None and bs <= self._det_scratch.max_batch
+                self._decode_order = None if parallel else decode_order(fb.seq_lens)
             return
         device = fb.input_ids.device
         starts = [0]
