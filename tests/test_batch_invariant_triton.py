@@ -55,8 +55,8 @@ def test_kernels_compile_for_hopper():
         gemm = _compile_sm90(
             bt._matmul_kernel,
             {"A": "*bf16", "W": "*bf16", "Bias": "*bf16", "C": "*bf16", "M": "i32", "N": "i32",
-             "K": "i32", "num_progs": "i32"},
-            dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", BLOCK_M=cfg.block_m,
+             "K": "i32", "num_progs": "i32", "has_bias": "i32"},
+            dict(EVEN_K=True, PRECISION="tf32", BLOCK_M=cfg.block_m,
                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, USE_PDL=True),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2

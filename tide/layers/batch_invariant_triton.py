@@ -208,12 +208,13 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# M and the program count change with the batch: run-time values, so neither compiles a new kernel
-# (a compile in the middle of serving stalls every request); a batch size compiles only where it
-# picks a tile shape not met before (start-up checks and graph capture meet most).
-@triton.jit(do_not_specialize=["M", "num_progs"])
-def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_progs,
-                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+# M, the program count and whether there is a bias are run-time values, so a kernel compiles once
+# per tile shape (and K's evenness, dtype): `tile_shapes_agree` runs every shape tide may pick at
+# start-up, and no batch size compiles anything later (a compile while serving stalls every
+# request).
+@triton.jit(do_not_specialize=["M", "num_progs", "has_bias"])
+def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_progs, has_bias,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    USE_PDL: tl.constexpr):
@@ -249,7 +250,7 @@ def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if HAS_BIAS:
+        if has_bias != 0:
             acc += tl.load(Bias + rn_load).to(tl.float32)[None, :]
         c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -281,8 +282,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     use_pdl = pdl.enabled(x)
     _matmul_kernel[(progs,)](
         x2, weight, bias if bias is not None else weight, out, m, n, k,
-        x2.stride(0), weight.stride(0), out.stride(0), progs,
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(x),
+        x2.stride(0), weight.stride(0), out.stride(0), progs, int(bias is not None),
+        EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(x),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
