@@ -25,6 +25,7 @@ update that failed validation, so every broadcast is still drained and nothing i
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -159,7 +160,7 @@ class BroadcastReceiver:
                         and dest.device == self.device):
                     targets.append(dest)  # straight into the parameter's rows
                     continue
-                buf = self._buffer(numel_of(shape), dtype).view(shape)
+                buf = self._buffer(math.prod(shape), dtype).view(shape)
                 targets.append(buf)
                 if isinstance(dest, PartDest):
                     pairs.append((dest.rows, dest.part(buf)))
@@ -174,26 +175,24 @@ class BroadcastReceiver:
         """One dtype's flat buffer: `items` are (destination or None, numel) in the trainer's order."""
         numels = [n for _, n in items]
         pieces = self.group.pieces(sum(numels), torch.empty((), dtype=dtype).element_size())
-        # Elements [lows[i], lows[i] + flats[i].numel()) of tensor i go to flats[i]; a part that is
-        # not such a range is staged whole (`parts`), one tensor at a time.
+        # Elements [lows[i], lows[i] + flats[i].numel()) of tensor i go to flats[i]; a destination
+        # that is not such a range (a column part, non-contiguous memory) is staged whole
+        # (`parts`), one tensor at a time, and written once its last piece has arrived.
         flats: list[torch.Tensor | None] = []
         lows: list[int] = []
         parts: dict[int, PartDest] = {}
         stages: dict[int, torch.Tensor] = {}
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, (dest, numel) in enumerate(items):
             low, flat = 0, None
+            if isinstance(dest, torch.Tensor) and not dest.is_contiguous():
+                dest = PartDest(dest, tuple(dest.shape), 0, 0, dest.shape[0])  # all of it
             if isinstance(dest, PartDest):
                 if dest.dim == 0 and dest.rows.is_contiguous():  # rows: a range of the tensor
                     low, flat = dest.start * (numel // max(1, dest.shape[0])), dest.rows.view(-1)
                 else:
                     parts[i] = dest
-            elif dest is not None and dest.is_contiguous():
+            elif dest is not None:
                 flat = dest.view(-1)
-            elif dest is not None:  # assembled whole, then written in one copy
-                with self._on(self._copy):
-                    flat = torch.empty(numel, dtype=dtype, device=self.device)
-                staged.append((dest, flat.view(dest.shape)))
             flats.append(flat)
             lows.append(low)
         size = max(end - start for start, end in pieces)
@@ -232,19 +231,9 @@ class BroadcastReceiver:
                                   buf[c.src_start + skip : c.src_start + skip + hi - lo]))
             if pairs:
                 released[slot] = self._copy_out(pairs)
-        if staged:
-            self._copy_out(staged)
 
     def finish(self) -> None:
         """Wait (host) until every broadcast has arrived and every copy is done."""
         if self._recv is not None and self._copy is not None:
             self._copy.synchronize()
             self._recv.synchronize()
-
-
-def numel_of(shape: Sequence[int]) -> int:
-    """Elements of a tensor of `shape` (1 for a scalar)."""
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

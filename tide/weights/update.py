@@ -9,6 +9,7 @@ casts like the initial load does.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from tide.weights.distributed import (
 )
 from tide.weights.loader import PinnedStaging, read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
-from tide.weights.receive import BroadcastReceiver, Dest, PartDest, numel_of
+from tide.weights.receive import BroadcastReceiver, Dest, PartDest
 from tide.weights.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ class WeightUpdater:
             if load_format == "flattened_bucket":
                 order: dict[torch.dtype, list[tuple[Dest, int]]] = {}
                 for name, shape, dtype in metas:
-                    order.setdefault(dtype, []).append((dest(name), numel_of(shape)))
+                    order.setdefault(dtype, []).append((dest(name), math.prod(shape)))
                 for dtype, items in order.items():
                     receiver.receive_flattened(dtype, items)
             else:
