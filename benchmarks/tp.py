@@ -11,7 +11,8 @@ Parts (`--only`, comma separated; default decode,throughput,tensor,70b):
   (`--trainer-gpu`, default 2: NCCL needs one GPU per rank of the trainer group), against a raw
   broadcast of the same bytes in the same 3-rank group. Needs 3 GPUs.
 - allreduce: the sum a decode step needs ([bs, hidden] bf16), 64 of them in one CUDA graph per
-  rank, NCCL's all-reduce against the one-shot kernel (`tide.layers.one_shot`): µs per sum.
+  rank, NCCL's all-reduce against the one-shot kernel (`tide.layers.one_shot`), and at hidden 4096
+  the fused sum + residual + RMSNorm of its row channel: µs per sum.
 - 70b: bs1 decode of the Llama-3.1-70B shape at TP=2 (141 GB of weights: not one GPU's worth)
   against the two-GPU weight-read roofline.
 
@@ -149,7 +150,11 @@ def _all_reduce_rank(rank: int, port: int, queue) -> None:
     for bs, hidden in ((1, 4096), (1, 8192), (32, 4096), (256, 4096), (256, 8192)):
         x = torch.randn(bs, hidden, device=device, dtype=torch.bfloat16)
         row = {"bs": bs, "hidden": hidden, "bytes": x.numel() * 2}
-        for name, fn in (("nccl", nccl), ("one_shot", one_shot)):
+        residual, weight = torch.randn_like(x), torch.ones(hidden, device=device, dtype=x.dtype)
+        fns = [("nccl", nccl), ("one_shot", one_shot)]
+        if hidden == 4096:  # the row channel serves one width
+            fns.append(("fused_norm", lambda x: one_shot.add_rmsnorm(x, residual, weight, 1e-5)))
+        for name, fn in fns:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -185,8 +190,9 @@ def all_reduce(res: dict) -> None:
         p.join(30)
     res["all_reduce"] = rows
     for r in rows:
+        fused = f", sum + residual + norm {r['fused_norm_us']:.1f} us" if "fused_norm_us" in r else ""
         print(f"all-reduce [{r['bs']}, {r['hidden']}] bf16 in a graph: NCCL {r['nccl_us']:.1f} us, "
-              f"one-shot {r['one_shot_us']:.1f} us", flush=True)
+              f"one-shot {r['one_shot_us']:.1f} us{fused}", flush=True)
 
 
 def _trainer(gpu: int, barrier, queue) -> None:

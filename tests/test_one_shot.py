@@ -22,41 +22,53 @@ def test_kernel_under_the_interpreter():
 
 
 class _Ranks:
-    """Rank 0's and its peer's allocations (signals, then two slots of `slot` elements)."""
+    """Rank 0's and its peer's allocations: signals, two slots of `slot` elements for the plain
+    sum, then the row channel's two buffers of one `slot`-element slot per rank, empty (all bits
+    set) as `OneShotAllReduce.create` leaves them."""
 
     def __init__(self, dtype: torch.dtype, slot: int) -> None:
         from tide.layers import one_shot
 
         self.m, self.dtype, self.slot = one_shot, dtype, slot
         self.es = torch.tensor([], dtype=dtype).element_size()
-        # Both channels: signals, two slots of sums, two slots of rows.
-        self.own = torch.zeros(one_shot.SIGNAL_BYTES + 4 * slot * self.es, dtype=torch.uint8)
-        self.peer = torch.zeros_like(self.own)
+        self.bits = {2: torch.int16, 4: torch.int32}[self.es]
+        self.rows_offset = one_shot.SIGNAL_BYTES + 2 * slot * self.es
+        self.own = torch.zeros(self.rows_offset + 4 * slot * self.es, dtype=torch.uint8)
+        self.own[self.rows_offset:] = one_shot.EMPTY_BYTE
+        self.peer = self.own.clone()
         self.bases = torch.tensor([self.own.data_ptr(), self.peer.data_ptr()], dtype=torch.int64)
         self.counters = torch.zeros(one_shot.MAX_BLOCKS, dtype=torch.int32)
         self.row_counters = torch.zeros(one_shot.MAX_BLOCKS, dtype=torch.int32)
-        self.rows_offset = one_shot.SIGNAL_BYTES + 2 * slot * self.es
 
-    def data(self, buf: torch.Tensor, flag: int, n: int, rows: bool = False) -> torch.Tensor:
-        start = (self.rows_offset if rows else self.m.SIGNAL_BYTES) + (flag & 1) * self.slot * self.es
+    def data(self, buf: torch.Tensor, flag: int, n: int) -> torch.Tensor:
+        start = self.m.SIGNAL_BYTES + (flag & 1) * self.slot * self.es
         return buf[start:start + n * self.es].view(self.dtype)
 
-    def signals(self, buf: torch.Tensor, rows: bool = False) -> torch.Tensor:
-        first = self.m.SIGNALS if rows else 0
-        return buf[:self.m.SIGNAL_BYTES].view(torch.int32)[first:first + self.m.SIGNALS]
+    def row_slot(self, buf: torch.Tensor, run: int, source: int, n: int) -> torch.Tensor:
+        """The row channel's slot of `source` in buffer `run % 2` of `buf`, as raw bits."""
+        start = self.rows_offset + ((run & 1) * 2 + source) * self.slot * self.es
+        return buf[start:start + n * self.es].view(self.bits)
 
-    def peer_arrives(self, y: torch.Tensor, flag: int, programs: int, rows: bool = False) -> None:
-        self.data(self.peer, flag, y.numel(), rows).copy_(y.reshape(-1))
+    def signals(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:self.m.SIGNAL_BYTES].view(torch.int32)[:self.m.SIGNALS]
+
+    def peer_arrives(self, y: torch.Tensor, flag: int, programs: int) -> None:
+        self.data(self.peer, flag, y.numel()).copy_(y.reshape(-1))
         for b in range(programs):
-            self.signals(self.own, rows)[b * 2 + 1] = flag
+            self.signals(self.own)[b * 2 + 1] = flag
 
-    def run_rows(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def peer_pushes_rows(self, y: torch.Tensor, run: int) -> None:
+        """What the peer's kernel does in its run `run`: its rows into rank 0's buffer."""
+        self.row_slot(self.own, run, 1, y.numel()).copy_(y.reshape(-1).view(self.bits))
+
+    def run_rows(self, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
+                 spin_limit: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         block = triton.next_power_of_2(x.shape[1])
         self.m._one_shot_norm_kernel[(min(self.m.MAX_BLOCKS, x.shape[0]),)](
             x, r, w, out, res_out, x.shape[0], x.shape[1], eps, self.bases, self.row_counters,
-            1000, RANK=0, WORLD=2, BLOCK=block, SIGNAL_OFFSET=self.m.SIGNALS,
+            spin_limit, RANK=0, WORLD=2, BLOCK=block,
+            BITS=triton.language.int32 if self.es == 4 else triton.language.int16,
             DATA_OFFSET=self.rows_offset, SLOT_ELEMS=self.slot, PROGRAMS=self.m.MAX_BLOCKS,
             USE_PDL=False, num_warps=self.m.norm_warps(block))
         return out, res_out
@@ -112,33 +124,80 @@ def test_a_program_counts_only_the_calls_that_give_it_a_chunk():
     assert ranks.counters[:6].tolist() == [3, 2, 2, 1, 1, 0]
 
 
+def _norm_reference(x, y, r, w, eps):
+    summed = (x.float() + y.float()).to(x.dtype) + r
+    sf = summed.float()
+    return w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), summed
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rows_are_summed_added_and_normed_on_their_own_channel(dtype):
     """The fused kernel: rank order sum rounded to the dtype, the residual added in the dtype (the
-    residual output exactly), RMSNorm of that; its flags, slots and counters are not the plain
-    sum's, so calls of the two kinds may interleave."""
+    residual output exactly), RMSNorm of that. The rows go to the peer's buffer of the run's
+    parity, the peer's rows are read from this rank's and emptied at once; the plain sum's flags,
+    slots and counters do not move, so calls of the two kinds may interleave."""
     rows, width, eps = 70, 96, 1e-6  # more rows than programs: program 0..5 take two
     ranks = _Ranks(dtype, slot=8192)
     programs = ranks.m.MAX_BLOCKS
+    n = rows * width
     torch.manual_seed(0)
     w = (torch.rand(width) + 0.5).to(dtype)
-    for flag in (1, 2):
+    for run in (1, 2, 3):
         x, y, r = (torch.randn(rows, width).to(dtype) for _ in range(3))
-        ranks.peer_arrives(y, flag, programs, rows=True)
+        ranks.peer_pushes_rows(y, run)
         out, res_out = ranks.run_rows(x, r, w, eps)
-        summed = (x.float() + y.float()).to(dtype) + r
+        ref, summed = _norm_reference(x, y, r, w, eps)
         assert torch.equal(res_out, summed)
-        sf = summed.float()
-        ref = w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
         tol = 1e-6 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-        assert torch.equal(ranks.data(ranks.own, flag, x.numel(), rows=True).view_as(x), x)
-        assert ranks.row_counters.tolist() == [flag] * programs
+        pushed = ranks.row_slot(ranks.peer, run, 0, n)
+        assert torch.equal(pushed.view(dtype).view_as(x), x)
+        assert bool((ranks.row_slot(ranks.own, run, 1, n) == -1).all()), "read rows stay full"
+        pushed.fill_(-1)  # the peer read them
+        assert bool((ranks.own[ranks.rows_offset:].view(ranks.bits) == -1).all())
+        assert bool((ranks.peer[ranks.rows_offset:].view(ranks.bits) == -1).all())
+        assert ranks.row_counters.tolist() == [run] * programs
         assert ranks.counters.tolist() == [0] * programs  # the plain channel never moved
         assert ranks.signals(ranks.peer).tolist() == [0] * ranks.m.SIGNALS
-        peer_rows = ranks.signals(ranks.peer, rows=True)
-        assert [int(peer_rows[b * 2]) for b in range(programs)] == [flag] * programs
+
+
+@interpreted
+def test_a_peer_a_run_ahead_writes_the_other_row_buffer():
+    """The peer finished run 1 and pushed run 2's rows before this rank runs 1: run 1 reads
+    buffer 1 only, and run 2 then finds its rows in buffer 0."""
+    ranks = _Ranks(torch.float32, slot=1024)
+    w, r = torch.ones(1, 64), torch.zeros(1, 64)
+    first, second = torch.full((1, 64), 1.0), torch.full((1, 64), 2.0)
+    ranks.peer_pushes_rows(first, 1)
+    ranks.peer_pushes_rows(second, 2)
+    _, res1 = ranks.run_rows(torch.full((1, 64), 10.0), r, w, 1e-6)
+    assert torch.equal(res1, torch.full((1, 64), 11.0))
+    assert torch.equal(ranks.row_slot(ranks.own, 2, 1, 64).view(torch.float32), second.view(-1))
+    _, res2 = ranks.run_rows(torch.full((1, 64), 20.0), r, w, 1e-6)
+    assert torch.equal(res2, torch.full((1, 64), 22.0))
+
+
+@interpreted
+def test_a_row_element_with_the_empty_bits_is_sent_as_another_nan():
+    ranks = _Ranks(torch.float16, slot=1024)
+    x = torch.zeros(1, 8, dtype=torch.float16)
+    x.view(torch.int16)[0, 3] = -1  # a NaN whose bits are the empty mark
+    ranks.peer_pushes_rows(torch.ones(1, 8, dtype=torch.float16), 1)
+    _, res = ranks.run_rows(x, torch.zeros_like(x), torch.ones(8, dtype=torch.float16), 1e-6)
+    pushed = ranks.row_slot(ranks.peer, 1, 0, 8)
+    assert int(pushed[3]) != -1 and torch.isnan(pushed.view(torch.float16)[3])
+    assert torch.equal(pushed[[0, 1, 2, 4, 5, 6, 7]], x.view(torch.int16)[0, [0, 1, 2, 4, 5, 6, 7]])
+    assert torch.isnan(res[0, 3]) and torch.equal(res[0, :3], torch.ones(3, dtype=torch.float16))
+
+
+@interpreted
+def test_a_missing_peer_row_ends_the_wait_at_the_spin_limit():
+    ranks = _Ranks(torch.float32, slot=1024)
+    x = torch.ones(1, 16)
+    ranks.row_slot(ranks.own, 1, 1, 16)[:15] = 0  # one element never arrives
+    ranks.run_rows(x, torch.zeros_like(x), torch.ones(16), 1e-6, spin_limit=5)
+    assert ranks.row_counters[0].item() == 1
 
 
 @interpreted
@@ -184,12 +243,14 @@ def test_kernel_compiles_for_hopper():
            "spin_limit": "i32"}
     sig.update({n: "constexpr" for n in fn.arg_names if n not in sig})
     src = ASTSource(fn=fn, signature=sig, constexprs=dict(
-        RANK=0, WORLD=2, BLOCK=4096, SIGNAL_OFFSET=one_shot.SIGNALS,
-        DATA_OFFSET=one_shot.ROWS_DATA_OFFSET, SLOT_ELEMS=4 << 20, PROGRAMS=one_shot.MAX_BLOCKS,
-        USE_PDL=True))
+        RANK=0, WORLD=2, BLOCK=4096, BITS=triton.language.int16,
+        DATA_OFFSET=one_shot.ROWS_DATA_OFFSET,
+        SLOT_ELEMS=one_shot.row_slot_bytes(2) // 2, PROGRAMS=one_shot.MAX_BLOCKS, USE_PDL=True))
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 16}).asm["ptx"]
-    assert "sys.release" in ptx and "sys.acquire" in ptx and "griddepcontrol.wait" in ptx
+    assert "griddepcontrol.wait" in ptx
+    assert "ld.volatile.global" in ptx, "the wait for a peer's rows must reload them"
+    assert "atom" not in ptx and "fence" not in ptx and "membar" not in ptx  # no flags
 
 
 def test_only_contiguous_tensors_of_a_slot_or_less_take_the_one_shot_path():

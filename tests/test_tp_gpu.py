@@ -298,6 +298,50 @@ def test_one_shot_sum_add_and_norm_equals_the_sum_then_the_norm():
     assert _on_two_ranks(_one_shot_norm_rank) == {0: [], 1: []}
 
 
+def _one_shot_rows_stress_rank(rank: int, port: int, queue) -> None:
+    """Back-to-back fused sums of mixed row counts with nothing between them (one rank sleeping at
+    random), so a rank runs ahead into the other row buffer; checked after the last call against
+    the sum in rank order of both ranks' inputs (each rank regenerates its peer's), then the norm."""
+    import random
+    import time
+
+    from tide.layers import triton_ops
+    from tide.layers.one_shot import OneShotAllReduce
+    from tide.weights import init_custom_process_group
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, "one-shot-rows",
+                                      device=device)
+    reducer = OneShotAllReduce.create(group.pg, rank, 2, device)
+    assert reducer is not None
+    width, eps, bf16 = 4096, 1e-5, torch.bfloat16
+    gens = [torch.Generator(device).manual_seed(20 + r) for r in (0, 1)]
+    shared = torch.Generator(device).manual_seed(2)
+    w = (torch.rand(width, device=device, generator=shared) + 0.5).to(bf16)
+    rng, delays = random.Random(5), random.Random(60 + rank)
+    calls = []
+    for call in range(300):
+        rows = rng.choice([1, 1, 2, 7, 64, 65, 130, 1024])
+        xs = [torch.randn(rows, width, device=device, generator=g).to(bf16) for g in gens]
+        r = torch.randn(rows, width, device=device, generator=shared).to(bf16)
+        calls.append((xs, r, reducer.add_rmsnorm(xs[rank].clone(), r, w, eps)))
+        if rank == call % 2 and delays.random() < 0.2:
+            time.sleep(delays.random() * 0.002)
+    torch.cuda.synchronize(device)
+    bad = []
+    for i, (xs, r, (normed, res)) in enumerate(calls):
+        summed = (xs[0].float() + xs[1].float()).to(bf16)
+        want_normed, want_res = triton_ops.rmsnorm(summed, w, eps, residual=r)
+        if not (torch.equal(normed, want_normed) and torch.equal(res, want_res)):
+            bad.append(i)
+    queue.put((rank, bad))
+
+
+def test_one_shot_rows_back_to_back_with_a_rank_running_ahead():
+    assert _on_two_ranks(_one_shot_rows_stress_rank) == {0: [], 1: []}
+
+
 def _one_shot_stress_rank(rank: int, port: int, queue) -> None:
     """Back-to-back one-shot sums of mixed sizes and dtypes with nothing between them that lines
     the ranks up (no NCCL call, one rank sleeping at random): what the two-slot protocol guards."""

@@ -4,7 +4,7 @@ microseconds, where NCCL's all-reduce of a few KiB costs tens of microseconds in
 
 Each rank owns one device allocation, mapped into every other rank's address space with CUDA IPC:
 
-    [ signals: MAX_BLOCKS x MAX_RANKS int32 | slot 0: SLOT_BYTES | slot 1: SLOT_BYTES ]
+    [ signals: MAX_BLOCKS x MAX_RANKS int32 | slot 0 | slot 1 | row channel: ROWS_REGION_BYTES ]
 
 Program `b` of the kernel copies its share of the input into this rank's slot, writes its flag into
 every peer's signal `[b, rank]` (a release store at system scope), waits until every peer's flag
@@ -22,12 +22,22 @@ finished reading run `j`; no other program touches those chunks. (A stride that 
 would hand a chunk to another program from one call to the next, and break this.) Flags are
 compared as `seen - flag >= 0` in int32, so a peer already one run ahead is seen as arrived.
 
-A second channel, with its own signals, slots and counters, sums whole rows and then adds the
-residual and applies RMSNorm in the same launch (`add_rmsnorm`: a row-parallel projection's partial
-products, then the next layer's norm, as the one-shot sum followed by `triton_ops.rmsnorm` would
-compute them, bit for bit). There, row `r` is always program `r % MAX_BLOCKS`'s (a bs1 decode step
-runs one program), which holds the argument above only while rows keep their width: the channel
+A second channel sums whole rows and then adds the residual and applies RMSNorm in the same launch
+(`add_rmsnorm`: a row-parallel projection's partial products, then the next layer's norm, as the
+one-shot sum followed by `triton_ops.rmsnorm` would compute them, bit for bit). It is the one a
+decode step waits on twice a layer, so it has no flags: each rank writes its rows straight into
+every peer's buffer, and the data is its own flag. Its region holds two buffers (by the program's
+call count, odd or even) of one slot per source rank; a slot element whose bits are all ones (a
+NaN; a row element with those bits is sent as another NaN) is empty. A program
+pushes its rows to its peers, then reads each peer's rows in its own buffer until none is empty,
+and empties them again at once. Row `r` is always program `r % MAX_BLOCKS`'s (a bs1 decode step
+runs one program), and the program runs in the same calls on every rank, so its `j`-th run reads
+what the peers' same program wrote in their `j`-th; a peer can be at most one run ahead (its run
+`j + 2` needs this rank's push of run `j + 1`, which comes after this rank emptied run `j`'s rows),
+so it writes only into the other buffer. That holds while rows keep their addresses, so the channel
 serves one row width, the first it is given (the hidden size), and other widths take the plain sum.
+Against flags, a call saves the release fence, the flag round trip and the read of the peer's
+slot across the link: a row crosses once, as a write.
 
 The sum is the same for an element whatever the tensor's size (rank order, fp32), so it serves the
 deterministic mode too. Every rank must call it for the same tensor sizes in the same order, as
@@ -51,11 +61,13 @@ logger = logging.getLogger(__name__)
 MAX_RANKS = 8
 MAX_BLOCKS = 64
 BLOCK = 1024
-SIGNALS = MAX_BLOCKS * MAX_RANKS  # int32 flags per channel
-SIGNAL_BYTES = 4096  # both channels' flags: >= 2 * SIGNALS * 4
+SIGNALS = MAX_BLOCKS * MAX_RANKS  # int32 flags of the plain sum
+SIGNAL_BYTES = 4096  # >= SIGNALS * 4
 SLOT_BYTES = 8 << 20
-BUFFER_BYTES = SIGNAL_BYTES + 4 * SLOT_BYTES  # signals, then two slots per channel
-ROWS_DATA_OFFSET = SIGNAL_BYTES + 2 * SLOT_BYTES  # the row channel's slots
+ROWS_DATA_OFFSET = SIGNAL_BYTES + 2 * SLOT_BYTES  # the row channel's region, after the sum's slots
+ROWS_REGION_BYTES = 32 << 20  # two buffers of one slot per source rank: 8 MiB slots at 2 ranks
+BUFFER_BYTES = ROWS_DATA_OFFSET + ROWS_REGION_BYTES
+EMPTY_BYTE = 0xFF  # the row channel's empty mark: all bits set (a NaN)
 SPIN_LIMIT = 1 << 26  # ~ tens of seconds: a dead peer leaves garbage, never a GPU hung forever
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
@@ -112,6 +124,7 @@ class OneShotAllReduce:
         self._counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
         self._row_counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
         self._row_width: int | None = None
+        self._row_slot_bytes = row_slot_bytes(size)
 
     @classmethod
     def create(cls, pg: Any, rank: int, size: int, device: torch.device) -> OneShotAllReduce | None:
@@ -126,9 +139,10 @@ class OneShotAllReduce:
             ok = all(torch.cuda.can_device_access_peer(device, torch.device("cuda", d))
                      for d in range(torch.cuda.device_count()) if d != device.index)
         if ok and lib is not None:
-            nbytes = BUFFER_BYTES
-            ok = (lib.cudaMalloc(ctypes.byref(own), nbytes) == 0
-                  and lib.cudaMemset(own, 0, nbytes) == 0
+            ok = (lib.cudaMalloc(ctypes.byref(own), BUFFER_BYTES) == 0
+                  and lib.cudaMemset(own, 0, ROWS_DATA_OFFSET) == 0
+                  and lib.cudaMemset(ctypes.c_void_p(own.value + ROWS_DATA_OFFSET), EMPTY_BYTE,
+                                     ROWS_REGION_BYTES) == 0
                   and lib.cudaIpcGetMemHandle(ctypes.byref(handle), own) == 0)
             torch.cuda.synchronize(device)
         peers: dict[int, int] = {}
@@ -181,10 +195,12 @@ class OneShotAllReduce:
         return x
 
     def fits_rows(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        """Whether `add_rmsnorm(x, residual, ...)` takes the fused kernel: `fits(x)`, 2-D, a
-        residual of the same shape and dtype, and the row width this channel serves. The same on
-        every rank (they see the same shapes in the same order)."""
-        return (self.fits(x) and x.dim() == 2 and residual.shape == x.shape
+        """Whether `add_rmsnorm(x, residual, ...)` takes the fused kernel: contiguous, a sum's
+        dtype, at most one row slot (`row_slot_bytes`), 2-D, a residual of the same shape and
+        dtype, and the row width this channel serves. The same on every rank (they see the same
+        shapes in the same order)."""
+        return (self.fits(x) and x.numel() * x.element_size() <= self._row_slot_bytes
+                and x.dim() == 2 and residual.shape == x.shape
                 and residual.dtype == x.dtype and residual.is_contiguous()
                 and x.shape[1] == (self._row_width or x.shape[1]))
 
@@ -201,9 +217,9 @@ class OneShotAllReduce:
         _one_shot_norm_kernel[(min(MAX_BLOCKS, x.shape[0]),)](
             x, residual, weight, out, res_out, x.shape[0], x.shape[1], eps, self._bases,
             self._row_counters, SPIN_LIMIT, RANK=self.rank, WORLD=self.size, BLOCK=block,
-            SIGNAL_OFFSET=SIGNALS, DATA_OFFSET=ROWS_DATA_OFFSET,
-            SLOT_ELEMS=SLOT_BYTES // x.element_size(), PROGRAMS=MAX_BLOCKS, USE_PDL=use_pdl,
-            num_warps=norm_warps(block), launch_pdl=use_pdl)
+            BITS=tl.int32 if x.element_size() == 4 else tl.int16, DATA_OFFSET=ROWS_DATA_OFFSET,
+            SLOT_ELEMS=self._row_slot_bytes // x.element_size(), PROGRAMS=MAX_BLOCKS,
+            USE_PDL=use_pdl, num_warps=norm_warps(block), launch_pdl=use_pdl)
         return out, res_out
 
     def close(self) -> None:
@@ -233,7 +249,7 @@ def _one_shot_kernel(X, n, Bases, Counters, spin_limit, RANK: tl.constexpr, WORL
     for start in range(pid * BLOCK, n, step):
         idx = tl.max_contiguous(tl.multiple_of(start + offs, BLOCK), BLOCK)
         tl.store(own_data + idx, tl.load(X + idx, mask=idx < n), mask=idx < n)
-    _meet(Bases, pid, flag, spin_limit, 0, RANK, WORLD)
+    _meet(Bases, pid, flag, spin_limit, RANK, WORLD)
     for start in range(pid * BLOCK, n, step):
         idx = tl.max_contiguous(tl.multiple_of(start + offs, BLOCK), BLOCK)
         mask = idx < n
@@ -249,6 +265,11 @@ def _one_shot_kernel(X, n, Bases, Counters, spin_limit, RANK: tl.constexpr, WORL
     tl.store(Counters + pid, flag)
 
 
+def row_slot_bytes(world: int) -> int:
+    """Bytes of one source rank's slot in one buffer of the row channel."""
+    return ROWS_REGION_BYTES // (2 * world)
+
+
 def norm_warps(block: int) -> int:
     """Warps of a one-row norm launch of `block` columns (`triton_ops.rmsnorm` uses the same, so
     the fused kernel's row sum adds in the same order)."""
@@ -256,16 +277,15 @@ def norm_warps(block: int) -> int:
 
 
 @triton.jit
-def _meet(Bases, pid, flag, spin_limit, SIGNAL_OFFSET: tl.constexpr, RANK: tl.constexpr,
-          WORLD: tl.constexpr):
+def _meet(Bases, pid, flag, spin_limit, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Program `pid` tells every peer it reached call `flag` (its copy is in this rank's slot)
     and waits until every peer's program `pid` has told it the same."""
     tl.debug_barrier()  # every thread's copy is in before the flag goes out
     for r in tl.static_range(WORLD):
         if r != RANK:
-            peer_signals = tl.load(Bases + r).to(tl.pointer_type(tl.int32)) + SIGNAL_OFFSET
+            peer_signals = tl.load(Bases + r).to(tl.pointer_type(tl.int32))
             tl.atomic_xchg(peer_signals + pid * WORLD + RANK, flag, sem="release", scope="sys")
-    own_signals = tl.load(Bases + RANK).to(tl.pointer_type(tl.int32)) + SIGNAL_OFFSET
+    own_signals = tl.load(Bases + RANK).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):
         if r != RANK:
             seen = tl.atomic_add(own_signals + pid * WORLD + r, 0, sem="acquire", scope="sys")
@@ -279,23 +299,28 @@ def _meet(Bases, pid, flag, spin_limit, SIGNAL_OFFSET: tl.constexpr, RANK: tl.co
 @triton.jit
 def _one_shot_norm_kernel(X, R, W, Out, ResOut, n_rows, n_cols, eps, Bases, Counters, spin_limit,
                           RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
-                          SIGNAL_OFFSET: tl.constexpr, DATA_OFFSET: tl.constexpr,
-                          SLOT_ELEMS: tl.constexpr, PROGRAMS: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          BITS: tl.constexpr, DATA_OFFSET: tl.constexpr, SLOT_ELEMS: tl.constexpr,
+                          PROGRAMS: tl.constexpr, USE_PDL: tl.constexpr):
+    """The row channel (module docstring): `BITS`, the integer type of the dtype's width, carries
+    the rows and the empty mark (-1: all bits set)."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     dtype = X.dtype.element_ty
-    flag = tl.load(Counters + pid) + 1
-    slot = (flag & 1).to(tl.int64) * SLOT_ELEMS
-    own_data = (tl.load(Bases + RANK) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot
+    run = tl.load(Counters + pid) + 1
+    buffer = (run & 1).to(tl.int64) * (WORLD * SLOT_ELEMS)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     for row in range(pid, n_rows, PROGRAMS):
         at = row * n_cols + cols  # < SLOT_ELEMS: int32 suffices
-        tl.store(own_data + at, tl.load(X + at, mask=mask), mask=mask)
-    _meet(Bases, pid, flag, spin_limit, SIGNAL_OFFSET, RANK, WORLD)
+        bits = tl.load(X + at, mask=mask).to(BITS, bitcast=True)
+        bits = tl.where(bits == -1, bits ^ 1, bits)  # a NaN with the empty mark's bits: another NaN
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer = (tl.load(Bases + r) + DATA_OFFSET).to(tl.pointer_type(BITS))
+                tl.store(peer + buffer + RANK * SLOT_ELEMS + at, bits, mask=mask)
+    own = (tl.load(Bases + RANK) + DATA_OFFSET).to(tl.pointer_type(BITS)) + buffer
     for row in range(pid, n_rows, PROGRAMS):
         at = row * n_cols + cols  # < SLOT_ELEMS: int32 suffices
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -303,9 +328,14 @@ def _one_shot_norm_kernel(X, R, W, Out, ResOut, n_rows, n_cols, eps, Bases, Coun
             if r == RANK:
                 acc += tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
             else:
-                data = (tl.load(Bases + r) + DATA_OFFSET).to(tl.pointer_type(dtype)) + slot
-                acc += tl.load(data + at, mask=mask, other=0.0,
-                               cache_modifier=".cv").to(tl.float32)
+                slot = own + r * SLOT_ELEMS + at
+                got = tl.load(slot, mask=mask, other=0, volatile=True)
+                spins = 0
+                while (tl.max((got == -1).to(tl.int32), 0) > 0) & (spins < spin_limit):
+                    got = tl.load(slot, mask=mask, other=0, volatile=True)
+                    spins += 1
+                tl.store(slot, tl.full([BLOCK], -1, BITS), mask=mask)  # empty for run + 2
+                acc += got.to(dtype, bitcast=True).to(tl.float32)
         # From here as `triton_ops._rmsnorm_kernel` with a residual: the same roundings.
         x = acc.to(dtype) + tl.load(R + at, mask=mask, other=0.0)
         tl.store(ResOut + at, x, mask=mask)
@@ -313,7 +343,7 @@ def _one_shot_norm_kernel(X, R, W, Out, ResOut, n_rows, n_cols, eps, Bases, Coun
         var = tl.sum(xf * xf, 0) / n_cols
         normed = (xf * tl.rsqrt(var + eps)).to(dtype)
         tl.store(Out + at, tl.load(W + cols, mask=mask, other=0.0) * normed, mask=mask)
-    tl.store(Counters + pid, flag)
+    tl.store(Counters + pid, run)
 
 
 def _all_gather_bytes(pg: Any, size: int, device: torch.device, payload: bytes,
