@@ -200,6 +200,67 @@ def test_a_missing_peer_row_ends_the_wait_at_the_spin_limit():
     assert ranks.row_counters[0].item() == 1
 
 
+def _row_rank(rank: int, world: int, bases: torch.Tensor, calls: list, w: torch.Tensor,
+              results: list, slot: int, sleepy: int) -> None:
+    """One forked rank of `test_every_rank_of_two_to_four_gets_every_call_s_sum`."""
+    import random
+    import time
+
+    from tide.layers import one_shot
+
+    counters = torch.zeros(one_shot.MAX_BLOCKS, dtype=torch.int32)
+    delays = random.Random(rank)
+    for c, (xs, r) in enumerate(calls):
+        if rank == sleepy and delays.random() < 0.5:
+            time.sleep(0.02)  # the others run ahead into the other buffer
+        x = xs[rank]
+        width = x.shape[1]
+        one_shot._one_shot_norm_kernel[(min(one_shot.MAX_BLOCKS, x.shape[0]),)](
+            x, r, w, torch.empty_like(x), results[rank][c], x.shape[0], width, 1e-6, bases,
+            counters, 10**7, RANK=rank, WORLD=world, BLOCK=triton.next_power_of_2(width),
+            BITS=triton.language.int32 if x.element_size() == 4 else triton.language.int16,
+            DATA_OFFSET=0, SLOT_ELEMS=slot, PROGRAMS=one_shot.MAX_BLOCKS, USE_PDL=False,
+            num_warps=1)
+
+
+@interpreted
+@pytest.mark.parametrize("world,dtype", [(2, torch.float32), (4, torch.float32),
+                                         (4, torch.float16)])
+def test_every_rank_of_two_to_four_gets_every_call_s_sum(world, dtype):
+    """The row channel's protocol with real concurrency: `world` forked processes, each a rank
+    running the interpreted kernel over shared buffers, one of them sleeping at random. Every rank
+    gets every call's sum in rank order plus the residual, and every buffer ends empty."""
+    import multiprocessing
+
+    from tide.layers import one_shot
+
+    slot, width = 8192, 96
+    bufs = [torch.full((2 * world * slot * dtype.itemsize,), one_shot.EMPTY_BYTE,
+                       dtype=torch.uint8).share_memory_() for _ in range(world)]
+    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    torch.manual_seed(0)
+    w = (torch.rand(width) + 0.5).to(dtype)
+    calls = [([torch.randn(rows, width).to(dtype) for _ in range(world)],
+              torch.randn(rows, width).to(dtype)) for rows in (2, 1, 70, 1, 64, 3, 80)]
+    results = [[torch.zeros(len(r), width, dtype=dtype).share_memory_() for _, r in calls]
+               for _ in range(world)]
+    ctx = multiprocessing.get_context("fork")  # the buffers keep their addresses in the children
+    procs = [ctx.Process(target=_row_rank, args=(k, world, bases, calls, w, results, slot, 1))
+             for k in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * world
+    for c, (xs, r) in enumerate(calls):
+        total = xs[0].float()
+        for x in xs[1:]:
+            total = total + x.float()
+        want = total.to(dtype) + r
+        assert all(torch.equal(results[k][c], want) for k in range(world)), c
+    assert all(bool((b == one_shot.EMPTY_BYTE).all()) for b in bufs)
+
+
 @interpreted
 def test_a_peer_a_call_ahead_counts_as_arrived():
     ranks = _Ranks(torch.float32, slot=2048)
