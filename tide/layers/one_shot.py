@@ -141,8 +141,8 @@ class OneShotAllReduce:
         if ok and lib is not None:
             ok = (lib.cudaMalloc(ctypes.byref(own), BUFFER_BYTES) == 0
                   and lib.cudaMemset(own, 0, ROWS_DATA_OFFSET) == 0
-                  and lib.cudaMemset(ctypes.c_void_p(own.value + ROWS_DATA_OFFSET), EMPTY_BYTE,
-                                     ROWS_REGION_BYTES) == 0
+                  and lib.cudaMemset(ctypes.c_void_p((own.value or 0) + ROWS_DATA_OFFSET),
+                                     EMPTY_BYTE, ROWS_REGION_BYTES) == 0
                   and lib.cudaIpcGetMemHandle(ctypes.byref(handle), own) == 0)
             torch.cuda.synchronize(device)
         peers: dict[int, int] = {}
