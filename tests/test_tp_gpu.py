@@ -218,6 +218,19 @@ def test_one_shot_all_reduce_equals_nccl_eagerly_and_in_graphs():
     assert _on_two_ranks(_one_shot_rank) == {0: [], 1: []}
 
 
+def _reducer_on(rank: int, port: int, name: str):
+    """(device, `OneShotAllReduce`) of rank `rank` of two, over a fresh NCCL group `name`."""
+    from tide.layers.one_shot import OneShotAllReduce
+    from tide.weights import init_custom_process_group
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, name, device=device)
+    reducer = OneShotAllReduce.create(group.pg, rank, 2, device)
+    assert reducer is not None
+    return device, reducer
+
+
 def _one_shot_norm_rank(rank: int, port: int, queue) -> None:
     """Rank `rank` of two: the fused sum + residual + RMSNorm against the one-shot sum followed by
     `triton_ops.rmsnorm`, bit for bit, eagerly (calls of both channels interleaved, one rank
@@ -226,15 +239,8 @@ def _one_shot_norm_rank(rank: int, port: int, queue) -> None:
     import time
 
     from tide.layers import triton_ops
-    from tide.layers.one_shot import OneShotAllReduce
-    from tide.weights import init_custom_process_group
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, "one-shot-norm",
-                                      device=device)
-    reducer = OneShotAllReduce.create(group.pg, rank, 2, device)
-    assert reducer is not None
+    device, reducer = _reducer_on(rank, port, "one-shot-norm")
     width, eps, bf16 = 4096, 1e-5, torch.bfloat16
     shared = torch.Generator(device).manual_seed(1)  # residual and weight: the same on both ranks
     own = torch.Generator(device).manual_seed(10 + rank)
@@ -306,15 +312,8 @@ def _one_shot_rows_stress_rank(rank: int, port: int, queue) -> None:
     import time
 
     from tide.layers import triton_ops
-    from tide.layers.one_shot import OneShotAllReduce
-    from tide.weights import init_custom_process_group
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    group = init_custom_process_group("nccl", "127.0.0.1", port, rank, 2, "one-shot-rows",
-                                      device=device)
-    reducer = OneShotAllReduce.create(group.pg, rank, 2, device)
-    assert reducer is not None
+    device, reducer = _reducer_on(rank, port, "one-shot-rows")
     width, eps, bf16 = 4096, 1e-5, torch.bfloat16
     gens = [torch.Generator(device).manual_seed(20 + r) for r in (0, 1)]
     shared = torch.Generator(device).manual_seed(2)
