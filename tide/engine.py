@@ -35,6 +35,7 @@ from tide.scheduler.handover import (
     TensorUpdate,
     WeightUpdate,
 )
+from tide.scheduler.profile import ACTIVITIES, ProfileOptions, default_output_dir
 from tide.scheduler.request import Req
 from tide.scheduler.scheduler import create_scheduler
 from tide.scheduler.worker import ModelWorker
@@ -168,6 +169,27 @@ class Engine:
         if not ok:
             logger.warning(message)
         return ok
+
+    # ---- profiling (sglang's names; tide/scheduler/profile.py)
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
+                      activities: list[str] | None = None, record_shapes: bool = False,
+                      with_stack: bool = False, profile_id: str | None = None) -> None:
+        """Start torch.profiler on every rank: forwards from now on, until `stop_profile()` or,
+        with `num_steps`, that many forwards. Each rank writes `{profile_id}-TP-{rank}.trace.json`
+        and `.kernels.json` into `output_dir` (default `$TIDE_TORCH_PROFILER_DIR`, else
+        /tmp/tide-profile). ValueError for a bad option; RuntimeError if a profile is running."""
+        options = ProfileOptions(
+            output_dir=output_dir or default_output_dir(),
+            num_steps=num_steps, activities=tuple(activities or ACTIVITIES),
+            record_shapes=record_shapes, with_stack=with_stack, profile_id=profile_id or "")
+        with self._control():
+            self.scheduler.start_profile(options)
+
+    def stop_profile(self) -> list[str]:
+        """Stop the running profile; the files every rank wrote. RuntimeError if none is running
+        (a profile with `num_steps` stops by itself)."""
+        with self._control():
+            return self.scheduler.stop_profile()
 
     # ---- training <-> rollout handover (sglang's names, bodies and defaults; see Handover)
     def pause_generation(self, mode: str = "abort") -> HandoverReply:

@@ -190,6 +190,24 @@ class DumpMemoryTimelineReqInput(msgspec.Struct, tag=True):
     req_id: str
 
 
+class StartProfileReqInput(msgspec.Struct, tag=True):
+    """Start torch.profiler on every rank (`tide.scheduler.profile`); files go to the server's
+    profile directory, under `profile_id`."""
+
+    req_id: str
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_id: str = ""
+
+
+class StopProfileReqInput(msgspec.Struct, tag=True):
+    """Stop the running profile; `data["paths"]` lists the files every rank wrote."""
+
+    req_id: str
+
+
 WeightUpdateReq = (
     UpdateWeightFromDiskReqInput
     | UpdateWeightsFromTensorReqInput
@@ -248,6 +266,8 @@ SchedulerInput = (
     | GetLoadReqInput
     | GetServerInfoReqInput
     | ShutdownReq
+    | StartProfileReqInput
+    | StopProfileReqInput
     | UpdateWeightFromDiskReqInput
     | UpdateWeightsFromTensorReqInput
     | UpdateWeightsFromIPCReqInput

@@ -69,6 +69,8 @@ from tide.io_struct import (
     SchedulerInput,
     SchedulerReady,
     ShutdownReq,
+    StartProfileReqInput,
+    StopProfileReqInput,
     TokenizedGenerateReqInput,
     decode_input,
     decode_output,
@@ -400,6 +402,10 @@ class DataParallelController:
                 return
             self._fan_out(msg, lambda i: msgspec.structs.replace(
                 msg, req_id=_sub_id(msg.req_id, i), rank_offset=offsets[i]))
+        elif isinstance(msg, StartProfileReqInput):  # each replica's files under its own name
+            base = msg.profile_id or str(int(time.time()))
+            self._fan_out(msg, lambda i: msgspec.structs.replace(
+                msg, req_id=_sub_id(msg.req_id, i), profile_id=f"{base}-DP-{i}"))
         else:
             req_id = getattr(msg, "req_id", None)
             if req_id is None:
@@ -473,6 +479,8 @@ class DataParallelController:
         if isinstance(fan.msg, (GetLoadReqInput, GetServerInfoReqInput)):
             merged.data = self._merge_load(replies)
             merged.message = replies[0].message if replies else merged.message
+        elif isinstance(fan.msg, StopProfileReqInput):
+            merged.data = {"paths": [p for r in replies for p in r.data.get("paths", [])]}
         self._send_up(ControlReqOutput(req_id=req_id, success=merged.success,
                                        message=merged.message, data=merged.data))
         if isinstance(fan.msg, ShutdownReq):

@@ -81,6 +81,8 @@ from tide.io_struct import (
     SchedulerInput,
     SchedulerReady,
     ShutdownReq,
+    StartProfileReqInput,
+    StopProfileReqInput,
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
@@ -101,6 +103,7 @@ from tide.scheduler.handover import (
     TensorUpdate,
     WeightUpdate,
 )
+from tide.scheduler.profile import ACTIVITIES, ProfileOptions, default_output_dir
 from tide.scheduler.request import FinishReason, Req
 from tide.scheduler.scheduler import Scheduler, create_scheduler
 
@@ -129,6 +132,7 @@ _LONG_OPERATIONS: dict[type, str] = {
     ContinueGenerationReqInput: "continue_generation",
     GetWeightsByNameReqInput: "get_weights_by_name",
     DumpMemoryTimelineReqInput: "dump_memory_timeline",
+    StopProfileReqInput: "stop_profile",
 }
 
 
@@ -399,6 +403,15 @@ class SchedulerProcess:
                                released_bytes=handover.released_bytes())
         elif isinstance(msg, DumpMemoryTimelineReqInput):
             self._reply(msg.req_id, True, data={"timeline": self.scheduler.ledger.to_dict()})
+        elif isinstance(msg, StartProfileReqInput):
+            self._handle_start_profile(msg)
+        elif isinstance(msg, StopProfileReqInput):
+            try:
+                paths = self.scheduler.stop_profile()
+            except (RuntimeError, OSError) as e:
+                self._reply(msg.req_id, False, str(e))
+            else:
+                self._reply(msg.req_id, True, "profile stopped", data={"paths": paths})
         elif isinstance(msg, GetWeightsByNameReqInput):
             try:
                 values = handover.get_weights_by_name(msg.name, msg.truncate_size)
@@ -483,6 +496,26 @@ class SchedulerProcess:
 
         self.handover.submit_update(_weight_update(msg), msg, on_done)
         self._report_finished()  # requests its abort_all_requests finished
+
+    def _handle_start_profile(self, msg: StartProfileReqInput) -> None:
+        """A bad option is refused naming its field (`data["param"]`); a running profile too."""
+        try:
+            options = ProfileOptions(
+                output_dir=default_output_dir(), num_steps=msg.num_steps,
+                activities=tuple(msg.activities if msg.activities is not None else ACTIVITIES),
+                record_shapes=msg.record_shapes, with_stack=msg.with_stack,
+                profile_id=msg.profile_id)
+        except ValueError as e:
+            param = str(e).split(" ", 1)[0]
+            self._reply(msg.req_id, False, str(e), data={"param": param})
+            return
+        try:
+            self.scheduler.start_profile(options)
+        except (RuntimeError, OSError) as e:
+            self._reply(msg.req_id, False, str(e))
+            return
+        self._reply(msg.req_id, True, f"profiling to {options.output_dir} as {options.profile_id}",
+                    data={"profile_id": options.profile_id, "output_dir": options.output_dir})
 
     def _handle_init_group(self, msg: InitWeightsUpdateGroupReqInput) -> None:
         name = msg.group_name

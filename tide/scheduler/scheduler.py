@@ -35,6 +35,7 @@ from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.scheduler.handover import Handover
+from tide.scheduler.profile import ProfileOptions
 from tide.scheduler.request import FinishReason, Req
 from tide.scheduler.schedule_batch import ScheduleBatch, sampling_info
 from tide.scheduler.worker import ModelWorker, SampleFuture, TpModelWorker
@@ -122,6 +123,8 @@ class Scheduler:
         # pause or update settles it first); the next `step()` returns them.
         self._ready: list[Req] = []
         self.handover = Handover(self, worker, ledger, config.enable_memory_saver, weight_version)
+        # Forwards left before a running profile stops by itself (None: none, or at stop_profile).
+        self._profile_steps_left: int | None = None
 
     def kv_pools_summary(self) -> str:
         """One log line's worth of `kv_pools()`: per pool used/capacity and evictable."""
@@ -248,6 +251,7 @@ class Scheduler:
         try:
             self.prepare(batch)
             out = self.worker.forward(batch)
+            self._profile_tick()
             return _merge(got, self.process_results(batch, out))
         except Exception as e:  # any failure must not leak KV or wedge the loop
             logger.exception("forward failed; aborting %d request(s)", len(batch.reqs))
@@ -288,6 +292,31 @@ class Scheduler:
         for req in batch.reqs:
             req.kv_len += 1
         self._launched = LaunchedBatch(batch, future)
+        self._profile_tick()
+
+    # ---- profiling (sglang's start_profile / stop_profile; tide/scheduler/profile.py)
+    def start_profile(self, options: ProfileOptions) -> None:
+        """Profile the forwards of every rank from now on, until `stop_profile` or, with
+        `options.num_steps`, until that many forwards have launched."""
+        self.worker.start_profile(options)
+        self._profile_steps_left = options.num_steps
+
+    def stop_profile(self) -> list[str]:
+        """Stop the running profile; the files every rank wrote."""
+        self._profile_steps_left = None
+        return self.worker.stop_profile()
+
+    def _profile_tick(self) -> None:
+        if self._profile_steps_left is None:
+            return
+        self._profile_steps_left -= 1
+        if self._profile_steps_left == 0:
+            try:  # a profile that cannot be written must not fail the batch
+                paths = self.stop_profile()
+            except (RuntimeError, OSError) as e:
+                logger.error("stopping the profile failed: %s", e)
+            else:
+                logger.info("profile stopped after its forwards: %s", ", ".join(paths))
 
     def _step_overlapped(self) -> list[Req] | None:
         """Launch decode step N+1 on the tokens step N leaves on the device, then apply step N's

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -54,6 +54,7 @@ from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.parallel import TpGroup
 from tide.parallel.group import COALESCE
+from tide.scheduler.profile import ProfileOptions
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.scheduler.worker import ModelWorker, SampleFuture, TpModelWorker
 from tide.weights.bucket import FlattenedBucket
@@ -231,6 +232,12 @@ class RankRuntime:
     def drop_cpu_backup(self) -> int:
         return int(self.worker.memory_occupation.drop_cpu_backup())
 
+    def start_profile(self, options: ProfileOptions) -> None:
+        self.worker.start_profile(options, self.tp.rank)
+
+    def stop_profile(self) -> list[str]:
+        return self.worker.stop_profile()
+
     def close_occupation(self) -> None:
         self.worker.memory_occupation.close()
 
@@ -353,7 +360,7 @@ class RankError(Exception):
         self.message = message if rank == 0 else f"rank {rank}: {message}"
         super().__init__(self.message)
 
-    def reraise(self) -> None:
+    def reraise(self) -> NoReturn:
         cls = {"ValueError": ValueError, "TypeError": TypeError}.get(self.kind, RuntimeError)
         raise cls(self.message) from None
 
@@ -372,6 +379,7 @@ class TpWorkerGroup(ModelWorker):
         self._procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
         self._broken: str | None = None  # why stepping stopped for good (a child's forward failed)
+        self._profiling = False  # every rank runs a profile (start_profile .. stop_profile)
         try:
             self._start(config, model_config, ledger)
         except BaseException:
@@ -508,6 +516,30 @@ class TpWorkerGroup(ModelWorker):
 
     def rank_ledgers(self) -> list[dict]:
         return self.call("ledger")
+
+    def start_profile(self, options: ProfileOptions, rank: int = 0) -> None:
+        """Start a profile on every rank; if one fails, the others stop theirs."""
+        if self._profiling:
+            raise RuntimeError("a profile is already running (stop_profile first)")
+        try:
+            self.call("start_profile", options)
+        except RankError as e:
+            try:
+                self.call("stop_profile")  # those that started; the others report none runs
+            except RankError:
+                pass
+            e.reraise()
+        self._profiling = True
+
+    def stop_profile(self) -> list[str]:
+        """Stop every rank's profile; the files written, rank 0's first."""
+        if not self._profiling:
+            raise RuntimeError("no profile is running (start_profile first)")
+        self._profiling = False
+        try:
+            return [path for paths in self.call("stop_profile") for path in paths]
+        except RankError as e:
+            e.reraise()
 
     def rank_memory(self) -> list[dict]:
         return self.call("memory_report")

@@ -24,6 +24,7 @@ from tide.memory.release import empty_device_cache
 from tide.memory.swa import SWATokenToKVPoolAllocator
 from tide.model_config import ModelConfig
 from tide.parallel import TpGroup
+from tide.scheduler.profile import ProfileOptions, RankProfile
 from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.weights.update import WeightUpdater
 
@@ -94,6 +95,25 @@ class ModelWorker(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - a no-op unless the worker holds something
         """Stop whatever the worker started (rank processes) and give its device memory back."""
+
+    def start_profile(self, options: ProfileOptions, rank: int = 0) -> None:
+        """Start profiling this worker's forwards (every rank's, under tensor parallelism);
+        RuntimeError if a profile is running."""
+        if getattr(self, "_profile", None) is not None:
+            raise RuntimeError("a profile is already running (stop_profile first)")
+        self._profile: RankProfile | None = RankProfile(options, rank, self.profile_device())
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling; the files written, every rank's. RuntimeError if none is running."""
+        profile = getattr(self, "_profile", None)
+        if profile is None:
+            raise RuntimeError("no profile is running (start_profile first)")
+        self._profile = None
+        return profile.stop()
+
+    def profile_device(self) -> torch.device:
+        """The device whose kernels a profile records."""
+        return torch.device("cpu")
     # Whether `forward_launch` returns before the device finishes (the overlap scheduler pays off).
     supports_overlap: bool = False
 
@@ -126,6 +146,9 @@ class TpModelWorker(ModelWorker):
         self.weight_updater = WeightUpdater(runner.model, runner.device)
         self.memory_occupation = MemoryOccupation(runner, config.enable_cpu_backup, ledger)
         self.supports_overlap = runner.device.type == "cuda"
+
+    def profile_device(self) -> torch.device:
+        return self.model_runner.device
 
     def shutdown(self) -> None:
         """Give the model's, the pools' and the graphs' device memory back (`ModelRunner.close`)."""

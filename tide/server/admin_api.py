@@ -15,6 +15,9 @@
     POST /release_memory_occupation         {tags: [kv_cache | weights | cuda_graph] | null}
     POST /resume_memory_occupation          {tags: [kv_cache | weights | cuda_graph] | null}
     GET  /dump_memory_timeline              the memory timeline JSON (`tide memory-plot` draws it)
+    POST /start_profile                     {num_steps, activities, record_shapes, with_stack,
+                                             profile_id}: torch.profiler on every rank
+    POST /stop_profile                      stops it; `paths`: the files every rank wrote
 
 Replies: 200 `{"success": true, "message", "num_paused_requests"}` (`/get_weights_by_name` returns the
 list of values, as sglang does; `/update_weight_version` adds `new_version`). Every failure — bad
@@ -50,6 +53,8 @@ from tide.io_struct import (
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
+    StartProfileReqInput,
+    StopProfileReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromIPCReqInput,
@@ -67,6 +72,7 @@ from tide.server.protocol import (
     InitWeightsUpdateGroupInput,
     MemoryOccupationInput,
     PauseGenerationInput,
+    StartProfileInput,
     UpdateWeightFromDiskInput,
     UpdateWeightsFromDistributedInput,
     UpdateWeightsFromIPCInput,
@@ -94,6 +100,8 @@ ADMIN_HANDOVER_PATHS = frozenset({
     "/release_memory_occupation",
     "/resume_memory_occupation",
     "/dump_memory_timeline",
+    "/start_profile",
+    "/stop_profile",
 })
 
 
@@ -336,3 +344,17 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
     async def dump_memory_timeline() -> Response:
         out = await tm.admin(lambda r: DumpMemoryTimelineReqInput(req_id=r), timeout=60.0)
         return JSONResponse(out.data.get("timeline", {}))
+
+    @app.post("/start_profile", openapi_extra=json_body(StartProfileInput, required=False))
+    async def start_profile(request: Request) -> Response:
+        body = await _parse(request, StartProfileInput, allow_empty=True)
+        out = await tm.admin(lambda r: StartProfileReqInput(
+            req_id=r, num_steps=body.num_steps, activities=body.activities,
+            record_shapes=body.record_shapes, with_stack=body.with_stack,
+            profile_id=body.profile_id))
+        return _result(out, param=out.data.get("param"), code="invalid_value")
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        out = await tm.admin(lambda r: StopProfileReqInput(req_id=r), timeout=300.0)
+        return _result(out, param=None, code="invalid_value", paths=out.data.get("paths", []))

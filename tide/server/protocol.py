@@ -224,6 +224,18 @@ class ContinueGenerationInput(BaseModel):
     torch_empty_cache: bool = True
 
 
+class StartProfileInput(BaseModel):
+    """`POST /start_profile` (sglang's body, less `output_dir`: a request never picks where the
+    server writes; files go to `$TIDE_TORCH_PROFILER_DIR`, else /tmp/tide-profile)."""
+
+    model_config = _STRICT
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_id: str = ""
+
+
 class MemoryOccupationInput(BaseModel):
     """`POST /release_memory_occupation` and `/resume_memory_occupation` (sglang's body): `tags`
     among kv_cache, weights, cuda_graph; null (or no body) for all of them."""
