@@ -65,6 +65,7 @@ def test_a_profile_with_num_steps_stops_by_itself(path, tmp_path):
 
 @pytest.mark.parametrize("bad,field", [
     (dict(activities=["TPU"]), "activities"),
+    (dict(activities=[]), "activities"),
     (dict(num_steps=0), "num_steps"),
     (dict(num_steps=True), "num_steps"),
     (dict(profile_id="../x"), "profile_id"),

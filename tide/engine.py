@@ -180,7 +180,7 @@ class Engine:
         /tmp/tide-profile). ValueError for a bad option; RuntimeError if a profile is running."""
         options = ProfileOptions(
             output_dir=output_dir or default_output_dir(),
-            num_steps=num_steps, activities=tuple(activities or ACTIVITIES),
+            num_steps=num_steps, activities=ACTIVITIES if activities is None else tuple(activities),
             record_shapes=record_shapes, with_stack=with_stack, profile_id=profile_id or "")
         with self._control():
             self.scheduler.start_profile(options)
