@@ -68,6 +68,7 @@ def test_a_profile_with_num_steps_stops_by_itself(path, tmp_path):
     (dict(activities=[]), "activities"),
     (dict(num_steps=0), "num_steps"),
     (dict(num_steps=True), "num_steps"),
+    (dict(num_steps=4097), "num_steps"),
     (dict(profile_id="../x"), "profile_id"),
 ])
 def test_bad_profile_options_are_refused_by_name(path, tmp_path, bad, field):
@@ -76,6 +77,18 @@ def test_bad_profile_options_are_refused_by_name(path, tmp_path, bad, field):
             engine.start_profile(output_dir=str(tmp_path), **bad)
         with pytest.raises(RuntimeError, match="no profile is running"):
             engine.stop_profile()
+
+
+def test_a_directory_others_may_write_is_refused(path, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # another user could plant links to files a profile would overwrite
+    with tide.Engine(str(path), **OPTIONS) as engine:
+        with pytest.raises(RuntimeError, match="not be writable by others"):
+            engine.start_profile(output_dir=str(shared))
+        engine.start_profile(output_dir=str(tmp_path / "mine"), profile_id="ok")
+        assert len(engine.stop_profile()) == 2
+        assert (tmp_path / "mine").stat().st_mode & 0o777 == 0o700
 
 
 def test_every_tensor_parallel_rank_writes_its_own_profile(path, tmp_path):

@@ -177,7 +177,8 @@ class Engine:
         """Start torch.profiler on every rank: forwards from now on, until `stop_profile()` or,
         with `num_steps`, that many forwards. Each rank writes `{profile_id}-TP-{rank}.trace.json`
         and `.kernels.json` into `output_dir` (default `$TIDE_TORCH_PROFILER_DIR`, else
-        /tmp/tide-profile). ValueError for a bad option; RuntimeError if a profile is running."""
+        `{tempdir}/tide-profile-{uid}`). ValueError for a bad option; RuntimeError if a profile is
+        running or the directory is not private to this user."""
         options = ProfileOptions(
             output_dir=output_dir or default_output_dir(),
             num_steps=num_steps, activities=ACTIVITIES if activities is None else tuple(activities),

@@ -403,7 +403,7 @@ class DataParallelController:
             self._fan_out(msg, lambda i: msgspec.structs.replace(
                 msg, req_id=_sub_id(msg.req_id, i), rank_offset=offsets[i]))
         elif isinstance(msg, StartProfileReqInput):  # each replica's files under its own name
-            base = msg.profile_id or str(int(time.time()))
+            base = (msg.profile_id or str(int(time.time())))[:120]  # room for the suffix
             self._fan_out(msg, lambda i: msgspec.structs.replace(
                 msg, req_id=_sub_id(msg.req_id, i), profile_id=f"{base}-DP-{i}"))
         else:

@@ -35,7 +35,8 @@ runs one program), and the program runs in the same calls on every rank, so its 
 what the peers' same program wrote in their `j`-th; a peer can be at most one run ahead (its run
 `j + 2` needs this rank's push of run `j + 1`, which comes after this rank emptied run `j`'s rows),
 so it writes only into the other buffer. That holds while rows keep their addresses, so the channel
-serves one row width, the first it is given (the hidden size), and other widths take the plain sum.
+serves one row width and dtype, the first it is given (the hidden size, the model dtype), and others
+take the plain sum.
 Against flags, a call saves the release fence, the flag round trip and the read of the peer's
 slot across the link: a row crosses once, as a write.
 
@@ -123,7 +124,7 @@ class OneShotAllReduce:
         self._bases = torch.tensor(bases, dtype=torch.int64, device=device)
         self._counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
         self._row_counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=device)
-        self._row_width: int | None = None
+        self._row_width: tuple[int, torch.dtype] | None = None  # (width, dtype) the rows keep
         self._row_slot_bytes = row_slot_bytes(size)
 
     @classmethod
@@ -197,12 +198,12 @@ class OneShotAllReduce:
     def fits_rows(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether `add_rmsnorm(x, residual, ...)` takes the fused kernel: contiguous, a sum's
         dtype, at most one row slot (`row_slot_bytes`), 2-D, a residual of the same shape and
-        dtype, and the row width this channel serves. The same on every rank (they see the same
-        shapes in the same order)."""
+        dtype, and the row width and dtype this channel serves. The same on every rank (they see
+        the same shapes in the same order)."""
         return (self.fits(x) and x.numel() * x.element_size() <= self._row_slot_bytes
                 and x.dim() == 2 and residual.shape == x.shape
                 and residual.dtype == x.dtype and residual.is_contiguous()
-                and x.shape[1] == (self._row_width or x.shape[1]))
+                and (x.shape[1], x.dtype) == (self._row_width or (x.shape[1], x.dtype)))
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +211,7 @@ class OneShotAllReduce:
         launch (`fits_rows(x, residual)` must hold). Rounds as the one-shot sum followed by
         `triton_ops.rmsnorm` does: s to the dtype, the residual add in the dtype, the norm in fp32
         rounded before the weight. `x` is left as it was."""
-        self._row_width = x.shape[1]
+        self._row_width = (x.shape[1], x.dtype)
         out, res_out = torch.empty_like(x), torch.empty_like(x)
         block = triton.next_power_of_2(x.shape[1])
         use_pdl = pdl.enabled(x)

@@ -408,8 +408,8 @@ class SchedulerProcess:
         elif isinstance(msg, StopProfileReqInput):
             try:
                 paths = self.scheduler.stop_profile()
-            except (RuntimeError, OSError) as e:
-                self._reply(msg.req_id, False, str(e))
+            except Exception as e:  # noqa: BLE001 - the reply says why; the loop goes on
+                self._reply(msg.req_id, False, f"{type(e).__name__}: {e}")
             else:
                 self._reply(msg.req_id, True, "profile stopped", data={"paths": paths})
         elif isinstance(msg, GetWeightsByNameReqInput):
@@ -511,8 +511,8 @@ class SchedulerProcess:
             return
         try:
             self.scheduler.start_profile(options)
-        except (RuntimeError, OSError) as e:
-            self._reply(msg.req_id, False, str(e))
+        except Exception as e:  # noqa: BLE001 - the reply says why; the loop goes on
+            self._reply(msg.req_id, False, f"{type(e).__name__}: {e}")
             return
         self._reply(msg.req_id, True, f"profiling to {options.output_dir} as {options.profile_id}",
                     data={"profile_id": options.profile_id, "output_dir": options.output_dir})

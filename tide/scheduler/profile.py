@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,14 +24,31 @@ from typing import Any
 import torch
 
 ACTIVITIES = ("CPU", "GPU")
-MAX_NUM_STEPS = 100_000  # a profile holds every event in host memory until it stops
+# A profile holds every event in host memory until it stops, and the stop writes them from the
+# serving loop: a few thousand forwards (the standard 256-request workload is ~1,050) at most.
+MAX_NUM_STEPS = 4096
 _PROFILE_ID = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]{0,127}")
 
 
 def default_output_dir() -> str:
     """Where profiles go unless the caller says: `$TIDE_TORCH_PROFILER_DIR`, else
-    /tmp/tide-profile (the server always writes there: a request never picks a path)."""
-    return os.environ.get("TIDE_TORCH_PROFILER_DIR", "/tmp/tide-profile")
+    `{tempdir}/tide-profile-{uid}`, this user's own directory (mode 0700; `RankProfile` refuses
+    one that another user owns or that is a link). The server always writes here: a request
+    never picks a path."""
+    return os.environ.get("TIDE_TORCH_PROFILER_DIR",
+                          os.path.join(tempfile.gettempdir(), f"tide-profile-{os.getuid()}"))
+
+
+def _make_private_dir(path: str) -> None:
+    """Create `path` (0700) if needed; RuntimeError if it is a link or not this user's, where
+    another user could have planted links to files the profile would overwrite."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise RuntimeError(f"profile directory {path} is not a directory")
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"profile directory {path} must belong to this user and not be "
+                           "writable by others")
 
 
 @dataclass(frozen=True)
@@ -73,7 +92,7 @@ class RankProfile:
         if "GPU" in options.activities and device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.options, self.rank = options, rank
-        os.makedirs(options.output_dir, exist_ok=True)
+        _make_private_dir(options.output_dir)
         self._profiler = torch.profiler.profile(activities=activities,
                                                 record_shapes=options.record_shapes,
                                                 with_stack=options.with_stack)

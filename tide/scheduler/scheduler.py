@@ -313,8 +313,8 @@ class Scheduler:
         if self._profile_steps_left == 0:
             try:  # a profile that cannot be written must not fail the batch
                 paths = self.stop_profile()
-            except (RuntimeError, OSError) as e:
-                logger.error("stopping the profile failed: %s", e)
+            except Exception as e:  # noqa: BLE001 - logged; serving goes on
+                logger.error("stopping the profile failed: %s: %s", type(e).__name__, e)
             else:
                 logger.info("profile stopped after its forwards: %s", ", ".join(paths))
 

@@ -226,7 +226,7 @@ class ContinueGenerationInput(BaseModel):
 
 class StartProfileInput(BaseModel):
     """`POST /start_profile` (sglang's body, less `output_dir`: a request never picks where the
-    server writes; files go to `$TIDE_TORCH_PROFILER_DIR`, else /tmp/tide-profile)."""
+    server writes; files go to `$TIDE_TORCH_PROFILER_DIR`, else /tmp/tide-profile-{uid})."""
 
     model_config = _STRICT
     num_steps: int | None = None
