@@ -35,7 +35,7 @@ from tide.scheduler.handover import (
     TensorUpdate,
     WeightUpdate,
 )
-from tide.scheduler.profile import ACTIVITIES, ProfileOptions, default_output_dir
+from tide.scheduler.profile import ProfileOptions
 from tide.scheduler.request import Req
 from tide.scheduler.scheduler import create_scheduler
 from tide.scheduler.worker import ModelWorker
@@ -180,8 +180,8 @@ class Engine:
         `{tempdir}/tide-profile-{uid}`). ValueError for a bad option; RuntimeError if a profile is
         running or the directory is not private to this user."""
         options = ProfileOptions(
-            output_dir=output_dir or default_output_dir(),
-            num_steps=num_steps, activities=ACTIVITIES if activities is None else tuple(activities),
+            output_dir=output_dir or "", num_steps=num_steps,
+            activities=None if activities is None else tuple(activities),
             record_shapes=record_shapes, with_stack=with_stack, profile_id=profile_id or "")
         with self._control():
             self.scheduler.start_profile(options)

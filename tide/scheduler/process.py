@@ -103,7 +103,7 @@ from tide.scheduler.handover import (
     TensorUpdate,
     WeightUpdate,
 )
-from tide.scheduler.profile import ACTIVITIES, ProfileOptions, default_output_dir
+from tide.scheduler.profile import ProfileOptions
 from tide.scheduler.request import FinishReason, Req
 from tide.scheduler.scheduler import Scheduler, create_scheduler
 
@@ -500,9 +500,9 @@ class SchedulerProcess:
     def _handle_start_profile(self, msg: StartProfileReqInput) -> None:
         """A bad option is refused naming its field (`data["param"]`); a running profile too."""
         try:
-            options = ProfileOptions(
-                output_dir=default_output_dir(), num_steps=msg.num_steps,
-                activities=tuple(msg.activities if msg.activities is not None else ACTIVITIES),
+            options = ProfileOptions(  # the default directory: a request never picks a path
+                num_steps=msg.num_steps,
+                activities=None if msg.activities is None else tuple(msg.activities),
                 record_shapes=msg.record_shapes, with_stack=msg.with_stack,
                 profile_id=msg.profile_id)
         except ValueError as e:

@@ -53,26 +53,28 @@ def _make_private_dir(path: str) -> None:
 
 @dataclass(frozen=True)
 class ProfileOptions:
-    """What `start_profile` records. `num_steps`: stop by itself after that many forwards (None:
-    at `stop_profile`). `activities`: any of "CPU" (host operators) and "GPU" (kernels; where the
-    device is a GPU)."""
+    """What `start_profile` records. `output_dir`: "" for `default_output_dir()`. `num_steps`:
+    stop by itself after that many forwards (None: at `stop_profile`). `activities`: any of "CPU"
+    (host operators) and "GPU" (kernels; where the device is a GPU); None for both."""
 
-    output_dir: str
+    output_dir: str = ""
     num_steps: int | None = None
-    activities: tuple[str, ...] = ACTIVITIES
+    activities: tuple[str, ...] | None = None
     record_shapes: bool = False
     with_stack: bool = False
     profile_id: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.output_dir, str) or not self.output_dir:
-            raise ValueError("output_dir must be a non-empty path")
+        if not isinstance(self.output_dir, str):
+            raise ValueError(f"output_dir must be a path, got {self.output_dir!r}")
+        if not self.output_dir:
+            object.__setattr__(self, "output_dir", default_output_dir())
         if self.num_steps is not None and (isinstance(self.num_steps, bool)
                                            or not isinstance(self.num_steps, int)
                                            or not 1 <= self.num_steps <= MAX_NUM_STEPS):
             raise ValueError(f"num_steps must be an integer in [1, {MAX_NUM_STEPS}] or None, "
                              f"got {self.num_steps!r}")
-        acts = tuple(self.activities)
+        acts = ACTIVITIES if self.activities is None else tuple(self.activities)
         if not acts or any(a not in ACTIVITIES for a in acts):
             raise ValueError(f"activities must be a non-empty subset of {list(ACTIVITIES)}, "
                              f"got {list(acts)}")
@@ -88,8 +90,9 @@ class RankProfile:
     """One rank's profiler, between `start` and `stop`."""
 
     def __init__(self, options: ProfileOptions, rank: int, device: torch.device) -> None:
-        activities = [torch.profiler.ProfilerActivity.CPU] if "CPU" in options.activities else []
-        if "GPU" in options.activities and device.type == "cuda":
+        acts = options.activities or ACTIVITIES
+        activities = [torch.profiler.ProfilerActivity.CPU] if "CPU" in acts else []
+        if "GPU" in acts and device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.options, self.rank = options, rank
         _make_private_dir(options.output_dir)
