@@ -62,6 +62,19 @@ def test_kernels_compile_for_hopper():
         stage_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * 2
         assert gemm.metadata.shared >= (cfg.num_stages - 1) * stage_bytes, cfg
         assert gemm.metadata.shared <= 227 * 1024, cfg  # an H100's shared memory per block
+        if cfg.tma:
+            tma = _compile_sm90(
+                bt._matmul_tma_kernel,
+                {"a_desc": f"tensordesc<bf16[{cfg.block_m},{cfg.block_k}]>",
+                 "w_desc": f"tensordesc<bf16[{cfg.block_n},{cfg.block_k}]>", "Bias": "*bf16",
+                 "C": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
+                 "num_progs": "i32", "has_bias": "i32"},
+                dict(PRECISION="tf32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                     BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, USE_PDL=True),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            assert "cp.async.bulk.tensor" in tma.asm["ptx"], cfg  # loads by the copy engine
+            assert tma.metadata.shared >= (cfg.num_stages - 1) * stage_bytes, cfg
+            assert tma.metadata.shared <= 227 * 1024, cfg
     # Extend's 64-row programs on 4 warps, and the decode's 16 rows on one.
     for rows, warps in ((bt.ATTN_BLOCK_M, 4), (bt.ATTN_DECODE_BLOCK_M, 1)):
         _compile_sm90(
@@ -130,6 +143,46 @@ def test_linear_rows_independent_of_batch(bt, k):
     for start, m in [(0, 1), (5, 1), (5, 7), (31, 2), (40, 33), (149, 1), (3, 130)]:
         part = bt.linear(x[start : start + m], w, bias, config=cfg)
         assert torch.equal(part, full[start : start + m]), (start, m)
+
+
+@interpreted
+@pytest.mark.parametrize("k", [128, 80])
+def test_tma_tiles_give_the_pointer_tiles_rows(bt, k):
+    """The TMA kernel (descriptor loads, zero rows and K columns past the edge) computes the same
+    tiles as the pointer kernel: equal rows for every batch size, with a bias and a ragged last K
+    slice. A row stride TMA cannot carry (not a multiple of 16 bytes) runs the pointer kernel."""
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(72, k, generator=gen).half()
+    bias = torch.randn(72, generator=gen).half()
+    x = torch.randn(150, k, generator=gen).half()
+    ptr = bt.GemmConfig(32, 32, 32, num_warps=4, num_stages=2, group_m=2)
+    tma = bt.GemmConfig(32, 32, 32, num_warps=4, num_stages=2, group_m=2, tma=True)
+    assert bt._tma_ok(x, w)
+    calls = []
+    real = bt._matmul_tma_kernel
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bt, "_matmul_tma_kernel", _Counting(real, calls))
+        full = bt.linear(x, w, bias, config=tma)
+        assert torch.equal(full, bt.linear(x, w, bias, config=ptr))
+        for start, m in [(0, 1), (5, 7), (31, 2), (40, 33), (3, 130)]:
+            assert torch.equal(bt.linear(x[start : start + m], w, bias, config=tma),
+                               full[start : start + m]), (start, m)
+        assert len(calls) == 6
+        odd = torch.randn(9, k + 1, generator=gen).half()[:, :k]  # row stride k + 1 halves
+        assert not bt._tma_ok(odd, w)
+        assert torch.equal(bt.linear(odd, w, bias, config=tma), bt.linear(odd, w, bias, config=ptr))
+        assert len(calls) == 6
+
+
+class _Counting:
+    """A launcher stand-in that counts `kernel[grid](...)` launches."""
+
+    def __init__(self, kernel, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
 
 
 @interpreted

@@ -66,6 +66,17 @@ def test_tp2_matches_tp1(path, reference, graphs):
         _assert_close(_run(engine), reference)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA GPUs")
+def test_tp4_matches_tp1_in_graphs(path, reference):
+    """Four ranks with CUDA graphs: the one-shot sums and the fused sum + norm's row channel at a
+    world of four (fp32 rows), against one GPU."""
+    options = dict(OPTIONS, attention_backend="triton")
+    with tide.Engine(str(path), tp_size=4, **options) as engine:
+        assert engine.model_runner.cuda_graph_runner is not None
+        _assert_close(_run(engine), reference)
+        _assert_close(_run(engine), reference)  # the row buffers' parity survives a second run
+
+
 def _ipc_sender(named, queue, done) -> None:
     """A colocated trainer: rank r's payload holds CUDA IPC handles of tensors on GPU r."""
     from tide.weights import flatten_by_dtype, serialize_named_tensors

@@ -10,7 +10,8 @@ gets it by construction, not by tuning luck:
   output row reads only its own A row. The tile shape (BLOCK_M/N, warps, stages) is picked from M
   (`gemm_config`) only where the device has been shown to give bit-equal rows for every tile shape
   tide picks at that K and dtype (`tile_shapes_agree`, checked once per process and device; on an
-  H100, bf16, mma.sync and wgmma tiles from 16x16 to 128x256 agree). Where it has not, one tile
+  H100, bf16, mma.sync and wgmma tiles from 16x16 to 128x256, loaded through pointers or TMA,
+  agree). Where it has not, one tile
   shape per (N, K) serves every M (`fixed_config`). (cuBLAS is never used: it picks its algorithm
   and split-K from M.)
 - `attention`: ONE kernel serves decode and extend. A program takes BLOCK_M (token, q head) rows of
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,11 @@ import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime import errors as _triton_errors
+
+try:  # Triton >= 3.4; older ones load every tile through pointers
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 
 from tide.layers import pdl
 
@@ -72,6 +79,11 @@ class GemmConfig:
     # Persistent programs per SM (the grid is this times the SM count, at most one per tile). Which
     # program computes a tile never changes the tile's bits, so this is free to tune.
     programs_per_sm: int = 1
+    # Load the A and W tiles through TMA tensor descriptors (Hopper and later; `_tma_ok`) instead of
+    # per-thread pointer loads. The same MMA steps in the same K order: the same bits (measured on
+    # an H100 at every projection of Llama-3.1-8B and M = 1-8192, and checked at start-up by
+    # `tile_shapes_agree` with the other shapes). Elsewhere the pointer kernel runs the same tiles.
+    tma: bool = False
 
 
 K_STEP = 64  # every tile's BLOCK_K: it fixes the order of a row's K reduction
@@ -81,15 +93,18 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     """The tile shape for an [m, k] x [k, n] product where tile shapes agree (`tile_shapes_agree`).
 
     Measured on an H100 (bf16, Llama-3.1-8B projections, `python -m benchmarks.deterministic --only
-    gemm` and a sweep over the decode graphs' batch sizes): up to 8 rows, 16-row mma tiles over 64
+    gemm` and sweeps over the decode graphs' batch sizes): up to 8 rows, 16-row mma tiles over 64
     columns spread the weight stream over every SM (at one row on 8 warps: 1.00-1.43x cuBLAS).
     Up to 64 rows: 64x128 tiles for wide outputs (N >= 16384), 64x32 (two programs per SM) for
     the others. 65-128 rows: 64x64 tiles, two programs per SM (8 warps where N < 6144: o and down
-    1.01-1.39x cuBLAS against 1.14-1.74x with 64x32), 128x128 for wide outputs. 129-192 rows:
-    64x128 tiles two per SM (qkv, gate_up, lm_head 1.11-1.39x against 1.21-1.51x), 64x64 on 8
-    warps where N < 6144 (down 1.26x against 1.42x). 193-256 rows: 64x128 two per SM where N is
-    6144-16383 (qkv), 64x128 narrower, 128x256 wide. Beyond: 128x256 where N >= 6144 or past 512
-    rows, else 128x128. Every shape steps K by `K_STEP`.
+    1.01-1.39x cuBLAS against 1.14-1.74x with 64x32), 128x128 for wide outputs. Up to here the
+    tiles load through pointers (TMA measured no faster). Past 128 rows every tile loads through
+    TMA (cuBLAS ratio, pointer loads -> TMA, 2026-11-26): 129-192 rows 64x128 tiles, two programs
+    per SM (qkv at 192 rows 1.59 -> 1.26, o 1.21 -> 1.01 with 5 stages); 193-256 rows 64x128, two
+    per SM for qkv (1.58 -> 1.24), one with 5 stages where N < 6144 (o 1.42 -> 1.04, down 1.43 ->
+    1.15), 128x256 on 4 stages for wide outputs (gate_up 1.17 -> 1.04); beyond, 128x256 tiles on
+    4 stages (M = 8192: qkv 1.24 -> 1.06, gate_up 1.22 -> 0.93, down 1.36 -> 1.02), 128x128 for
+    narrow outputs up to 512 rows. Every shape steps K by `K_STEP`.
     """
     if m == 1:
         return GemmConfig(16, 64, K_STEP, num_warps=8, num_stages=6)
@@ -107,17 +122,17 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
         return GemmConfig(64, 64, K_STEP, num_warps=8 if narrow else 4, num_stages=6,
                           programs_per_sm=2)
     if m <= 192:
-        if narrow:
-            return GemmConfig(64, 64, K_STEP, num_warps=8, num_stages=6, programs_per_sm=2)
-        return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4, programs_per_sm=2)
+        return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=5 if narrow else 4,
+                          programs_per_sm=2, tma=True)
     if m <= 256:
         if wide:
-            return GemmConfig(128, 256, K_STEP, num_warps=8, num_stages=3)
-        return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4,
-                          programs_per_sm=1 if narrow else 2)
+            return GemmConfig(128, 256, K_STEP, num_warps=8, num_stages=4, tma=True)
+        if narrow:
+            return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=5, tma=True)
+        return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4, programs_per_sm=2, tma=True)
     if m > 512 or not narrow:
-        return GemmConfig(128, 256, K_STEP, num_warps=8, num_stages=3)
-    return GemmConfig(128, 128, K_STEP, num_warps=8, num_stages=3)
+        return GemmConfig(128, 256, K_STEP, num_warps=8, num_stages=4, tma=True)
+    return GemmConfig(128, 128, K_STEP, num_warps=8, num_stages=4, tma=True)
 
 
 def fixed_config(n: int, k: int) -> GemmConfig:
@@ -131,7 +146,7 @@ def fixed_config(n: int, k: int) -> GemmConfig:
 
 # Every tile shape `gemm_config` or `fixed_config` can return: `tile_shapes_agree` checks them all,
 # so a product run with any of them gives the bits of any other.
-_PROBE_ROWS = (1, 8, 64, 128, 256, 512, 1024)
+_PROBE_ROWS = (1, 8, 64, 128, 192, 256, 512, 1024)
 _PROBE_COLS = (4096, 6144, 16384)
 
 
@@ -256,6 +271,57 @@ def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_
         tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M", "num_progs", "has_bias"])
+def _matmul_tma_kernel(a_desc, w_desc, Bias, C, M, N, K, stride_cm, num_progs, has_bias,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr):
+    """`_matmul_kernel` with its tiles loaded through TMA descriptors ([M, K] and [N, K], blocks of
+    BLOCK_K columns). Rows and columns past the descriptors' shapes load as zeros (a ragged last
+    K slice too, as the pointer kernel's mask) and are never stored."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    for tile in range(pid, num_m * num_n, num_progs):
+        first_m = (tile // per_group) * GROUP_M
+        group_size = tl.minimum(num_m - first_m, GROUP_M)
+        pm = first_m + (tile % per_group) % group_size
+        pn = (tile % per_group) // group_size
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pm * BLOCK_M, k0])
+            w = w_desc.load([pn * BLOCK_N, k0])
+            acc = tl.dot(a, w.T, acc, input_precision=PRECISION)
+        rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        if has_bias != 0:
+            acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@functools.cache
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether TMA descriptors can carry x [M, K] and weight [N, K]: 16-byte aligned bases and row
+    strides, on a Hopper or later GPU (or under Triton's CPU interpreter, for tests)."""
+    if TensorDescriptor is None:
+        return False
+    if x.is_cuda:
+        if not _has_tma(x.device.index or 0):
+            return False
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    size = x.element_size()
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x, weight))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            config: GemmConfig | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), x [..., K], weight [N, K]; fp32 accumulation, rounded to x's dtype.
@@ -280,8 +346,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 2
     progs = min(tiles, sms * cfg.programs_per_sm)
     use_pdl = pdl.enabled(x)
+    bias_arg = bias if bias is not None else weight
+    if cfg.tma and _tma_ok(x2, weight):
+        _matmul_tma_kernel[(progs,)](
+            TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [cfg.block_m, cfg.block_k]),
+            TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k]),
+            bias_arg, out, m, n, k, out.stride(0), progs, int(bias is not None),
+            PRECISION=_precision(x), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, USE_PDL=use_pdl, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, launch_pdl=use_pdl,
+        )
+        return out.reshape(*lead, n)
     _matmul_kernel[(progs,)](
-        x2, weight, bias if bias is not None else weight, out, m, n, k,
+        x2, weight, bias_arg, out, m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0), progs, int(bias is not None),
         EVEN_K=k % cfg.block_k == 0, PRECISION=_precision(x),
         BLOCK_M=cfg.block_m,
