@@ -96,15 +96,16 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     gemm` and sweeps over the decode graphs' batch sizes): up to 8 rows, 16-row mma tiles over 64
     columns spread the weight stream over every SM (at one row on 8 warps: 1.00-1.43x cuBLAS).
     Up to 64 rows: 64x128 tiles for wide outputs (N >= 16384), 64x32 (two programs per SM) for
-    the others. 65-128 rows: 64x64 tiles, two programs per SM (8 warps where N < 6144: o and down
-    1.01-1.39x cuBLAS against 1.14-1.74x with 64x32), 128x128 for wide outputs. Up to here the
-    tiles load through pointers (TMA measured no faster). Past 128 rows every tile loads through
-    TMA (cuBLAS ratio, pointer loads -> TMA, 2026-11-26): 129-192 rows 64x128 tiles, two programs
-    per SM (qkv at 192 rows 1.59 -> 1.26, o 1.21 -> 1.01 with 5 stages); 193-256 rows 64x128, two
-    per SM for qkv (1.58 -> 1.24), one with 5 stages where N < 6144 (o 1.42 -> 1.04, down 1.43 ->
-    1.15), 128x256 on 4 stages for wide outputs (gate_up 1.17 -> 1.04); beyond, 128x256 tiles on
-    4 stages (M = 8192: qkv 1.24 -> 1.06, gate_up 1.22 -> 0.93, down 1.36 -> 1.02), 128x128 for
-    narrow outputs up to 512 rows. Every shape steps K by `K_STEP`.
+    the others. 65-128 rows where N < 6144: 64x64 tiles on 8 warps, two programs per SM (o and
+    down 1.01-1.39x cuBLAS against 1.14-1.74x with 64x32). Those shapes load through pointers;
+    the rest load through TMA (cuBLAS ratio, pointer loads -> TMA, two sweeps on 2026-11-26, H100):
+    65-128 rows, 64x128 tiles on 6 stages (qkv at 96-128 rows 1.12-1.16 -> 1.06-1.07), two
+    programs per SM on 4 stages for wide outputs (gate_up 1.02-1.31 -> 1.00-1.03). 129-256 rows:
+    64x128 tiles, two programs per SM on 4 stages (qkv at 192 rows 1.59 -> 1.25); on 6 stages,
+    one program per SM, where N < 6144 (o at 256 rows 1.42 -> 0.98, down 1.43 -> 1.04); 128x256
+    on 4 stages for wide outputs from 193 rows (gate_up 1.17 -> 1.04). Beyond 256 rows, 128x256
+    tiles on 4 stages (M = 8192: qkv 1.24 -> 1.06, gate_up 1.22 -> 0.93, down 1.36 -> 1.02),
+    128x128 for narrow outputs up to 512 rows. Every shape steps K by `K_STEP`.
     """
     if m == 1:
         return GemmConfig(16, 64, K_STEP, num_warps=8, num_stages=6)
@@ -116,19 +117,16 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
         if wide:
             return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4)
         return GemmConfig(64, 32, K_STEP, num_warps=4, num_stages=8, programs_per_sm=2)
+    if narrow and m <= 256:
+        if m <= 128:
+            return GemmConfig(64, 64, K_STEP, num_warps=8, num_stages=6, programs_per_sm=2)
+        return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=6, tma=True)
     if m <= 128:
         if wide:
-            return GemmConfig(128, 128, K_STEP, num_warps=8, num_stages=3, programs_per_sm=2)
-        return GemmConfig(64, 64, K_STEP, num_warps=8 if narrow else 4, num_stages=6,
-                          programs_per_sm=2)
-    if m <= 192:
-        return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=5 if narrow else 4,
-                          programs_per_sm=2, tma=True)
-    if m <= 256:
-        if wide:
-            return GemmConfig(128, 256, K_STEP, num_warps=8, num_stages=4, tma=True)
-        if narrow:
-            return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=5, tma=True)
+            return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4, programs_per_sm=2,
+                              tma=True)
+        return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=6, tma=True)
+    if m <= 192 or (m <= 256 and not wide):
         return GemmConfig(64, 128, K_STEP, num_warps=4, num_stages=4, programs_per_sm=2, tma=True)
     if m > 512 or not narrow:
         return GemmConfig(128, 256, K_STEP, num_warps=8, num_stages=4, tma=True)
