@@ -85,8 +85,10 @@ def test_kernels_compile_for_hopper():
              "is_decode": "i32",
              "write_partials": "i32", "split_progs": "i32", "logit_cap": "fp32", "window": "i32"},
             dict(HAS_CAP=True, GROUP=4, GROUP_P=4, BLOCK_M=rows, BLOCK_N=64, SPLIT=bt.ATTN_SPLIT,
-                 BLOCK_D=128, HEAD_DIM=128, PRECISION="tf32", USE_PDL=True, ORDERED=rows == 16),
-            num_warps=warps, num_stages=2, enable_fp_fusion=False)
+                 BLOCK_D=128, HEAD_DIM=128, PRECISION="tf32", USE_PDL=True, ORDERED=rows == 16,
+                 HAS_WINDOW=rows == 64, IDX64=rows == 64),
+            num_warps=warps, num_stages=2 if warps > 1 else bt._DECODE_ROW_STAGES,
+            enable_fp_fusion=False)
     _compile_sm90(bt._combine_kernel,
                   {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16", "SeqLens": "*i64",
                    "window": "i32"},

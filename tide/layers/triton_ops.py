@@ -14,6 +14,14 @@ import triton.language as tl
 
 from tide.layers import pdl
 
+# Per-request and per-token index arguments (the batch's metadata, read one element a program).
+# Their addresses are views into packed or freshly allocated buffers whose 16-byte alignment
+# changes with the batch, and Triton would compile a kernel again, in the middle of serving, for
+# each alignment it had not seen (measured: the first standard-workload run of a process compiled
+# the extend kernels again). Kernels taking them are not specialised on their alignment.
+INDEX_ARGS = ["Pos", "Loc", "ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens", "ExtendStarts",
+              "Order"]
+
 
 @triton.jit
 def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
@@ -132,7 +140,7 @@ def _head_norm(x1, x2, W, offs, mask_d, eps, OUT_TY: tl.constexpr, HEAD_DIM: tl.
     return y1.to(OUT_TY).to(tl.float32), y2.to(OUT_TY).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
                        stride_qt, stride_kt, stride_vt, stride_cos, stride_kb, stride_vb, norm_eps,
                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QH_P2: tl.constexpr,

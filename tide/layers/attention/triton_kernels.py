@@ -40,6 +40,7 @@ from tide.layers.attention.split_kv import (
     decode_block_config,
     num_kv_splits,
 )
+from tide.layers.triton_ops import INDEX_ARGS
 
 
 @triton.jit
@@ -161,7 +162,7 @@ def _decode_split_len(visible_len, NUM_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.c
     return tl.maximum(tl.cdiv(visible_len, NUM_SPLITS), MIN_SPLIT_LEN)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _decode_stage1(
     Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, MidO, MidLse, Out,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t,
@@ -254,7 +255,7 @@ def _decode_stage1(
         tl.store(MidLse + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _decode_stage2(
     MidO, MidLse, Out, SeqLens,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ot, stride_oh,
@@ -356,7 +357,7 @@ def decode_attention(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _extend_kernel(
     Q, K, V, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStarts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
