@@ -716,6 +716,9 @@ class DecodeSplitScratch:
     programs (`attention`): [max_batch, Hq, splits of the longest context, D] and the log-sum-exps.
     Allocated once, so CUDA graphs keep pointing at it."""
 
+    # At most this much device memory for the partials (`scratch_batch`).
+    MAX_BYTES = 512 << 20
+
     def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_context_len: int,
                  device: torch.device | str) -> None:
         splits = triton.cdiv(max_context_len, ATTN_SPLIT)
@@ -726,12 +729,27 @@ class DecodeSplitScratch:
 
     @staticmethod
     def parallel_batch_limit(num_kv_heads: int, device: torch.device | str) -> int:
-        """Decode batches up to this size run their splits in parallel: fewer (request, kv head)
-        pairs than SMs would leave most of the GPU idle."""
+        """Decode batches up to this size run their splits in parallel: up to about six (request,
+        kv head) pairs an SM, a token's splits spread over programs beat one program walking them
+        all (H100, 32/8 heads of 128, 100-1600 keys, a layer: 32 requests 103 -> 60 us, 64
+        requests 116 -> 106, 96 requests 150 -> 145; 128 requests: no gain)."""
         device = torch.device(device)
         if device.type != "cuda":
             return 4
-        return max(1, _num_sms(device.index or 0) // num_kv_heads)
+        return max(1, 6 * _num_sms(device.index or 0) // num_kv_heads)
+
+    @staticmethod
+    def scratch_batch(limit: int, num_heads: int, head_dim: int, max_context_len: int) -> int:
+        """How many requests' partials to allocate for: `limit`, or fewer where they would take
+        more than `MAX_BYTES` (long contexts); batches above it run each token's splits in one
+        program."""
+        per_request = num_heads * triton.cdiv(max_context_len, ATTN_SPLIT) * (head_dim + 1) * 4
+        return max(1, min(limit, DecodeSplitScratch.MAX_BYTES // per_request))
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device; 2 elsewhere (Triton's interpreter in tests)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 2
 
 
 def decode_order(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -792,9 +810,11 @@ def attention(
                 raise ValueError(f"decode_rows must be a power of two from 16 to {ATTN_BLOCK_M}, "
                                  f"got {decode_rows}")
             block_m = max(decode_rows, group_p)
-        elif not parallel and _DECODE_AGREE.get((group_p, head_dim, q.dtype, q.device)):
-            # Split-parallel batches are latency-bound: 4 warps a program beat 1 (bs1: 134 vs
-            # 102 tok/s, Llama-3.1-8B, H100).
+        elif (_DECODE_AGREE.get((group_p, head_dim, q.dtype, q.device))
+              and (not parallel or batch * num_kv_heads > _sm_count(q.device))):
+            # Split-parallel batches with fewer (request, kv head) pairs than SMs are
+            # latency-bound: 4 warps a program beat 1 there (bs1: 134 vs 102 tok/s,
+            # Llama-3.1-8B, H100; 16 requests 40.7 vs 43.3 us a layer).
             block_m = ATTN_DECODE_BLOCK_M
     warps = block_m // 16  # 16 rows a warp: extend's 64 on 4, the decode's 16 on 1
     if extend is None:
@@ -802,11 +822,13 @@ def attention(
         is_decode = 1
         if parallel:
             assert scratch is not None
-            # Enough programs per (request, kv head) for about two per SM; each takes every
-            # split_progs-th split (splits past the sequence exit at once).
-            split_progs = min(scratch.mid_o.shape[2],
-                              max(1, 2 * DecodeSplitScratch.parallel_batch_limit(1, q.device)
-                                  // (batch * num_kv_heads)))
+            # Programs per (request, kv head): about eight per SM, at least two, at most 32;
+            # each takes every split_progs-th split (splits past the sequence exit at once, but
+            # not for free: bs1 at 1k context lost 3% with 132). Measured on an H100 (a layer,
+            # 32/8 heads of 128, 100-1600 keys): 16 requests 58 us on 2, 41 on 3-6; 32 requests
+            # 77 us on 2, 60 on 4.
+            split_progs = min(scratch.mid_o.shape[2], 32,
+                              max(2, 8 * _sm_count(q.device) // (batch * num_kv_heads)))
             blocks = split_progs
         else:
             split_progs, blocks = 1, 1

@@ -54,8 +54,10 @@ class TritonAttnBackend(AttentionBackend):
             from tide.layers.batch_invariant_triton import DecodeSplitScratch
 
             limit = DecodeSplitScratch.parallel_batch_limit(num_kv_heads, device)
-            self._det_scratch = DecodeSplitScratch(min(limit, max_batch_size), num_heads, head_dim,
-                                                   max_context_len, device)
+            batch = DecodeSplitScratch.scratch_batch(min(limit, max_batch_size), num_heads,
+                                                     head_dim, max_context_len)
+            self._det_scratch = DecodeSplitScratch(batch, num_heads, head_dim, max_context_len,
+                                                   device)
         if deterministic:
             from tide.layers.batch_invariant_triton import decode_tiles_agree
 
