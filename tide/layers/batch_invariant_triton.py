@@ -822,13 +822,17 @@ def attention(
         is_decode = 1
         if parallel:
             assert scratch is not None
-            # Programs per (request, kv head): about eight per SM, at least two, at most 32;
-            # each takes every split_progs-th split (splits past the sequence exit at once, but
-            # not for free: bs1 at 1k context lost 3% with 132). Measured on an H100 (a layer,
-            # 32/8 heads of 128, 100-1600 keys): 16 requests 58 us on 2, 41 on 3-6; 32 requests
-            # 77 us on 2, 60 on 4.
-            split_progs = min(scratch.mid_o.shape[2], 32,
-                              max(2, 8 * _sm_count(q.device) // (batch * num_kv_heads)))
+            # Programs per (request, kv head), each taking every split_progs-th split (splits
+            # past the sequence exit at once). Fewer pairs than SMs (four-warp programs, small
+            # latency-bound batches): about two programs per SM. More (one-warp programs):
+            # about eight per SM, at least two (H100, a layer, 32/8 heads of 128, 100-1600 keys:
+            # 32 requests 77 us on 2, 60 on 4). With eight per SM (at most 32) at the four-warp
+            # sizes too, bs1 decode measured 124 against 137 tok/s (Llama-3.1-8B, 128 tokens of
+            # context, same process), though bs1's own launch barely changes: not understood.
+            sms = _sm_count(q.device)
+            pairs = batch * num_kv_heads
+            split_progs = min(scratch.mid_o.shape[2],
+                              max(2, 8 * sms // pairs) if pairs > sms else max(1, 2 * sms // pairs))
             blocks = split_progs
         else:
             split_progs, blocks = 1, 1
