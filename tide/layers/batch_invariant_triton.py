@@ -226,6 +226,16 @@ def _num_sms(index: int) -> int:
 # per tile shape (and K's evenness, dtype): `tile_shapes_agree` runs every shape tide may pick at
 # start-up, and no batch size compiles anything later (a compile while serving stalls every
 # request).
+@triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of persistent tile number `tile`, in grouped order: GROUP_M row
+    tiles walk the column tiles together (weight tiles stay in L2)."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_size, (tile % per_group) // group_size
+
+
 @triton.jit(do_not_specialize=["M", "num_progs", "has_bias"])
 def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_progs, has_bias,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -238,14 +248,9 @@ def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(pid, num_m * num_n, num_progs):
-        # Grouped order: GROUP_M row tiles walk the column tiles together (weight tiles stay in L2).
-        first_m = (tile // per_group) * GROUP_M
-        group_size = tl.minimum(num_m - first_m, GROUP_M)
-        pm = first_m + (tile % per_group) % group_size
-        pn = (tile % per_group) // group_size
+        pm, pn = _tile_coords(tile, num_m, num_n, GROUP_M)
         rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         # Out-of-range rows/columns read a valid row (never stored), so the loads need no row mask.
@@ -283,12 +288,8 @@ def _matmul_tma_kernel(a_desc, w_desc, Bias, C, M, N, K, stride_cm, num_progs, h
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
     for tile in range(pid, num_m * num_n, num_progs):
-        first_m = (tile // per_group) * GROUP_M
-        group_size = tl.minimum(num_m - first_m, GROUP_M)
-        pm = first_m + (tile % per_group) % group_size
-        pn = (tile % per_group) // group_size
+        pm, pn = _tile_coords(tile, num_m, num_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([pm * BLOCK_M, k0])
