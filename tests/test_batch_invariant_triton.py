@@ -174,6 +174,12 @@ def test_tma_tiles_give_the_pointer_tiles_rows(bt, k):
         assert not bt._tma_ok(odd, w)
         assert torch.equal(bt.linear(odd, w, bias, config=tma), bt.linear(odd, w, bias, config=ptr))
         assert len(calls) == 6
+        # A column slice of a wider buffer: the columns past K (NaN here) are never read.
+        wide = torch.full((150, k + 8), float("nan")).half()
+        wide[:, :k] = x
+        assert bt._tma_ok(wide[:, :k], w)
+        assert torch.equal(bt.linear(wide[:, :k], w, bias, config=tma), full)
+        assert len(calls) == 7
 
 
 class _Counting:
@@ -381,8 +387,12 @@ def small_splits(bt, monkeypatch):
                                               ((6, 2), None, None), ((8, 2), 150, 5.0),
                                               ((4, 2), 40, None)],
                          ids=["gqa4", "mha", "gqa3", "window150-cap", "window40"])
-def test_attention_same_bits_for_decode_extend_chunks_and_prefix(small_splits, heads, window, cap):
+@pytest.mark.parametrize("idx64", [False, True], ids=["int32-offsets", "int64-offsets"])
+def test_attention_same_bits_for_decode_extend_chunks_and_prefix(small_splits, heads, window, cap,
+                                                                 idx64, monkeypatch):
     bt = small_splits
+    if idx64:  # as for K/V buffers past 2**31 elements
+        monkeypatch.setattr(bt, "_max_offset", lambda t: 2**31)
     paged = _Paged([37, 5, 200, 19], *heads, window=window, cap=cap)
     full = paged.extend(bt, [0, 1, 2, 3], [0, 0, 0, 0])
     for i in range(4):
@@ -414,6 +424,9 @@ def test_attention_same_bits_for_decode_extend_chunks_and_prefix(small_splits, h
 
 
 @interpreted
+# The windowed case leaves a token without keys in the first split: computed, then left out.
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 def test_decode_tiles_agree_checks_once(bt):
     """With MMA-like dots a 16-row decode program gives extend's bits: the check says so and is
     remembered; a group too wide for fewer rows keeps extend's row count."""

@@ -291,7 +291,8 @@ def test_attention_decode_equals_extend_on_gpu():
     seq = torch.tensor([lens[2], lens[0]], device="cuda")
     orders = [None, bt.decode_order(seq), torch.tensor([0, 1], device="cuda")]
     for sc, rows, order in ((None, None, None), (None, bt.ATTN_DECODE_BLOCK_M, None),
-                            (scratch, None, None), (None, bt.ATTN_DECODE_BLOCK_M, orders[1]),
+                            (scratch, None, None), (scratch, bt.ATTN_DECODE_BLOCK_M, None),
+                            (None, bt.ATTN_DECODE_BLOCK_M, orders[1]),
                             (None, bt.ATTN_DECODE_BLOCK_M, orders[2]), (None, None, orders[1])):
         out = torch.empty_like(q)
         bt.attention(q, kb, vb, out, r2t, torch.tensor([2, 0], device="cuda"), seq, scale,

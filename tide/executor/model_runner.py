@@ -114,11 +114,13 @@ class ModelRunner:
             self.use_vmm = vmm_available()
             if self.use_vmm:
                 self.weights_region = self._move_weights_to_vmm()
-        self._init_pools()
+        # The backend first: its own device memory (the deterministic decode's split partials)
+        # then counts as used when the KV pools are sized.
         backend_cls = select_attention_backend(
             config.attention_backend, self.device.type, model_config
         )
         self.attn_backend = backend_cls.create(self)
+        self._init_pools()
         self.cuda_graph_runner: CudaGraphRunner | None = None
         self.last_greedy_ids: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None

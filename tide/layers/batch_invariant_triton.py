@@ -40,6 +40,7 @@ dependents, then wait, before any load).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -96,16 +97,16 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     Measured on an H100 (bf16, Llama-3.1-8B projections, `python -m benchmarks.deterministic --only
     gemm` and sweeps over the decode graphs' batch sizes): up to 8 rows, 16-row mma tiles over 64
     columns spread the weight stream over every SM (at one row on 8 warps: 1.00-1.43x cuBLAS).
-    Up to 64 rows: 64x128 tiles for wide outputs (N >= 16384), 64x32 (two programs per SM) for
-    the others. 65-128 rows where N < 6144: 64x64 tiles on 8 warps, two programs per SM (o and
-    down 1.01-1.39x cuBLAS against 1.14-1.74x with 64x32). Those shapes load through pointers;
-    the rest load through TMA (cuBLAS ratio, pointer loads -> TMA, two sweeps on 2026-11-26, H100):
-    65-128 rows, 64x128 tiles on 6 stages (qkv at 96-128 rows 1.12-1.16 -> 1.06-1.07), two
-    programs per SM on 4 stages for wide outputs (gate_up 1.02-1.31 -> 1.00-1.03). 129-256 rows:
-    64x128 tiles, two programs per SM on 4 stages (qkv at 192 rows 1.59 -> 1.25); on 6 stages,
-    one program per SM, where N < 6144 (o at 256 rows 1.42 -> 0.98, down 1.43 -> 1.04); 128x256
-    on 4 stages for wide outputs from 193 rows (gate_up 1.17 -> 1.04). Beyond 256 rows, 128x256
-    tiles on 4 stages (M = 8192: qkv 1.24 -> 1.06, gate_up 1.22 -> 0.93, down 1.36 -> 1.02),
+    Up to 64 rows: 64x128 tiles for wide outputs (N >= 16384), 64x32 (two programs per SM) for the
+    others. 65-128 rows where N < 6144: 64x64 tiles on 8 warps, two programs per SM (o and down
+    1.01-1.39x cuBLAS against 1.14-1.74x with 64x32). Those shapes and every shape up to 64 rows
+    load through pointers; the rest load through TMA (cuBLAS ratio, pointer loads -> TMA, two sweeps
+    on 2026-11-26, H100): 65-128 rows, 64x128 tiles on 6 stages (qkv at 96-128 rows 1.12-1.16 ->
+    1.06-1.07), two programs per SM on 4 stages for wide outputs (gate_up 1.02-1.31 -> 1.00-1.03).
+    129-256 rows: 64x128 tiles, two programs per SM on 4 stages (qkv at 192 rows 1.59 -> 1.25); on 6
+    stages, one program per SM, where N < 6144 (o at 256 rows 1.42 -> 0.98, down 1.43 -> 1.04);
+    128x256 on 4 stages for wide outputs from 193 rows (gate_up 1.17 -> 1.04). Beyond 256 rows,
+    128x256 tiles on 4 stages (M = 8192: qkv 1.24 -> 1.06, gate_up 1.22 -> 0.93, down 1.36 -> 1.02),
     128x128 for narrow outputs up to 512 rows. Every shape steps K by `K_STEP`.
     """
     if m == 1:
@@ -152,6 +153,8 @@ _PROBE_COLS = (4096, 6144, 16384)
 def _candidate_configs(k: int) -> list[GemmConfig]:
     configs = [gemm_config(m, n, k) for m in _PROBE_ROWS for n in _PROBE_COLS]
     configs += [fixed_config(n, k) for n in _PROBE_COLS]
+    # A TMA shape runs the pointer kernel where TMA cannot carry the operands (`_tma_ok`).
+    configs += [dataclasses.replace(c, tma=False) for c in configs if c.tma]
     return list(dict.fromkeys(configs))
 
 
@@ -222,10 +225,6 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# M, the program count and whether there is a bias are run-time values, so a kernel compiles once
-# per tile shape (and K's evenness, dtype): `tile_shapes_agree` runs every shape tide may pick at
-# start-up, and no batch size compiles anything later (a compile while serving stalls every
-# request).
 @triton.jit
 def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of persistent tile number `tile`, in grouped order: GROUP_M row
@@ -236,6 +235,10 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (tile % per_group) % group_size, (tile % per_group) // group_size
 
 
+# M, the program count and whether there is a bias are run-time values, so a kernel compiles once
+# per tile shape (and K's evenness, dtype): `tile_shapes_agree` runs every shape tide may pick at
+# start-up, and no batch size compiles anything later (a compile while serving stalls every
+# request).
 @triton.jit(do_not_specialize=["M", "num_progs", "has_bias"])
 def _matmul_kernel(A, W, Bias, C, M, N, K, stride_am, stride_wn, stride_cm, num_progs, has_bias,
                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -316,10 +319,11 @@ def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.is_cuda:
         if not _has_tma(x.device.index or 0):
             return False
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+    elif os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return False
-    size = x.element_size()
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 for t in (x, weight))
+    return weight.shape[0] > 0 and all(
+        t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+        and t.stride(0) >= t.shape[1] for t in (x, weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -339,7 +343,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight = weight.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
+    if m == 0 or n == 0:
         return out.reshape(*lead, n)
     cfg = config or _pick_config(m, n, k, x2)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
@@ -659,9 +663,10 @@ def decode_tiles_agree(num_heads: int, num_kv_heads: int, head_dim: int, dtype: 
     """Whether a decode step run with `ATTN_DECODE_BLOCK_M` rows per program (one warp) gives the
     bits of the same tokens' extend (`ATTN_BLOCK_M` rows, 4 warps) on `device`: a random
     600-token request (two splits), four of its last tokens decoded as four requests (rows in each
-    warp of extend's program), with and without a logit cap and a sliding window. Only batches
-    whose splits run in one program use those rows, so only they are checked. Groups wider than
-    the decode rows and head dims above `ATTN_DECODE_MAX_HEAD_DIM` are not checked: False.
+    warp of extend's program), with and without a logit cap and a sliding window (80 keys: one of
+    the tokens skips the first split, which extend's program still walks), each token's splits
+    in one program and in parallel programs merged by `_combine_kernel`. Groups wider than the
+    decode rows and head dims above `ATTN_DECODE_MAX_HEAD_DIM` are not checked: False.
     Checked once per (padded group, head_dim, dtype, device) and remembered; `attention` reads
     the answer (unchecked: extend's row count). The Triton backend checks at start-up, before any
     graph capture."""
@@ -690,15 +695,17 @@ def decode_tiles_agree(num_heads: int, num_kv_heads: int, head_dim: int, dtype: 
     n_t = torch.full((1,), n, dtype=torch.int64, device=dev)
     reqs = torch.zeros(len(pos), dtype=torch.int64, device=dev)  # four queries of one request
     lens = pos + 1
+    scratch = DecodeSplitScratch(len(pos), num_heads, head_dim, n, dev)
     agree = True
-    for cap, window in ((None, None), (30.0, None), (None, 256), (30.0, 256)):
+    for cap, window in ((None, None), (30.0, None), (None, 80), (30.0, 80)):
         full = torch.empty_like(q)
         attention(q, kb, vb, full, r2t, one_req, n_t, head_dim**-0.5,
                   extend=(n_t, torch.zeros_like(n_t), n), logit_cap=cap, sliding_window=window)
-        out = torch.empty_like(q[pos])
-        attention(q[pos], kb, vb, out, r2t, reqs, lens, head_dim**-0.5, logit_cap=cap,
-                  sliding_window=window, decode_rows=ATTN_DECODE_BLOCK_M)
-        agree &= torch.equal(out, full[pos])
+        for split_scratch in (None, scratch):
+            out = torch.empty_like(q[pos])
+            attention(q[pos], kb, vb, out, r2t, reqs, lens, head_dim**-0.5, scratch=split_scratch,
+                      logit_cap=cap, sliding_window=window, decode_rows=ATTN_DECODE_BLOCK_M)
+            agree &= torch.equal(out, full[pos])
     _DECODE_AGREE[key] = agree
     logger.info("batch-invariant decode attention, %d/%d heads of %d, %s on %s: %s", num_heads,
                 num_kv_heads, head_dim, dtype, dev,
@@ -717,7 +724,8 @@ class DecodeSplitScratch:
     programs (`attention`): [max_batch, Hq, splits of the longest context, D] and the log-sum-exps.
     Allocated once, so CUDA graphs keep pointing at it."""
 
-    # At most this much device memory for the partials (`scratch_batch`).
+    # Device memory for the partials: at most this much, or one request's where that is more
+    # (`scratch_batch`).
     MAX_BYTES = 512 << 20
 
     def __init__(self, max_batch: int, num_heads: int, head_dim: int, max_context_len: int,
@@ -730,7 +738,8 @@ class DecodeSplitScratch:
 
     @staticmethod
     def parallel_batch_limit(num_kv_heads: int, device: torch.device | str) -> int:
-        """Decode batches up to this size run their splits in parallel: up to about six (request,
+        """Decode batches of at most this size (and `scratch_batch`) run their splits in parallel:
+        up to about six (request,
         kv head) pairs an SM, a token's splits spread over programs beat one program walking them
         all (H100, 32/8 heads of 128, 100-1600 keys, a layer: 32 requests 103 -> 60 us, 64
         requests 116 -> 106, 96 requests 150 -> 145; 128 requests: no gain)."""
@@ -739,13 +748,13 @@ class DecodeSplitScratch:
             return 4
         return max(1, 6 * _num_sms(device.index or 0) // num_kv_heads)
 
-    @staticmethod
-    def scratch_batch(limit: int, num_heads: int, head_dim: int, max_context_len: int) -> int:
-        """How many requests' partials to allocate for: `limit`, or fewer where they would take
-        more than `MAX_BYTES` (long contexts); batches above it run each token's splits in one
-        program."""
+    @classmethod
+    def scratch_batch(cls, limit: int, num_heads: int, head_dim: int, max_context_len: int) -> int:
+        """How many requests' partials to allocate for: `limit`, or fewer (at least one) where they
+        would take more than `MAX_BYTES` (long contexts); batches above it run each token's splits
+        in one program."""
         per_request = num_heads * triton.cdiv(max_context_len, ATTN_SPLIT) * (head_dim + 1) * 4
-        return max(1, min(limit, DecodeSplitScratch.MAX_BYTES // per_request))
+        return max(1, min(limit, cls.MAX_BYTES // per_request))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -788,9 +797,10 @@ def attention(
     larger than `scratch.max_batch` (or without scratch), do all of it in one program per block of
     tokens; smaller decode batches run the splits in parallel programs and merge them in
     `_combine_kernel`. Same kernel, same splits, same merge order: a token's bits are the same in
-    every case (module doc). A decode step whose splits run in one program takes
-    `ATTN_DECODE_BLOCK_M` rows on one warp where `decode_tiles_agree` has shown that gives
-    extend's bits, else extend's `ATTN_BLOCK_M` rows on 4 warps; `decode_rows` forces a row count
+    every case (module doc). A decode step takes `ATTN_DECODE_BLOCK_M` rows on one warp where
+    `decode_tiles_agree` has shown that gives extend's bits, unless its splits run in parallel
+    programs and it has fewer (request, kv head) pairs than SMs; else extend's `ATTN_BLOCK_M`
+    rows on 4 warps; `decode_rows` forces a row count
     (the check itself, tests). `longest_first`: the decode batch's rows by descending
     `seq_lens` (`decode_order`); a decode step whose splits run in one program then starts its
     longest requests first, which changes only which program runs when, never a bit."""
@@ -824,16 +834,16 @@ def attention(
         if parallel:
             assert scratch is not None
             # Programs per (request, kv head), each taking every split_progs-th split (splits
-            # past the sequence exit at once). Fewer pairs than SMs (four-warp programs, small
-            # latency-bound batches): about two programs per SM. More (one-warp programs):
-            # about eight per SM, at least two (H100, a layer, 32/8 heads of 128, 100-1600 keys:
-            # 32 requests 77 us on 2, 60 on 4). With eight per SM (at most 32) at the four-warp
-            # sizes too, bs1 decode measured 124 against 137 tok/s (Llama-3.1-8B, 128 tokens of
-            # context, same process), though bs1's own launch barely changes: not understood.
+            # past the sequence exit at once). Four-warp programs (fewer pairs than SMs: small,
+            # latency-bound batches): about two per SM. One-warp programs: about eight per SM,
+            # at least two (H100, a layer, 32/8 heads of 128, 100-1600 keys: 32 requests 77 us
+            # on 2, 60 on 4). A build that gave the four-warp sizes eight per SM too (at most 32
+            # a pair) measured bs1 decode at 124 against 137 tok/s (Llama-3.1-8B, 128 tokens of
+            # context, same process), though bs1's own launch barely changed: not understood.
             sms = _sm_count(q.device)
             pairs = batch * num_kv_heads
             split_progs = min(scratch.mid_o.shape[2],
-                              max(2, 8 * sms // pairs) if pairs > sms else max(1, 2 * sms // pairs))
+                              max(2, 8 * sms // pairs) if warps == 1 else max(1, 2 * sms // pairs))
             blocks = split_progs
         else:
             split_progs, blocks = 1, 1

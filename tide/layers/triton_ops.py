@@ -19,8 +19,8 @@ from tide.layers import pdl
 # changes with the batch, and Triton would compile a kernel again, in the middle of serving, for
 # each alignment it had not seen (measured: the first standard-workload run of a process compiled
 # the extend kernels again). Kernels taking them are not specialised on their alignment.
-INDEX_ARGS = ["Pos", "Loc", "ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens", "ExtendStarts",
-              "Order"]
+INDEX_ARGS = ("Pos", "Loc", "ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens", "ExtendStarts",
+              "Order")
 
 
 @triton.jit
