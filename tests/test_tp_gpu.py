@@ -3,8 +3,8 @@ the captured decode graphs too.
 
 TP=2 against TP=1 in fp32 (greedy tokens equal, logprobs close) with CUDA graphs and eagerly; a tensor
 update and an IPC update (one payload per rank, each rank mapping its own handles) at TP=2; release
-and resume of every tag on both GPUs with the memory saver. With four GPUs: deterministic mode at
-tp_size 4 is batch-invariant.
+and resume of every tag on both GPUs with the memory saver. With four GPUs: TP=4 = TP=1 with CUDA
+graphs, and deterministic mode at tp_size 4 is batch-invariant.
 
 Run on a 2-GPU host: `python -m pytest -q -m gpu tests/test_tp_gpu.py`.
 """

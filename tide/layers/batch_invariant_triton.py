@@ -11,9 +11,8 @@ gets it by construction, not by tuning luck:
   (`gemm_config`) only where the device has been shown to give bit-equal rows for every tile shape
   tide picks at that K and dtype (`tile_shapes_agree`, checked once per process and device; on an
   H100, bf16, mma.sync and wgmma tiles from 16x16 to 128x256, loaded through pointers or TMA,
-  agree). Where it has not, one tile
-  shape per (N, K) serves every M (`fixed_config`). (cuBLAS is never used: it picks its algorithm
-  and split-K from M.)
+  agree). Where it has not, one tile shape per (N, K) serves every M (`fixed_config`). (cuBLAS is
+  never used: it picks its algorithm and split-K from M.)
 - `attention`: ONE kernel serves decode and extend. A program takes BLOCK_M (token, q head) rows of
   one request and one kv head. The keys are cut into splits at fixed positions (ATTN_SPLIT keys
   each, from position 0); within a split the keys stream in BLOCK_N-key blocks, in order, with the
@@ -739,10 +738,10 @@ class DecodeSplitScratch:
     @staticmethod
     def parallel_batch_limit(num_kv_heads: int, device: torch.device | str) -> int:
         """Decode batches of at most this size (and `scratch_batch`) run their splits in parallel:
-        up to about six (request,
-        kv head) pairs an SM, a token's splits spread over programs beat one program walking them
-        all (H100, 32/8 heads of 128, 100-1600 keys, a layer: 32 requests 103 -> 60 us, 64
-        requests 116 -> 106, 96 requests 150 -> 145; 128 requests: no gain)."""
+        up to about six (request, kv head) pairs an SM, a token's splits spread over programs
+        beat one program walking them all (H100, 32/8 heads of 128, 100-1600 keys, a layer: 32
+        requests 103 -> 60 us, 64 requests 116 -> 106, 96 requests 150 -> 145; 128 requests: no
+        gain)."""
         device = torch.device(device)
         if device.type != "cuda":
             return 4
@@ -800,10 +799,10 @@ def attention(
     every case (module doc). A decode step takes `ATTN_DECODE_BLOCK_M` rows on one warp where
     `decode_tiles_agree` has shown that gives extend's bits, unless its splits run in parallel
     programs and it has fewer (request, kv head) pairs than SMs; else extend's `ATTN_BLOCK_M`
-    rows on 4 warps; `decode_rows` forces a row count
-    (the check itself, tests). `longest_first`: the decode batch's rows by descending
-    `seq_lens` (`decode_order`); a decode step whose splits run in one program then starts its
-    longest requests first, which changes only which program runs when, never a bit."""
+    rows on 4 warps; `decode_rows` forces a row count (the check itself, tests).
+    `longest_first`: the decode batch's rows by descending `seq_lens` (`decode_order`); a decode
+    step whose splits run in one program then starts its longest requests first, which changes
+    only which program runs when, never a bit."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
