@@ -178,10 +178,46 @@ def test_scheduler_dies_with_a_killed_server(model_path, tmp_path):
         assert len(_ipc_dirs(tmp_path)) == 1
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
-        assert _wait_gone(sched_pid), "orphaned scheduler process"
-        assert _ipc_dirs(tmp_path) == [], "the scheduler left its ipc:// directory behind"
+        assert _wait_gone(sched_pid), f"orphaned scheduler process:\n{srv.log()}"
+        assert _ipc_dirs(tmp_path) == [], f"the scheduler left its ipc:// directory behind:\n{srv.log()}"
     finally:
         srv.stop()
+
+
+def _hang_in_teardown(ipc_dir: str, started) -> None:
+    from tide.scheduler.process import handle_exit_signals
+
+    handle_exit_signals(ipc_dir)
+    started.set()
+    try:
+        time.sleep(60)
+    finally:
+        time.sleep(60)  # a teardown that never ends (a stuck native call)
+
+
+def test_sigterm_removes_the_ipc_dir_before_teardown(tmp_path):
+    """The scheduler's SIGTERM handler removes the socket directory first: a teardown that then hangs
+    or crashes cannot leave it behind."""
+    import multiprocessing as mp
+
+    ipc_dir = tmp_path / "tide-ipc-test"
+    ipc_dir.mkdir()
+    (ipc_dir / "scheduler_input").write_bytes(b"")
+    ctx = mp.get_context("spawn")
+    started = ctx.Event()
+    proc = ctx.Process(target=_hang_in_teardown, args=(str(ipc_dir), started), daemon=True)
+    proc.start()
+    try:
+        assert started.wait(60)
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while ipc_dir.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ipc_dir.exists()
+        assert proc.is_alive()  # still in its hung teardown: the removal did not wait for it
+    finally:
+        proc.kill()
+        proc.join(10)
 
 
 def test_server_exits_when_scheduler_dies(model_path, tmp_path):

@@ -38,8 +38,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import signal
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -182,10 +180,9 @@ def run_dp_controller_process(
     `dp_size` and `replica_stall_timeout`, the server's `--scheduler-abort-timeout`): start the
     replicas, report readiness once all are ready, route until shutdown. However it exits, it stops
     its replicas and removes `ipc_dir`."""
-    from tide.scheduler.process import die_with_parent
+    from tide.scheduler.process import die_with_parent, handle_exit_signals
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    handle_exit_signals(ipc_dir)
     die_with_parent(parent_pid, ipc_dir)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s [dp-controller] %(levelname)s %(name)s: %(message)s",

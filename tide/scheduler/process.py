@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import queue
@@ -57,6 +58,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from types import FrameType
 from typing import Any
 
 import zmq
@@ -222,8 +224,7 @@ def run_scheduler_process(
 ) -> None:
     """Entry point of the spawned process: build the scheduler side, report readiness, run the loop.
     `ipc_dir` (the directory of the `ipc://` sockets) is removed however the process exits."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    handle_exit_signals(ipc_dir)
     die_with_parent(parent_pid, ipc_dir)
     _setup_logging(config.log_level)
     try:
@@ -682,6 +683,21 @@ def _num_threads() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return threading.active_count()
+
+
+def handle_exit_signals(ipc_dir: str | None) -> None:
+    """SIGINT is ignored (the server's Ctrl-C reaches the whole group; the server stops this process).
+    SIGTERM removes `ipc_dir` at once, before the teardown that follows could hang or crash in native
+    code, then exits through the `finally` blocks. A native crash prints its traceback (faulthandler)."""
+    faulthandler.enable()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def die_with_parent(parent_pid: int, ipc_dir: str | None) -> None:
