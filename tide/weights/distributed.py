@@ -12,10 +12,12 @@ leaves no thread or socket behind.
 The handshake: once the group exists, `init_custom_process_group` runs two broadcasts from rank 0 on
 every rank before it returns, so both sides must make their group with it (it is a collective). The
 first carries `[HANDSHAKE_MAGIC, PROTOCOL_VERSION, bucket_bytes, coalesce_tensors]` (rank 0's values;
-the other ranks check magic and version and adopt them); with NCCL a second one of `WARMUP_BYTES`
-follows. NCCL
-builds its communicator and connects its channels on a group's first collectives (about 200 ms), so
-the group is warm when init returns and the first weight update runs at full speed.
+the other ranks check magic and version and adopt them); with NCCL the warm-up follows: one broadcast
+of each size in `WARMUP_SIZES` (NCCL's small-, medium- and large-message protocols), then, where
+`coalesce_tensors` > 1, one NCCL group of up to `WARMUP_GROUP` tensors. NCCL builds its communicator on
+a group's first collective (about 200 ms) and connects each protocol's channels the first time a
+message uses it, so the group is warm when init returns and the first weight update runs at full
+speed.
 
 `bucket_bytes` is how a `flattened_bucket` update travels: each dtype's flat buffer is broadcast as
 consecutive pieces of at most `bucket_bytes` bytes (`WeightUpdateGroup.broadcast_flattened` does the
@@ -46,12 +48,15 @@ import torch.distributed as dist
 
 MAX_GROUP_NAME_LEN = 128
 HANDSHAKE_MAGIC = 0x7469_6465_5747  # "tideWG"
-PROTOCOL_VERSION = 2  # 2: the header carries coalesce_tensors
+PROTOCOL_VERSION = 3  # 2: the header carries coalesce_tensors; 3: the warm-up below
 DEFAULT_BUCKET_BYTES = 256 << 20
 MAX_BUCKET_BYTES = 4 << 30
 MIN_BUCKET_BYTES = 4096
 MAX_COALESCE_TENSORS = 1024  # NCCL caps a group at 2048 calls
 WARMUP_BYTES = 32 << 20  # large enough for NCCL's large-message protocol: that path is set up too
+WARMUP_SIZES = (4 << 10, 256 << 10, 4 << 20, WARMUP_BYTES)  # one broadcast in each protocol's range
+WARMUP_GROUP = 64  # tensors in the warm-up's NCCL group (at most coalesce_tensors)
+WARMUP_GROUP_BYTES = WARMUP_BYTES // WARMUP_GROUP
 MAX_WORLD_SIZE = 65536
 MAX_JOIN_TIMEOUT_S = 600.0
 DEFAULT_JOIN_TIMEOUT_S = 120.0
@@ -203,17 +208,29 @@ class WeightUpdateGroup:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.broadcast(header, timeout=timeout)
-            if warm is not None:
-                self.broadcast(warm, timeout=timeout)
             magic, version, agreed, coalesce = (int(v) for v in header.tolist())  # waits
-        if magic != HANDSHAKE_MAGIC:
-            raise RuntimeError("rank 0 did not make its side of the group with "
-                               "tide.weights.init_custom_process_group (no handshake)")
-        if version != PROTOCOL_VERSION:
-            raise RuntimeError(f"rank 0 speaks weight-update protocol {version}, this side "
-                               f"{PROTOCOL_VERSION}")
-        self.bucket_bytes = check_bucket_bytes(agreed, "rank 0's bucket_bytes")
-        self.coalesce_tensors = check_coalesce_tensors(coalesce, "rank 0's coalesce_tensors")
+            if magic != HANDSHAKE_MAGIC:
+                raise RuntimeError("rank 0 did not make its side of the group with "
+                                   "tide.weights.init_custom_process_group (no handshake)")
+            if version != PROTOCOL_VERSION:
+                raise RuntimeError(f"rank 0 speaks weight-update protocol {version}, this side "
+                                   f"{PROTOCOL_VERSION}")
+            self.bucket_bytes = check_bucket_bytes(agreed, "rank 0's bucket_bytes")
+            self.coalesce_tensors = check_coalesce_tensors(coalesce, "rank 0's coalesce_tensors")
+            if warm is not None:
+                self._warm_up(warm, timeout)
+
+    def _warm_up(self, warm: torch.Tensor, timeout: timedelta) -> None:
+        """Every kind of broadcast an update makes, once (module docstring), through `warm`
+        (`WARMUP_BYTES`): NCCL connects each protocol (small, medium, large messages) and sets up
+        grouped launches on first use. Returns when they are done."""
+        for size in WARMUP_SIZES:
+            self.broadcast(warm[:size], timeout=timeout)
+        if self.coalesce_tensors > 1:
+            count = min(self.coalesce_tensors, WARMUP_GROUP)
+            self.broadcast_many([warm[i * WARMUP_GROUP_BYTES:(i + 1) * WARMUP_GROUP_BYTES]
+                                 for i in range(count)])
+        torch.cuda.current_stream(self.device).synchronize()
 
 
 def init_custom_process_group(

@@ -211,10 +211,33 @@ class WeightUpdater:
             raise ValueError(f"group_name {group_name!r} already exists; destroy it first")
         if not 0 < timeout <= MAX_JOIN_TIMEOUT_S:
             raise ValueError(f"timeout must be in (0, {MAX_JOIN_TIMEOUT_S:g}] seconds, got {timeout}")
-        self.groups[group_name] = init_custom_process_group(
+        group = init_custom_process_group(
             backend, master_address, master_port, rank_offset, world_size, group_name,
             join_timeout_s=timeout, device=self.device if backend == "nccl" else None,
         )
+        if group.device.type == "cuda":
+            self._warm_receive_pool(group)
+        self.groups[group_name] = group
+
+    def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The (receive, copy) streams of every distributed update (see `BroadcastReceiver`)."""
+        if self._receive_streams is None:
+            self._receive_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._receive_streams
+
+    def _warm_receive_pool(self, group: WeightUpdateGroup) -> None:
+        """Take and free a flattened update's two piece buffers on the receive stream, so that the
+        caching allocator holds them for it and the first update does not wait for cudaMalloc.
+        Without the memory for them now, the first update allocates them itself."""
+        if group.bucket_bytes == 0:
+            return  # pieces are whole dtype buffers, of sizes known only at an update
+        with torch.cuda.stream(self._streams(group.device)[0]):
+            try:
+                buffers = [torch.empty(group.bucket_bytes, dtype=torch.uint8, device=group.device)
+                           for _ in range(2)]
+            except torch.cuda.OutOfMemoryError:
+                return
+        del buffers
 
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)
@@ -266,9 +289,8 @@ class WeightUpdater:
                 return rows
             return PartDest(rows, target.shape, *target.split)
 
-        if group.device.type == "cuda" and self._receive_streams is None:
-            self._receive_streams = (torch.cuda.Stream(group.device), torch.cuda.Stream(group.device))
-        receiver = BroadcastReceiver(group, self._receive_streams)
+        receiver = BroadcastReceiver(
+            group, self._streams(group.device) if group.device.type == "cuda" else None)
         try:
             if load_format == "flattened_bucket":
                 order: dict[torch.dtype, list[tuple[Dest, int]]] = {}
