@@ -7,7 +7,9 @@ stages) and prints the fastest next to the current default, as a fraction of cop
 read / time). Extend: one 8k-token prefill chunk of prompts uniform in [100, 1024], no prefix, against
 torch's varlen flash attention on the same tensors, in TFLOP/s of causal attention.
 `--kv-dtype fp8` sweeps decode over an fp8 (e4m3) pool (`kv_cache_dtype="fp8_e4m3"`); `--only decode`
-skips the extend sweep.
+skips the extend sweep. `--maxnreg 168,128` also tries those register caps (a config's last field):
+compiled for sm_90, the fp8 stage 1 at 128-key blocks takes 255 registers a thread, so two programs of
+4 warps fit an SM where the bf16 one (168) fits three; capped at 168 it does not spill.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ def _pool(lens: list[int], hk: int, seed: int, d: int = D, dtype: torch.dtype = 
     return k, v, table.cuda()
 
 
-def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16) -> None:
+def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
+                 maxnregs: tuple[int, ...] = ()) -> None:
+    """`maxnregs`: register caps (Triton's `maxnreg`) tried beside the compiler's own choice, at
+    4 warps and blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM."""
     cases = [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
              (16, 8, 256, 64), (16, 8, 256, 256)]
     for hq, hk, d, batch in cases:
@@ -58,7 +63,10 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16) -> None:
         res = {}
         ref = None
         blocks = (32, 64, 128) if k.element_size() > 1 else (32, 64, 128, 256)
-        for splits, block_n, warps, stages in itertools.product((1, 2, 4), blocks, (4, 8), (2, 3)):
+        configs = [(*c, None) for c in itertools.product((1, 2, 4), blocks, (4, 8), (2, 3))]
+        configs += [(splits, block_n, 4, stages, r) for splits, block_n, stages, r in
+                    itertools.product((1, 2, 4), blocks, (2, 3), maxnregs) if block_n >= 64]
+        for splits, block_n, warps, stages, maxnreg in configs:
             mid_o = torch.empty(batch, hq, splits, d, device="cuda")
             mid_l = torch.empty(batch, hq, splits, device="cuda")
 
@@ -72,7 +80,7 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16) -> None:
                     NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
                     SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=False, PREFETCH=False,
                     num_warps=warps,
-                    num_stages=stages)
+                    num_stages=stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
                 if splits == 1:
                     return  # stage 1 wrote the output
                 tk._decode_stage2[(batch, hq, d // tk.stage2_columns(d))](
@@ -84,15 +92,16 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16) -> None:
             try:
                 t = replay_seconds(capture(run), reps=20, warmup=2)
             except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
-                print(f"   {(splits, block_n, warps, stages)}: {type(e).__name__}", flush=True)
+                print(f"   {(splits, block_n, warps, stages, maxnreg)}: {type(e).__name__}",
+                      flush=True)
                 continue
             if ref is None:
                 ref = out.clone()
             err = (out.float() - ref.float()).abs().max().item()
-            res[(splits, block_n, warps, stages)] = (t * 1e6, kv_bytes / t / bw, err)
+            res[(splits, block_n, warps, stages, maxnreg)] = (t * 1e6, kv_bytes / t / bw, err)
         splits = tk.num_kv_splits(batch * hk, 128)
         default = (splits, *tk.decode_block_config(splits, d, k.element_size()))
-        default = (splits, default[1], 4, default[2])
+        default = (splits, default[1], 4, default[2], None)
         if default not in res:
             res[default] = (float("nan"), float("nan"), 0.0)
         print(f"decode hq={hq} hk={hk} d={d} batch={batch} mean ctx {sum(lens) / batch:.0f}: default "
@@ -164,6 +173,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--only", choices=["decode", "extend"], default=None)
+    ap.add_argument("--maxnreg", default="",
+                    help="comma-separated register caps also tried in the decode sweep, e.g. 168,128")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
@@ -171,7 +182,8 @@ def main() -> None:
     if args.only != "decode":
         extend_sweep()
     if args.only != "extend":
-        decode_sweep(bw, torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16)
+        decode_sweep(bw, torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16,
+                     tuple(int(r) for r in args.maxnreg.split(",") if r))
 
 
 if __name__ == "__main__":
