@@ -49,6 +49,47 @@ def test_piece_copies_cover_every_element_exactly_once():
         assert torch.equal(torch.cat(out), flat), (numels, step)
 
 
+class _RecordingGroup:
+    """A stand-in NCCL backend that records the bytes of each broadcast (a tuple per NCCL group)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.grouped: list[int] | None = None
+
+    def broadcast(self, tensors, opts):
+        nbytes = tensors[0].numel() * tensors[0].element_size()
+        (self.grouped if self.grouped is not None else self.calls).append(nbytes)
+        return _Done()
+
+    def _start_coalescing(self) -> None:
+        self.grouped = []
+
+    def _end_coalescing(self):
+        self.calls.append(tuple(self.grouped or ()))
+        self.grouped = None
+        return _Done()
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("coalesce, group", [(0, ()), (1, ()), (5, (512 << 10,) * 5),
+                                             (1024, (512 << 10,) * 64)])
+def test_nccl_warm_up_sends_every_message_kind_an_update_sends(coalesce, group):
+    """NCCL connects each protocol, and sets up grouped launches, on first use: the handshake's
+    warm-up sends one small, medium and large message, then one NCCL group of up to 64 tensors
+    where per-tensor updates travel in groups."""
+    from tide.weights.distributed import WARMUP_BYTES, WARMUP_SIZES, WeightUpdateGroup
+
+    pg = _RecordingGroup()
+    group_ = WeightUpdateGroup("g", "nccl", 1, 2, pg, None, coalesce_tensors=coalesce)
+    group_._warm_up(torch.empty(WARMUP_BYTES, dtype=torch.uint8), timedelta(seconds=1))
+    assert pg.calls[: len(WARMUP_SIZES)] == [4 << 10, 256 << 10, 4 << 20, 32 << 20]
+    assert pg.calls[len(WARMUP_SIZES):] == ([group] if group else [])
+
+
 def test_handshake_agrees_on_rank_0s_piece_size():
     trainer, engine_side = _pair(bucket_bytes=64 << 10)
     assert trainer.bucket_bytes == engine_side.bucket_bytes == 64 << 10

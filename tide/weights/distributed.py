@@ -217,20 +217,20 @@ class WeightUpdateGroup:
                                    f"{PROTOCOL_VERSION}")
             self.bucket_bytes = check_bucket_bytes(agreed, "rank 0's bucket_bytes")
             self.coalesce_tensors = check_coalesce_tensors(coalesce, "rank 0's coalesce_tensors")
-            if warm is not None:
+            if warm is not None and stream is not None:
                 self._warm_up(warm, timeout)
+                stream.synchronize()  # warm when init returns
 
     def _warm_up(self, warm: torch.Tensor, timeout: timedelta) -> None:
         """Every kind of broadcast an update makes, once (module docstring), through `warm`
         (`WARMUP_BYTES`): NCCL connects each protocol (small, medium, large messages) and sets up
-        grouped launches on first use. Returns when they are done."""
+        grouped launches on first use. Queued on the current stream."""
         for size in WARMUP_SIZES:
             self.broadcast(warm[:size], timeout=timeout)
         if self.coalesce_tensors > 1:
             count = min(self.coalesce_tensors, WARMUP_GROUP)
             self.broadcast_many([warm[i * WARMUP_GROUP_BYTES:(i + 1) * WARMUP_GROUP_BYTES]
                                  for i in range(count)])
-        torch.cuda.current_stream(self.device).synchronize()
 
 
 def init_custom_process_group(
