@@ -526,7 +526,37 @@ def _save_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], shards: 
     return directory
 
 
-@pytest.mark.parametrize("kind", ["missing", "shape", "name", "dtype", "truncated_shard"])
+def _rewrite_header(shard: Path, edit) -> str:
+    """Rewrite `shard`'s safetensors header through `edit(header) -> (header, name it spoils)`,
+    keeping the header's length (so the data stays where it was); returns that name."""
+    data = shard.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header, spoiled = edit(json.loads(data[8 : 8 + n]))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    shard.write_bytes(data[:8] + raw + b" " * (n - len(raw)) + data[8 + n :])
+    return spoiled
+
+
+def _short_offsets(header):
+    """The last tensor's byte range 4 bytes short of its shape (the file stays long enough)."""
+    name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    header[name]["data_offsets"][1] -= 4
+    return header, name
+
+
+def _no_shape(header):
+    name = next(k for k in header if k != "__metadata__")
+    del header[name]["shape"]
+    return header, name
+
+
+BAD_HEADERS = {"short_offsets": _short_offsets, "no_shape": _no_shape,
+               "list_header": lambda h: ([h], "model-00002-of-00003.safetensors")}
+
+
+@pytest.mark.parametrize("kind", ["missing", "shape", "name", "dtype", "truncated_shard",
+                                  *BAD_HEADERS])
 def test_disk_update_with_bad_checkpoint_changes_nothing(kind, base_restored, tmp_path):
     engine = base_restored.engine
     tensors = dict(_perturbed(base_restored.base, seed=12))
@@ -545,6 +575,9 @@ def test_disk_update_with_bad_checkpoint_changes_nothing(kind, base_restored, tm
     else:
         shards = 3
     ckpt = _save_checkpoint(tmp_path / kind, tensors, shards)
+    if kind in BAD_HEADERS:
+        # The middle shard's table is spoiled; the first shard, read before it, is fine.
+        bad = _rewrite_header(ckpt / "model-00002-of-00003.safetensors", BAD_HEADERS[kind])
     if kind == "truncated_shard":
         # A trainer still writing its checkpoint: the last shard's header is complete, its data
         # is not. The first shards are fine, so a loader that writes as it reads half-updates.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +54,7 @@ def read_checkpoint_shapes(model_path: str) -> list[tuple[str, tuple[int, ...], 
     for path in checkpoint_files(model_path):
         header, _ = _read_header(path)
         for name, info in header.items():
-            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise ValueError(f"weight {name!r} has unsupported dtype {info['dtype']}")
-            out.append((name, tuple(info["shape"]), dtype))
+            out.append((name, tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]))
     return out
 
 
@@ -191,8 +189,10 @@ class _Lane:
 
 
 def _read_header(path: str) -> tuple[dict[str, Any], int]:
-    """The tensor table of a safetensors file and where its data starts; ValueError if the file
-    is malformed or shorter than its table says (checked before anything is read into a model)."""
+    """The tensor table of a safetensors file and where its data starts; ValueError naming the file
+    and the tensor if the table is malformed (not an object of entries with a known `dtype`, a
+    `shape` of non-negative ints and `data_offsets` [begin, end] spanning exactly the shape's bytes)
+    or the file is shorter than its table says. Checked before anything is read into a model."""
     size = os.path.getsize(path)
     try:
         with open(path, "rb") as f:
@@ -202,11 +202,42 @@ def _read_header(path: str) -> tuple[dict[str, Any], int]:
             header = json.loads(f.read(n))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"checkpoint shard {path!r} is not a valid safetensors file: {e}") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"checkpoint shard {path!r} is not a valid safetensors file: its header "
+                         "is not a JSON object")
     header.pop("__metadata__", None)
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    end = 0
+    for name, info in header.items():
+        end = max(end, _check_entry(path, name, info))
     if 8 + n + end > size:
         raise ValueError(f"checkpoint shard {path!r} is truncated ({size} bytes, needs {8 + n + end})")
     return header, 8 + n
+
+
+def _check_entry(path: str, name: str, info: Any) -> int:
+    """The end offset of tensor `name`'s bytes, once its header entry is checked (`_read_header`)."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"checkpoint shard {path!r}: tensor {name!r} has {what}")
+
+    if not isinstance(info, dict):
+        raise bad("a header entry that is not an object")
+    code = info.get("dtype")
+    dtype = _SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise bad(f"unsupported dtype {info.get('dtype')!r}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r}, not a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+            isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise bad(f"data_offsets {offsets} spanning {offsets[1] - offsets[0]} bytes; its shape "
+                  f"{shape} of {str(dtype).removeprefix('torch.')} needs {nbytes}")
+    return offsets[1]
 
 
 @torch.no_grad()
