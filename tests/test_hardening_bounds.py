@@ -130,6 +130,15 @@ BAD = [
     ("/v1/chat/completions",
      json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 4097}),
      "messages"),
+    # chat_template_kwargs are template variables, not the render call's own arguments: a client's
+    # own template would render with no bound on time or memory
+    ("/v1/chat/completions",
+     _chat(chat_template_kwargs={"chat_template": "{{ 'x' * 1500000000 }}"}),
+     "chat_template_kwargs.chat_template"),
+    ("/v1/chat/completions", _chat(chat_template_kwargs={"tokenize": True}),
+     "chat_template_kwargs.tokenize"),
+    ("/v1/chat/completions", _chat(chat_template_kwargs={f"v{i}": 1 for i in range(65)}),
+     "chat_template_kwargs"),
     # JSON nested 1,000 deep (2 KB) and just past the bound
     ("/generate", '{"text": ' + "[" * 1000 + "]" * 1000 + "}", None),
     ("/generate", "[" * 1000 + "]" * 1000, None),
@@ -157,6 +166,13 @@ def test_bad_input_is_400_naming_the_field(server, path, raw, param):
     assert err["message"] and err["type"] == "invalid_request_error"
     assert resp.headers.get("connection") != "close"  # a 4xx keeps the connection
     assert _server_info(server)["num_http_requests_in_flight"] == 0  # nothing registered
+
+
+def test_chat_template_variables_still_reach_the_template(server):
+    resp = _raw_post(server, "/v1/chat/completions",
+                     _chat(chat_template_kwargs={"enable_thinking": False, "x": [1, 2]}))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["role"] == "assistant"
 
 
 def test_nothing_leaks_after_failed_requests(server):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import re
 import time
 import uuid
@@ -430,7 +431,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 msg["name"] = m.name
             messages.append(msg)
         self.tm.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = _template_variables(tok, req.chat_template_kwargs)
 
         def render() -> str:
             return tok.apply_chat_template(
@@ -540,3 +541,40 @@ def models_response(names: list[str], model_path: str, context_len: int,
             for name in names[:1]
         ],
     }
+
+
+# Parameters of transformers' `apply_chat_template` (besides the conversation) that are not template
+# variables: a client could otherwise render its own template (unbounded time and memory) or change
+# what the call returns. Read from the tokenizer's signature too, for tokenizers that add more.
+_TEMPLATE_CALL_PARAMS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+MAX_TEMPLATE_VARIABLES = 64
+
+
+def _call_params(tok: Any) -> frozenset[str]:
+    try:
+        sig = inspect.signature(tok.apply_chat_template)
+    except (TypeError, ValueError, AttributeError):
+        return _TEMPLATE_CALL_PARAMS
+    named = {n for n, p in sig.parameters.items()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+    return _TEMPLATE_CALL_PARAMS | named
+
+
+def _template_variables(tok: Any, given: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as extra variables of the model's own template (e.g.
+    `enable_thinking`): at most `MAX_TEMPLATE_VARIABLES`, none of them a parameter of the render
+    call itself (400 naming `chat_template_kwargs.<key>`)."""
+    given = dict(given or {})
+    check_at_most(len(given), MAX_TEMPLATE_VARIABLES, "chat_template_kwargs", "keys")
+    reserved = _call_params(tok)
+    for key in given:
+        if key in reserved:
+            raise invalid_request(
+                f"'chat_template_kwargs.{key}' is not accepted: chat_template_kwargs are variables "
+                "of the model's chat template, not arguments of the render call",
+                f"chat_template_kwargs.{key}", "invalid_value")
+    return given
