@@ -44,6 +44,7 @@ def _still_works(engine, baseline) -> None:
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # logits / 0.0 in fp32: NaN
         ({"n": 0}, "n"),
         ({"seed": -1}, "seed"),
         ({"stop": ""}, "stop"),

@@ -113,6 +113,8 @@ BAD = [
      "messages.0.content"),
     ("/generate", '{"text": "hi", "sampling_params": {"temperature": NaN}}',
      "sampling_params.temperature"),
+    ("/generate", _sp(repetition_penalty=1e-300), "sampling_params.repetition_penalty"),
+    ("/v1/completions", _cmpl(repetition_penalty=1e-300), "repetition_penalty"),
     # counts
     ("/v1/completions", _cmpl(n=50000), "n"),
     ("/v1/completions", _cmpl(n=129), "n"),

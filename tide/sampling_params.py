@@ -17,6 +17,8 @@ from typing import Any
 MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
 GREEDY_TEMPERATURE = 1e-5
+# Below this a repetition penalty divides logits toward overflow (1e-300 is 0 in fp32): NaN weights.
+MIN_REPETITION_PENALTY = 0.01
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repetition_penalty")
 
@@ -93,8 +95,9 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         _num_field("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], got "
+                             f"{self.repetition_penalty}")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(

@@ -15,6 +15,7 @@ import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
 from tide.io_struct import WeightUpdateOptions
+from tide.sampling_params import MIN_REPETITION_PENALTY
 from tide.weights.distributed import (
     DEFAULT_JOIN_TIMEOUT_S,
     MAX_GROUP_NAME_LEN,
@@ -58,7 +59,7 @@ class _OpenAISampling(BaseModel):
     # sglang / vLLM extensions
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=2.0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
