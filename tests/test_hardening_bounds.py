@@ -115,6 +115,13 @@ BAD = [
      "sampling_params.temperature"),
     ("/generate", _sp(repetition_penalty=1e-300), "sampling_params.repetition_penalty"),
     ("/v1/completions", _cmpl(repetition_penalty=1e-300), "repetition_penalty"),
+    # request ids: logged and echoed, so bounded and printable; unique once expanded for n
+    ("/v1/completions", _cmpl(rid="evil\n19:00:00 ERROR forged line"), "rid"),
+    ("/generate", json.dumps({"text": ["a", "b"], "rid": ["ok", "x" * 257]}), "rid"),
+    ("/abort_request", json.dumps({"rid": "a\u0000b"}), "rid"),
+    ("/generate", json.dumps({"text": ["a", "b"], "rid": ["x-0", "x"],
+                              "sampling_params": [{"max_new_tokens": 2},
+                                                  {"n": 2, "max_new_tokens": 2}]}), "rid"),
     # counts
     ("/v1/completions", _cmpl(n=50000), "n"),
     ("/v1/completions", _cmpl(n=129), "n"),

@@ -192,6 +192,9 @@ class NativeServing:
             raise invalid_request("'rid' values must be unique", "rid", "duplicate_rid")
         expanded = [r if it.params.n == 1 else f"{r}-{j}"
                     for it in items if (r := it.rid) is not None for j in range(it.params.n)]
+        if len(set(expanded)) != len(expanded):  # e.g. "x" with n=2 beside "x-0"
+            raise invalid_request("'rid' values must be unique once each is expanded to "
+                                  "'<rid>-<i>' for its n sequences", "rid", "duplicate_rid")
         tm.check_rids_free(expanded, owner)
         return single, items
 

@@ -32,6 +32,37 @@ TokenIds = list[int]
 GroupName = Annotated[str, Field(min_length=1, max_length=MAX_GROUP_NAME_LEN),
                       AfterValidator(check_group_name)]
 StopType = str | list[str] | None
+MAX_RID_CHARS = 256
+
+
+def _check_rid_value(value: str, where: str = "") -> str:
+    if len(value) > MAX_RID_CHARS:
+        raise ValueError(f"a request id{where} may have at most {MAX_RID_CHARS} characters, got "
+                         f"{len(value)}")
+    if not value.isprintable():
+        raise ValueError(f"a request id{where} may hold printable characters only (no control "
+                         "characters)")
+    return value
+
+
+def check_rid(value: str) -> str:
+    """A client's request id: at most `MAX_RID_CHARS` printable characters (it is logged and
+    echoed: no newline or other control character)."""
+    return _check_rid_value(value)
+
+
+def check_rids(value: str | list[str] | None) -> str | list[str] | None:
+    """`check_rid` of one id or of each of a list (the error names the index)."""
+    if isinstance(value, list):
+        for k, item in enumerate(value):
+            _check_rid_value(item, f" (item {k})")
+    elif value is not None:
+        _check_rid_value(value)
+    return value
+
+
+# A client-chosen request id (`rid`).
+Rid = Annotated[str, AfterValidator(check_rid)]
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +94,7 @@ class _OpenAISampling(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    rid: str | None = None
+    rid: Rid | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -110,7 +141,7 @@ class GenerateReqInput(BaseModel):
     text: str | list[str] | None = None
     input_ids: TokenIds | list[TokenIds] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
+    rid: Annotated[str | list[str] | None, AfterValidator(check_rids)] = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
@@ -122,7 +153,7 @@ class AbortReqInput(BaseModel):
     """`POST /abort_request`."""
 
     model_config = _STRICT
-    rid: str = ""
+    rid: Rid = ""
     abort_all: bool = False
 
 
