@@ -505,6 +505,23 @@ def test_tensor_update_with_one_bad_tensor_changes_nothing(path, kind, base_rest
     _assert_engine_holds(engine, good)
 
 
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_tensor_update_with_an_uncopyable_tensor_changes_nothing(kind, base_restored):
+    """Right name, shape and dtype, but nothing `copy_` can read (a meta or a sparse tensor) in the
+    middle of the list: refused before the tensors ahead of it are written."""
+    engine = base_restored.engine
+    payload = _perturbed(base_restored.base, seed=13)
+    k = len(payload) // 2
+    name, tensor = payload[k]
+    payload[k] = (name, tensor.to("meta") if kind == "meta" else tensor.to_sparse())
+    snap = _snapshot(engine)
+    version = engine.handover.weight_version
+    res = engine.update_weights_from_tensor(named_tensors=payload, weight_version="bad")
+    assert res["success"] is False and name in res["message"], res["message"]
+    _assert_unchanged(engine, snap)
+    assert engine.handover.weight_version == version
+
+
 def _save_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
     from safetensors.torch import save_file
 

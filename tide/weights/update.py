@@ -137,7 +137,12 @@ class WeightUpdater:
                 or not isinstance(item[1], torch.Tensor)
             ):
                 raise ValueError("named_tensors must be a list of (name, tensor) pairs")
-            pairs.append((item[0], item[1]))
+            name, tensor = item[0], item[1]
+            # What `apply` cannot copy from fails here, before anything is written.
+            if tensor.layout != torch.strided or tensor.device.type == "meta" or tensor.is_quantized:
+                raise ValueError(f"weight {name!r} cannot be copied from (layout {tensor.layout}, "
+                                 f"device {tensor.device.type}); updates take dense tensors with data")
+            pairs.append((name, tensor))
         targets = self.plan([(n, t.shape, t.dtype) for n, t in pairs], exact_dtype=True,
                             sharded=sharded)
         tensors = dict(pairs)
