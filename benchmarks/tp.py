@@ -219,8 +219,7 @@ def _trainer(gpu: int, barrier, queue) -> None:
         if fmt == "flattened_bucket":
             group.broadcast_flattened(flat)
         else:
-            for t in tensors:
-                group.broadcast(t)
+            group.broadcast_weights([(n, t) for (n, _), t in zip(trainer_shapes(), tensors)])
         torch.cuda.synchronize()
     barrier.wait()
 

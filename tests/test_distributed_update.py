@@ -16,7 +16,12 @@ import transformers
 import tide
 from conftest import InThread, free_port, named_weights, sgd_steps
 from tide.weights import init_custom_process_group
-from tide.weights.distributed import HANDSHAKE_MAGIC, MIN_BUCKET_BYTES, PROTOCOL_VERSION
+from tide.weights.distributed import (
+    HANDSHAKE_MAGIC,
+    MIN_BUCKET_BYTES,
+    PROTOCOL_VERSION,
+    UpdateHeader,
+)
 from tide.weights.receive import BroadcastReceiver, PartDest, piece_copies
 
 JOIN_S = 60.0
@@ -111,6 +116,8 @@ def test_handshake_agrees_on_rank_0s_coalescing_and_per_tensor_updates_arrive():
     dests[4] = torch.zeros(7, 9).t()  # through a buffer
     sender = InThread(trainer.broadcast_weights, named, name="trainer-send")
     receiver = BroadcastReceiver(engine_side)
+    header = receiver.receive_header()
+    assert header == UpdateHeader(False, tuple((t.numel(), t.dtype) for _, t in named))
     receiver.receive_tensors([(tuple(t.shape), t.dtype, d) for (_, t), d in zip(named, dests)])
     receiver.finish()
     sender.result(JOIN_S)
@@ -154,6 +161,7 @@ def test_parts_of_tensors_arrive_exactly(flattened):
     else:
         sender = InThread(trainer.broadcast_weights, named, name="trainer-send")
     receiver = BroadcastReceiver(engine_side)
+    assert receiver.receive_header().flattened == flattened
     if flattened:
         receiver.receive_flattened(torch.float32, [(d, t.numel()) for (_, t), d in zip(named, dests)])
     else:
@@ -214,6 +222,10 @@ def test_flattened_pieces_use_two_buffers_and_split_tensors_exactly():
     dests["e"] = torch.zeros(30, 40).t()  # not contiguous: assembled, then written whole
     sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
     receiver = BroadcastReceiver(engine_side)
+    # One flat buffer per dtype, first-seen order: fp32 (all but c), then bf16 (c).
+    assert receiver.receive_header() == UpdateHeader(
+        True, ((sum(t.numel() for n, t in named if n != "c"), torch.float32),
+               (9000, torch.bfloat16)))
     order: dict[torch.dtype, list] = {}
     for n, t in named:
         order.setdefault(t.dtype, []).append((dests[n], t.numel()))
@@ -284,4 +296,53 @@ def test_update_while_weights_are_released_drains_and_is_refused(rig):
     for n, p in engine.model_runner.model.named_parameters():
         assert torch.equal(p, before[n]), n  # the backup came back, not a partial update
     res = _push(engine, group, named_weights(hf), "flattened_bucket")  # still in step
+    assert res["success"], res["message"]
+
+
+def _params(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model_runner.model.named_parameters()}
+
+
+def _assert_params(engine, before: dict[str, torch.Tensor]) -> None:
+    for n, p in engine.model_runner.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"], ids=["per_tensor", "flattened"])
+@pytest.mark.parametrize("case", ["drop", "extra", "float64", "bad_shape_type", "load_format"])
+def test_a_request_that_does_not_match_the_broadcast_drains_it_and_writes_nothing(
+        rig, load_format, case):
+    """The trainer sends something else than the request declares (one tensor fewer or more, a
+    float64 tensor the engine cannot take), or the request is malformed: the engine drains exactly
+    what the update header announced, writes nothing, and the group stays in step (gloo would have
+    aborted the process on the next size mismatch)."""
+    engine, hf, group = rig
+    sgd_steps(hf, steps=1, lr=0.3, seed=11)
+    named = named_weights(hf)
+    declared = list(named)
+    sent = list(named)
+    dtypes = ["float32"] * len(named)
+    shapes: list = [list(t.shape) for _, t in named]
+    fmt = load_format
+    if case == "drop":
+        sent = sent[:-1]
+    elif case == "extra":
+        sent = sent + [("extra", torch.randn(5, 3))]
+    elif case == "float64":
+        sent[1] = (sent[1][0], sent[1][1].double())
+        dtypes[1] = "float64"
+    elif case == "bad_shape_type":
+        shapes[0] = [None]
+    else:
+        fmt = "safetensors"
+    before = _params(engine)
+    sender = InThread(group.broadcast_weights, sent, load_format, name="trainer-send")
+    res = InThread(engine.update_weights_from_distributed, [n for n, _ in declared], dtypes,
+                   shapes, group_name="wu", load_format=fmt, name="engine-recv").result(JOIN_S)
+    sender.result(JOIN_S)  # the trainer is not left waiting
+    assert not res["success"], res
+    if case in ("drop", "extra"):
+        assert "rank 0 broadcasts" in res["message"], res["message"]
+    _assert_params(engine, before)
+    res = _push(engine, group, named, load_format)  # still in step
     assert res["success"], res["message"]

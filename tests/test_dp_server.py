@@ -157,8 +157,7 @@ def test_one_trainer_group_broadcast_reaches_every_replica(server, ref, base):
             "shapes": [list(t.shape) for _, t in named], "group_name": group,
             "weight_version": "v2"}, timeout=120)), daemon=True)
     recv.start()
-    for _, t in named:
-        trainer.broadcast(t.clone())
+    trainer.broadcast_weights(named)
     recv.join(60)
     ok(result[0])
     assert replica_versions(server) == ["v2"] * 3
@@ -268,7 +267,7 @@ def test_a_killed_replica_fails_only_its_requests(server):
                                              "shapes": [list(new.shape)], "group_name": group,
                                              "weight_version": "v3"}, timeout=120)), daemon=True)
     recv.start()
-    trainer.broadcast(new)
+    trainer.broadcast_weights([(probe, new)])
     recv.join(60)
     ok(result[0])
     assert server.get("/get_model_info").json()["weight_version"] == "v3"
@@ -314,8 +313,7 @@ def test_replicas_times_tp_ranks_form_one_trainer_group(model_path, base, tmp_pa
                 "shapes": [list(t.shape) for _, t in named], "group_name": group,
                 "weight_version": "dp-tp"}, timeout=120)), daemon=True)
         recv.start()
-        for _, t in named:
-            trainer.broadcast(t.clone())
+        trainer.broadcast_weights(named)
         recv.join(60)
         ok(result[0])
         after, versions = server_greedy(srv)

@@ -152,8 +152,7 @@ def test_trainer_group_broadcast_reaches_both_replicas(replicas, ref, base):
         [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named],
         group_name=group, weight_version="v2")), daemon=True)
     recv.start()
-    for _, t in named:
-        trainer.broadcast(t.clone())
+    trainer.broadcast_weights(named)
     recv.join(60)
     assert result and result[0]["success"], result
     assert replicas.continue_generation()["success"]
@@ -208,7 +207,7 @@ def test_a_killed_replica_fails_only_its_items(replicas):
         [probe], ["float32"], [list(new.shape)], group_name=group, weight_version="v3")),
         daemon=True)
     recv.start()
-    trainer.broadcast(new)
+    trainer.broadcast_weights([(probe, new)])
     recv.join(60)
     assert result and result[0]["success"], result
     assert replicas.weight_version == "v3"

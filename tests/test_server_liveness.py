@@ -327,7 +327,7 @@ def test_long_declared_operation_keeps_health(server, model_path):
             assert server.get("/health").status_code == 200
             time.sleep(0.2)
         assert updater.is_alive()
-        trainer.broadcast(tensor.clone())  # the same values: the model does not change
+        trainer.broadcast_weights([(name, tensor.clone())])  # the same values: the model does not change
         updater.join(60)
         assert update[0].status_code == 200, update[0].text
     finally:

@@ -614,8 +614,7 @@ def test_distributed_update_with_a_gloo_trainer(server, ref, base):
                 "shapes": [list(t.shape) for _, t in named], "group_name": group,
                 "load_format": fmt, "weight_version": version})
             if fmt is None:
-                for _, t in named:
-                    trainer.broadcast(t.clone())
+                trainer.broadcast_weights(named)
             else:
                 trainer.broadcast_flattened(torch.cat([t.reshape(-1) for _, t in named]))
             thread.join(60)
@@ -630,8 +629,7 @@ def test_distributed_update_with_a_gloo_trainer(server, ref, base):
         thread, result = _http_in_thread(server, "/update_weights_from_distributed", {
             "names": [n for n, _ in bad], "dtypes": ["float32"] * 2,
             "shapes": [list(t.shape) for _, t in bad], "group_name": group})
-        for _, t in bad:
-            trainer.broadcast(t.clone())
+        trainer.broadcast_weights(bad)
         thread.join(60)
         assert_refused(result[0], 400, "model.layers.77.mlp.up_proj.weight")
         assert probe(server) == before and info(server)["weight_version"] == "dist-2"

@@ -243,11 +243,9 @@ def test_distributed_update_at_tp2_matches_tp1(pair, trained, checkpoints):
                              group_name=name, load_format=load_format)
                     for e in (pair.one, pair.two)]
             if load_format == "flattened_bucket":
-                for bucket in flatten_by_dtype(a):
-                    group.broadcast_flattened(bucket.flattened_tensor)
+                group.broadcast_flattened(*(b.flattened_tensor for b in flatten_by_dtype(a)))
             else:
-                for _, t in a:
-                    group.broadcast(t.contiguous())
+                group.broadcast_weights(a)
             for r in recv:
                 res = r.result(JOIN_S)
                 assert res["success"], res["message"]

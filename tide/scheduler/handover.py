@@ -33,7 +33,6 @@ from tide.memory.observe import reserved_bytes
 from tide.memory.occupation import parse_tags
 from tide.weights.distributed import DEFAULT_JOIN_TIMEOUT_S
 from tide.weights.update import (
-    LOAD_FORMATS,
     SHARDED,
     TENSOR_LOAD_FORMATS,
     TensorPayload,
@@ -156,10 +155,8 @@ class DistributedUpdate(WeightUpdate):
     source: ClassVar[str] = "distributed"
 
     def prepare(self, updater: WeightUpdater) -> Callable[[], int]:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        # Checked while receiving: a bad request still drains every broadcast, so the trainer
-        # never hangs.
+        # Checked while receiving (load_format included): a bad request still drains what rank 0
+        # announced, so the trainer never hangs and the group stays in step.
         return lambda: updater.load_from_distributed(
             self.names, self.dtypes, self.shapes, self.group_name, self.load_format)
 

@@ -19,6 +19,15 @@ a group's first collective (about 200 ms) and connects each protocol's channels 
 message uses it, so the group is warm when init returns and the first weight update runs at full
 speed.
 
+Every update starts with a header from rank 0 (`UpdateHeader`, protocol 4): [UPDATE_MAGIC, flattened,
+count, 0], then (numel, dtype code) of each tensor (or flat dtype buffer) it is about to broadcast.
+The engine compares it with the request's names, dtypes and shapes. When they disagree (or the
+request is invalid), it drains exactly what the header announces and writes nothing, so a trainer
+that sends something else than it declared can neither hang the engine, nor desynchronise the
+group (a later update would receive stale bytes), nor crash it (gloo aborts the process on a size
+mismatch). Trainers therefore send updates with `broadcast_weights` or `broadcast_flattened`,
+never with bare broadcasts. A shape that differs with the same element count is not caught.
+
 `bucket_bytes` is how a `flattened_bucket` update travels: each dtype's flat buffer is broadcast as
 consecutive pieces of at most `bucket_bytes` bytes (`WeightUpdateGroup.broadcast_flattened` does the
 split on the trainer side), so the engine receives piece i+1 while it copies piece i into the
@@ -48,7 +57,7 @@ import torch.distributed as dist
 
 MAX_GROUP_NAME_LEN = 128
 HANDSHAKE_MAGIC = 0x7469_6465_5747  # "tideWG"
-PROTOCOL_VERSION = 3  # 2: the header carries coalesce_tensors; 3: the warm-up below
+PROTOCOL_VERSION = 4  # 2: the header carries coalesce_tensors; 3: the warm-up; 4: update headers
 DEFAULT_BUCKET_BYTES = 256 << 20
 MAX_BUCKET_BYTES = 4 << 30
 MIN_BUCKET_BYTES = 4096
@@ -57,6 +66,15 @@ WARMUP_BYTES = 32 << 20  # large enough for NCCL's large-message protocol: that 
 WARMUP_SIZES = (4 << 10, 256 << 10, 4 << 20, WARMUP_BYTES)  # one broadcast in each protocol's range
 WARMUP_GROUP = 64  # tensors in the warm-up's NCCL group (at most coalesce_tensors)
 WARMUP_GROUP_BYTES = WARMUP_BYTES // WARMUP_GROUP
+UPDATE_MAGIC = 0x7469_6465_5550  # "tideUP": the first value of every update header
+MAX_UPDATE_ITEMS = 1 << 20  # tensors (or flat buffers) one update header may announce
+# The dtypes an update may carry, as its header encodes them.
+WIRE_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int8: 5,
+    torch.uint8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10,
+    torch.float8_e4m3fn: 11, torch.float8_e5m2: 12,
+}
+_WIRE_DTYPE_OF = {code: dtype for dtype, code in WIRE_DTYPES.items()}
 MAX_WORLD_SIZE = 65536
 MAX_JOIN_TIMEOUT_S = 600.0
 DEFAULT_JOIN_TIMEOUT_S = 120.0
@@ -109,6 +127,22 @@ def check_bucket_bytes(value: int, param: str = "bucket_bytes") -> int:
         raise ValueError(f"{param} must be 0 (one broadcast per dtype) or in [{MIN_BUCKET_BYTES}, "
                          f"{MAX_BUCKET_BYTES}] bytes, got {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    """What rank 0 broadcasts next, announced before it (module docstring): one broadcast per
+    tensor (`flattened` False) or flat dtype buffers in the group's pieces (True); `items` are the
+    (numel, dtype) of each tensor or buffer, in order."""
+
+    flattened: bool
+    items: tuple[tuple[int, torch.dtype], ...]
+
+    def describe(self) -> str:
+        kind = "flat buffers" if self.flattened else "tensors"
+        shown = ", ".join(f"{n} x {str(d).removeprefix('torch.')}" for n, d in self.items[:4])
+        more = f", ... ({len(self.items)} in all)" if len(self.items) > 4 else ""
+        return f"{len(self.items)} {kind} [{shown}{more}]"
 
 
 @dataclass
@@ -165,13 +199,54 @@ class WeightUpdateGroup:
         step = max(1, numel if self.bucket_bytes == 0 else self.bucket_bytes // element_size)
         return [(start, min(numel, start + step)) for start in range(0, max(numel, 1), step)]
 
-    def broadcast_flattened(self, flat: torch.Tensor) -> None:
-        """Trainer side of a flattened update: broadcast one dtype's 1-D buffer in the pieces the
-        engine expects (see `pieces`)."""
-        if flat.dim() != 1 or not flat.is_contiguous():
-            raise ValueError("broadcast_flattened needs a contiguous 1-D tensor")
-        for start, end in self.pieces(flat.numel(), flat.element_size()):
-            self.broadcast(flat[start:end])
+    def broadcast_flattened(self, *flats: torch.Tensor) -> None:
+        """Trainer side of a flattened update: its header, then each dtype's 1-D buffer (in the
+        request's first-seen dtype order) in the pieces the engine expects (see `pieces`)."""
+        if not flats or any(f.dim() != 1 or not f.is_contiguous() for f in flats):
+            raise ValueError("broadcast_flattened needs one or more contiguous 1-D tensors")
+        self.send_update_header(UpdateHeader(True, tuple((f.numel(), f.dtype) for f in flats)))
+        for flat in flats:
+            for start, end in self.pieces(flat.numel(), flat.element_size()):
+                self.broadcast(flat[start:end])
+
+    def send_update_header(self, header: UpdateHeader) -> None:
+        """Rank 0: announce an update (two broadcasts: [UPDATE_MAGIC, flattened, count, 0], then
+        (numel, dtype code) per item). ValueError, before anything is sent, for a dtype not in
+        `WIRE_DTYPES` or a count outside [1, MAX_UPDATE_ITEMS]."""
+        if not 1 <= len(header.items) <= MAX_UPDATE_ITEMS:
+            raise ValueError(f"an update carries 1 to {MAX_UPDATE_ITEMS} tensors, got "
+                             f"{len(header.items)}")
+        for _, dtype in header.items:
+            if dtype not in WIRE_DTYPES:
+                raise ValueError(f"dtype {dtype} cannot travel in a weight update")
+        head = torch.tensor([UPDATE_MAGIC, int(header.flattened), len(header.items), 0],
+                            dtype=torch.int64)
+        body = torch.tensor([v for n, d in header.items for v in (n, WIRE_DTYPES[d])],
+                            dtype=torch.int64)
+        self.broadcast(head.to(self.device))
+        self.broadcast(body.to(self.device))
+
+    def receive_update_header(self) -> UpdateHeader:
+        """The other ranks: the header rank 0 sends before an update (waits for it, on the
+        current stream). RuntimeError if it is not one (rank 0 broadcast without
+        `broadcast_weights` / `broadcast_flattened`): the broadcasts are then out of step."""
+        head = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.broadcast(head)
+        magic, flattened, count, _ = (int(v) for v in head.tolist())
+        if magic != UPDATE_MAGIC or flattened not in (0, 1) or not 1 <= count <= MAX_UPDATE_ITEMS:
+            raise RuntimeError("rank 0 sent no update header: a trainer sends updates with "
+                               "WeightUpdateGroup.broadcast_weights or broadcast_flattened")
+        body = torch.zeros(2 * count, dtype=torch.int64, device=self.device)
+        self.broadcast(body)
+        values = [int(v) for v in body.tolist()]
+        items = []
+        for numel, code in zip(values[0::2], values[1::2]):
+            dtype = _WIRE_DTYPE_OF.get(code)
+            if dtype is None or numel < 0:
+                raise RuntimeError(f"rank 0 sent a malformed update header (numel {numel}, "
+                                   f"dtype code {code})")
+            items.append((numel, dtype))
+        return UpdateHeader(bool(flattened), tuple(items))
 
     def broadcast_weights(self, named: Sequence[tuple[str, torch.Tensor]],
                           load_format: str | None = None) -> None:
@@ -181,14 +256,18 @@ class WeightUpdateGroup:
         and sent with `broadcast_flattened`. Concatenating copies each dtype's tensors once on this
         rank; a trainer that keeps its weights in one flat buffer calls `broadcast_flattened` on it
         instead."""
+        if not named:
+            raise ValueError("broadcast_weights needs at least one tensor")
         if load_format == "flattened_bucket":
             groups: dict[torch.dtype, list[torch.Tensor]] = {}
             for _, t in named:
                 groups.setdefault(t.dtype, []).append(t.reshape(-1))
-            for tensors in groups.values():
-                self.broadcast_flattened(torch.cat(tensors))
+            self.broadcast_flattened(*(torch.cat(tensors) for tensors in groups.values()))
         elif load_format is None:
-            self.broadcast_many([t.contiguous() for _, t in named])
+            tensors = [t.contiguous() for _, t in named]
+            self.send_update_header(UpdateHeader(False, tuple((t.numel(), t.dtype)
+                                                               for t in tensors)))
+            self.broadcast_many(tensors)
         else:
             raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tide.weights.distributed import WeightUpdateGroup
+from tide.weights.distributed import UpdateHeader, WeightUpdateGroup
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,6 +124,20 @@ class BroadcastReceiver:
         if self._copy is not None:
             buf.record_stream(self._copy)  # not handed out again before the copy stream read it
         return buf
+
+    def receive_header(self) -> UpdateHeader:
+        """The update's header (`WeightUpdateGroup.receive_update_header`), on the receive
+        stream (the host waits for it)."""
+        with self._on(self._recv):
+            return self.group.receive_update_header()
+
+    def drain(self, header: UpdateHeader) -> None:
+        """Receive everything `header` announces into scratch memory, writing nothing."""
+        if header.flattened:
+            for numel, dtype in header.items:
+                self.receive_flattened(dtype, [(None, numel)])
+        else:
+            self.receive_tensors([((numel,), dtype, None) for numel, dtype in header.items])
 
     def _receive(self, tensor: torch.Tensor) -> None:
         with self._on(self._recv):

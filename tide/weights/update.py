@@ -19,6 +19,7 @@ from tide.weights.bucket import FlattenedBucket, flatten_by_dtype
 from tide.weights.distributed import (
     DEFAULT_JOIN_TIMEOUT_S,
     MAX_JOIN_TIMEOUT_S,
+    UpdateHeader,
     WeightUpdateGroup,
     init_custom_process_group,
 )
@@ -272,13 +273,19 @@ class WeightUpdater:
         group = self.groups.get(group_name)
         if group is None:
             raise ValueError(f"group_name {group_name!r} is not an open weight update group")
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise ValueError("names, dtypes and shapes must be non-empty lists of equal length")
-        metas = [(n, tuple(int(d) for d in s), parse_dtype(d))
-                 for n, s, d in zip(names, shapes, dtypes)]
+        receiver = BroadcastReceiver(
+            group, self._streams(group.device) if group.device.type == "cuda" else None)
+        try:
+            header = receiver.receive_header()
+        except RuntimeError as e:
+            receiver.finish()
+            self.destroy_group(group_name)  # out of step with rank 0: nothing later would match
+            raise RuntimeError(f"{e}; group {group_name!r} is closed, join a new one") from None
         error: ValueError | None = None
         targets: dict[str, WeightTarget] = {}
+        metas: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         try:
+            metas = self._distributed_metas(names, dtypes, shapes, load_format, header)
             targets = {t.name: t for t in self.plan(metas, exact_dtype=True)}
         except ValueError as e:
             error = e
@@ -286,7 +293,7 @@ class WeightUpdater:
             error = ValueError(peer_error)
 
         def dest(name: str) -> Dest:
-            target = targets.get(name) if error is None else None
+            target = targets.get(name)
             if target is None:
                 return None
             rows = self.weight_map.rows(target)
@@ -294,10 +301,10 @@ class WeightUpdater:
                 return rows
             return PartDest(rows, target.shape, *target.split)
 
-        receiver = BroadcastReceiver(
-            group, self._streams(group.device) if group.device.type == "cuda" else None)
         try:
-            if load_format == "flattened_bucket":
+            if error is not None:
+                receiver.drain(header)
+            elif load_format == "flattened_bucket":
                 order: dict[torch.dtype, list[tuple[Dest, int]]] = {}
                 for name, shape, dtype in metas:
                     order.setdefault(dtype, []).append((dest(name), math.prod(shape)))
@@ -314,6 +321,33 @@ class WeightUpdater:
             self._sync()  # a gloo group's copies into CUDA parameters
         self._note(targets.values())
         return len(targets)
+
+    @staticmethod
+    def _distributed_metas(names: Sequence[str], dtypes: Sequence[str | torch.dtype],
+                           shapes: Sequence[Sequence[int]], load_format: str | None,
+                           header: UpdateHeader) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """The request's (name, shape, dtype) triples, once they parse and agree with what rank 0
+        announced (ValueError naming the difference)."""
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError("names, dtypes and shapes must be non-empty lists of equal length")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        try:
+            metas = [(n, tuple(int(d) for d in s), parse_dtype(d))
+                     for n, s, d in zip(names, shapes, dtypes)]
+        except TypeError as e:
+            raise ValueError(f"shapes must be lists of ints: {e}") from None
+        if load_format == "flattened_bucket":
+            totals: dict[torch.dtype, int] = {}
+            for _, shape, dtype in metas:
+                totals[dtype] = totals.get(dtype, 0) + math.prod(shape)
+            declared = UpdateHeader(True, tuple((n, d) for d, n in totals.items()))
+        else:
+            declared = UpdateHeader(False, tuple((math.prod(s), d) for _, s, d in metas))
+        if declared != header:
+            raise ValueError(f"rank 0 broadcasts {header.describe()}, but the request declares "
+                             f"{declared.describe()}; nothing was written")
+        return metas
 
     def check_distributed(self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
                           shapes: Sequence[Sequence[int]], group_name: str) -> None:
