@@ -346,3 +346,40 @@ def test_a_request_that_does_not_match_the_broadcast_drains_it_and_writes_nothin
     _assert_params(engine, before)
     res = _push(engine, group, named, load_format)  # still in step
     assert res["success"], res["message"]
+
+
+def test_a_trainer_that_stops_mid_update_blocks_generation_until_a_full_refill(rig):
+    """Rank 0 announces an update, sends part of it and goes silent: the receive times out with
+    some parameters written. The update fails, generation is refused with the reason instead of
+    running on half-written weights, and a complete update (any path) lifts the block."""
+    engine, hf, _ = rig
+    port = free_port()
+    trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "die",
+                       timeout_s=JOIN_S, name="trainer-join")
+    assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "die", "gloo")["success"]
+    group = trainer.result(JOIN_S)
+    engine.worker.weight_updater.groups["die"].timeout = timedelta(seconds=2)
+    sgd_steps(hf, steps=1, lr=0.3, seed=12)
+    named = named_weights(hf)
+
+    def send_part() -> None:
+        group.send_update_header(UpdateHeader(False, tuple((t.numel(), t.dtype) for _, t in named)))
+        for _, t in named[:3]:
+            group.broadcast(t.contiguous())
+
+    sender = InThread(send_part, name="trainer-send")
+    try:
+        res = engine.update_weights_from_distributed(
+            [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named],
+            group_name="die")
+        sender.result(JOIN_S)
+        assert not res["success"] and "part-way" in res["message"], res["message"]
+        with pytest.raises(ValueError, match="failed part-way"):
+            engine.generate(input_ids=[3, 5, 7], sampling_params={"max_new_tokens": 2})
+        assert engine.update_weights_from_tensor(named_tensors=named)["success"]
+        out = engine.generate(input_ids=[3, 5, 7], sampling_params={"max_new_tokens": 2})
+        assert len(out["output_ids"]) == 2
+    finally:
+        engine.destroy_weights_update_group("die")
+        if hasattr(group.pg, "shutdown"):
+            group.pg.shutdown()

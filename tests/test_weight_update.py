@@ -522,6 +522,39 @@ def test_tensor_update_with_an_uncopyable_tensor_changes_nothing(kind, base_rest
     assert engine.handover.weight_version == version
 
 
+def test_an_update_that_fails_part_way_blocks_generation_until_a_full_refill(base_restored,
+                                                                            monkeypatch):
+    """A write that fails after others landed (here the third copy raises) leaves some parameters
+    new and some old: the update fails, generation is refused with the reason (never served from
+    the half-written weights), and a later update that covers every parameter lifts the block."""
+    engine = base_restored.engine
+    prompt = [3, 5, 7, 11]
+    greedy = {"temperature": 0, "max_new_tokens": 4}
+    before = engine.generate(input_ids=prompt, sampling_params=greedy)["output_ids"]
+    weight_map = engine.worker.weight_updater.weight_map
+    real_write, calls = weight_map.write, []
+
+    def failing_write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(weight_map, "write", failing_write)
+    new = _perturbed(base_restored.base, seed=14)
+    res = engine.update_weights_from_tensor(named_tensors=new, weight_version="torn")
+    monkeypatch.setattr(weight_map, "write", real_write)
+    assert res["success"] is False and "part-way" in res["message"], res["message"]
+    with pytest.raises(ValueError, match="failed part-way"):
+        engine.generate(input_ids=prompt, sampling_params=greedy)
+    # Part of the weights is not enough; all of them lift the block.
+    assert engine.update_weights_from_tensor(named_tensors=new[:3])["success"]
+    with pytest.raises(ValueError, match="failed part-way"):
+        engine.generate(input_ids=prompt, sampling_params=greedy)
+    assert engine.update_weights_from_tensor(named_tensors=base_restored.base)["success"]
+    assert engine.generate(input_ids=prompt, sampling_params=greedy)["output_ids"] == before
+
+
 def _save_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
     from safetensors.torch import save_file
 

@@ -35,6 +35,7 @@ from tide.weights.distributed import DEFAULT_JOIN_TIMEOUT_S
 from tide.weights.update import (
     SHARDED,
     TENSOR_LOAD_FORMATS,
+    PartialWriteError,
     TensorPayload,
     WeightUpdater,
 )
@@ -183,6 +184,9 @@ class Handover:
         self.weight_version = weight_version
         # Set while memory is released (or weights await a refill): nothing runs, new requests abort.
         self.memory_block_reason: str | None = None
+        # Why the weights await a refill when an update failed part-way (None: a resume without a
+        # CPU backup, or no refill awaited).
+        self.refill_reason: str | None = None
         self.pending_updates: deque[PendingUpdate] = deque()
 
     # ---- state the scheduler reads
@@ -296,12 +300,24 @@ class Handover:
             count = pending.load()
         except (ValueError, TypeError) as e:
             return self._result(False, str(e))
+        except PartialWriteError as e:
+            # Some parameters may hold new values, some old: nothing runs on them until an update
+            # has written every parameter again (as after a resume without a CPU backup).
+            self.refill_reason = (f"a weight update failed part-way ({e}); push new weights "
+                                  "(update_weights_*) covering every parameter first")
+            self.worker.memory_occupation.weights_need_refill = True
+            self.worker.weight_updater.reset_coverage()
+            self._refresh_memory_block()
+            logger.error("%s", self.refill_reason)
+            return self._result(False, f"{e}; generation waits for an update that writes every "
+                                       "parameter")
         options = pending.options
         if options.weight_version is not None:
             self.weight_version = options.weight_version
         occupation = self.worker.memory_occupation
         if occupation.weights_need_refill and self.worker.weight_updater.coverage_complete():
             occupation.weights_need_refill = False
+            self.refill_reason = None
             self._refresh_memory_block()
         self.scheduler.flush_cache_after_weight_update(options.flush_cache, options.torch_empty_cache)
         ms = (time.perf_counter() - start) * 1e3
@@ -392,6 +408,9 @@ class Handover:
             return HandoverResult(False, str(e))
         try:
             self.worker.memory_occupation.resume(tags)
+            if self.refill_reason is not None and "weights" in tags:
+                # The backup held weights an update had left half-written: still a refill.
+                self.worker.memory_occupation.weights_need_refill = True
         except Exception as e:  # reported to the caller; serving goes on
             logger.exception("resume_memory_occupation failed")
             return HandoverResult(False, f"resume_memory_occupation failed: "
@@ -429,8 +448,9 @@ class Handover:
             self.memory_block_reason = (f"memory of {released} is released; call "
                                         "resume_memory_occupation first")
         elif occupation.weights_need_refill:
-            self.memory_block_reason = ("weights were resumed without a CPU backup; push new "
-                                        "weights (update_weights_*) covering every parameter first")
+            self.memory_block_reason = self.refill_reason or (
+                "weights were resumed without a CPU backup; push new weights (update_weights_*) "
+                "covering every parameter first")
         else:
             self.memory_block_reason = None
 

@@ -59,6 +59,7 @@ from tide.scheduler.schedule_batch import ScheduleBatch
 from tide.scheduler.worker import ModelWorker, SampleFuture, TpModelWorker
 from tide.weights.bucket import FlattenedBucket
 from tide.weights.distributed import init_custom_process_group
+from tide.weights.update import PartialWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -361,7 +362,8 @@ class RankError(Exception):
         super().__init__(self.message)
 
     def reraise(self) -> NoReturn:
-        cls = {"ValueError": ValueError, "TypeError": TypeError}.get(self.kind, RuntimeError)
+        cls = {"ValueError": ValueError, "TypeError": TypeError,
+               "PartialWriteError": PartialWriteError}.get(self.kind, RuntimeError)
         raise cls(self.message) from None
 
 

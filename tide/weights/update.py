@@ -44,6 +44,20 @@ _DTYPES = {
 }
 
 
+class PartialWriteError(RuntimeError):
+    """An update failed after it had begun writing parameters (a read, copy or broadcast failed
+    part-way): some parameters may hold new values, some old. Validation errors (ValueError) are
+    raised before the first write and never this."""
+
+
+def _writing(what: str, write: Callable[[], int]) -> int:
+    """`write()`, with any failure in it reported as a `PartialWriteError`."""
+    try:
+        return write()
+    except Exception as e:  # re-raised as what it means for the weights
+        raise PartialWriteError(f"{what} failed part-way: {type(e).__name__}: {e}") from e
+
+
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
@@ -114,7 +128,7 @@ class WeightUpdater:
     def prepare_from_disk(self, model_path: str) -> Callable[[], int]:
         targets = {t.name: t for t in self.plan(read_checkpoint_shapes(model_path), False, True)}
 
-        def apply() -> int:
+        def write() -> int:
             if self.device.type == "cuda" and self._staging is None:
                 self._staging = PinnedStaging(self.device)  # kept: pinning memory is slow
             write_checkpoint(self.weight_map, targets, model_path, staging=self._staging)
@@ -122,7 +136,7 @@ class WeightUpdater:
             self._note(targets.values())
             return len(targets)
 
-        return apply
+        return lambda: _writing(f"reading {model_path!r}", write)
 
     def prepare_named_tensors(self, named: object, sharded: bool = False) -> Callable[[], int]:
         """`named`: [(name, tensor), ...]; anything else is a ValueError. `sharded`: each tensor
@@ -148,14 +162,14 @@ class WeightUpdater:
                             sharded=sharded)
         tensors = dict(pairs)
 
-        def apply() -> int:
+        def write() -> int:
             for target in targets:
                 self.weight_map.write(target, tensors[target.name], sharded)
             self._sync()
             self._note(targets)
             return len(targets)
 
-        return apply
+        return lambda: _writing("writing the tensors", write)
 
     def prepare_buckets(self, buckets: object) -> Callable[[], int]:
         """`buckets`: a `FlattenedBucket` or a list of them; anything else is a ValueError."""
@@ -304,15 +318,9 @@ class WeightUpdater:
         try:
             if error is not None:
                 receiver.drain(header)
-            elif load_format == "flattened_bucket":
-                order: dict[torch.dtype, list[tuple[Dest, int]]] = {}
-                for name, shape, dtype in metas:
-                    order.setdefault(dtype, []).append((dest(name), math.prod(shape)))
-                for dtype, items in order.items():
-                    receiver.receive_flattened(dtype, items)
             else:
-                receiver.receive_tensors([(shape, dtype, dest(name))
-                                          for name, shape, dtype in metas])
+                _writing(f"receiving from group {group_name!r}",
+                         lambda: self._receive_into(receiver, metas, load_format, dest))
         finally:
             receiver.finish()
         if error is not None:
@@ -321,6 +329,21 @@ class WeightUpdater:
             self._sync()  # a gloo group's copies into CUDA parameters
         self._note(targets.values())
         return len(targets)
+
+    @staticmethod
+    def _receive_into(receiver: BroadcastReceiver,
+                      metas: list[tuple[str, tuple[int, ...], torch.dtype]],
+                      load_format: str | None, dest: Callable[[str], Dest]) -> int:
+        """A valid update's broadcasts, each into its destination (`load_from_distributed`)."""
+        if load_format == "flattened_bucket":
+            order: dict[torch.dtype, list[tuple[Dest, int]]] = {}
+            for name, shape, dtype in metas:
+                order.setdefault(dtype, []).append((dest(name), math.prod(shape)))
+            for dtype, items in order.items():
+                receiver.receive_flattened(dtype, items)
+        else:
+            receiver.receive_tensors([(shape, dtype, dest(name)) for name, shape, dtype in metas])
+        return len(metas)
 
     @staticmethod
     def _distributed_metas(names: Sequence[str], dtypes: Sequence[str | torch.dtype],
@@ -385,6 +408,7 @@ class WeightUpdater:
 __all__ = [
     "FlattenedBucket",
     "LOAD_FORMATS",
+    "PartialWriteError",
     "SHARDED",
     "TENSOR_LOAD_FORMATS",
     "NamedTensors",
