@@ -184,6 +184,65 @@ def test_chat_template_variables_still_reach_the_template(server):
     assert resp.json()["choices"][0]["message"]["role"] == "assistant"
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 8}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 8}),
+    ("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 8}}),
+])
+def test_concurrent_streams_with_one_rid_get_one_stream_and_400s(server, path, body):
+    """A stream submits once its response starts: its rid is reserved when checked, so concurrent
+    requests with the same rid get a 400 before any response starts, never a 200 carrying only an
+    error event; once the stream ended the rid is free again."""
+    import asyncio
+
+    body = {**body, "stream": True, "rid": f"same-{path.rsplit('/', 1)[-1]}"}
+
+    async def one(client: httpx.AsyncClient) -> tuple[int, str]:
+        async with client.stream("POST", path, json=body) as resp:
+            return resp.status_code, (await resp.aread()).decode()
+
+    async def race() -> list[tuple[int, str]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(*[one(client) for _ in range(4)])
+
+    results = asyncio.run(race())
+    # Which requests overlap depends on timing (a finished stream frees its rid), but every one is
+    # either a whole stream or a 400 before the response started.
+    assert 200 in [code for code, _ in results], results
+    for code, text in results:
+        if code == 200:
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text
+        else:
+            assert json.loads(text)["error"]["code"] == "duplicate_rid", text
+
+
+    async def alone() -> tuple[int, str]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await one(client)
+
+    assert asyncio.run(alone())[0] == 200  # the rid was released: usable again
+    _assert_clean(server)
+
+
+def test_a_checked_rid_is_reserved_until_released():
+    """The window between a stream's rid check and its submit: a reserved rid is taken for
+    everyone else (same owner), free for other owners, and free again once released."""
+    from tide.server.errors import APIError
+    from tide.server.tokenizer_manager import TokenizerManager
+
+    tm = TokenizerManager.__new__(TokenizerManager)  # only the rid bookkeeping is exercised
+    tm.rid_to_state, tm._reserved = {}, {}
+    keys = tm.check_rids_free(["a", "b"], "alice", reserve=True)
+    for rid in ("a", "b"):
+        with pytest.raises(APIError, match="already in use"):
+            tm.check_rids_free([rid], "alice")
+    assert tm.check_rids_free(["a"], "bob") == []  # rids are scoped by owner
+    tm.release_rids(keys)
+    assert tm.check_rids_free(["a", "b"], "alice", reserve=True) == [("alice", "a"),
+                                                                       ("alice", "b")]
+
+
 def test_nothing_leaks_after_failed_requests(server):
     """Each of these used to be a 500 that left its request registered forever (and its rid
     blocked): now they are 400s, and the rid is free again at once."""

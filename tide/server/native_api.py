@@ -74,6 +74,7 @@ class NativeServing:
         return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
 
     def _submit(self, items: list[_Item], event: asyncio.Event, owner: str) -> list[ReqState]:
+        """Every sequence to the scheduler; the rids' reservations (`_normalize`) end here."""
         states: list[ReqState] = []
         try:
             for item in items:
@@ -93,6 +94,8 @@ class NativeServing:
         except BaseException:
             self.tm.abort_states(states, "request failed")
             raise
+        finally:
+            self.tm.release_rids([(owner, r) for r in _expanded_rids(items)])
         return states
 
     async def _stream(self, items: list[_Item], event: asyncio.Event,
@@ -190,12 +193,11 @@ class NativeServing:
         user_rids = [it.rid for it in items if it.rid is not None]
         if len(set(user_rids)) != len(user_rids):
             raise invalid_request("'rid' values must be unique", "rid", "duplicate_rid")
-        expanded = [r if it.params.n == 1 else f"{r}-{j}"
-                    for it in items if (r := it.rid) is not None for j in range(it.params.n)]
+        expanded = _expanded_rids(items)
         if len(set(expanded)) != len(expanded):  # e.g. "x" with n=2 beside "x-0"
             raise invalid_request("'rid' values must be unique once each is expanded to "
                                   "'<rid>-<i>' for its n sequences", "rid", "duplicate_rid")
-        tm.check_rids_free(expanded, owner)
+        tm.check_rids_free(expanded, owner, reserve=True)  # until `_submit`
         return single, items
 
     # ---- output
@@ -243,3 +245,9 @@ def _per_item(value: Any, count: int, name: str, single: bool, repeat: bool = Tr
         raise invalid_request(f"'{name}' must be a list with one entry per prompt for a batch",
                               name, "invalid_type")
     return [value] * count
+
+
+def _expanded_rids(items: list[_Item]) -> list[str]:
+    """The client rids of every sequence: `rid`, or `rid-j` for an item with n > 1."""
+    return [r if it.params.n == 1 else f"{r}-{j}"
+            for it in items if (r := it.rid) is not None for j in range(it.params.n)]

@@ -108,16 +108,24 @@ class OpenAIServingBase:
         return make_sampling_params(params, "", _OPENAI_NAMES, limits=limits,
                                     vocab_size=self.tm.model_info.vocab_size)
 
+    def _reserve_rid(self, rid: str | None, count: int, owner: str) -> None:
+        """400 `duplicate_rid` unless the `count` sequences' rids (`rid`, or `rid-i` for several)
+        are free; they stay reserved until `submit` (a stream submits once its response starts)."""
+        if rid:
+            self.tm.check_rids_free(_sequence_rids(rid, count), owner, reserve=True)
+
     def submit(self, prompts: list[_Prompt], params: SamplingParams, n: int, event: asyncio.Event,
                rid: str | None, logprobs: int | None, owner: str) -> list[ReqState]:
-        """n sequences per prompt (prompt-major); seeded requests get seed + j for copy j."""
+        """n sequences per prompt (prompt-major); seeded requests get seed + j for copy j. The
+        rids' reservations (`_reserve_rid`) end here, submitted or not."""
         states: list[ReqState] = []
+        subs = _sequence_rids(rid, len(prompts) * n) if rid else []
+        reserved = [(owner, r) for r in subs]
         try:
             for i, prompt in enumerate(prompts):
                 for j in range(n):
                     seed = None if params.seed is None else (params.seed + j) % 2**63
-                    sub = rid if rid and len(prompts) * n == 1 else (f"{rid}-{i * n + j}" if rid
-                                                                     else None)
+                    sub = subs[i * n + j] if subs else None
                     states.append(self.tm.submit(
                         prompt.ids, dataclasses.replace(params, seed=seed), event, rid=sub,
                         user_rid=rid, return_logprob=logprobs is not None,
@@ -126,6 +134,8 @@ class OpenAIServingBase:
         except BaseException:
             self.tm.abort_states(states, "request failed")
             raise
+        finally:
+            self.tm.release_rids(reserved)
         return states
 
     async def wait_all(self, states: list[ReqState], event: asyncio.Event,
@@ -222,7 +232,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 if p.text is None:
                     p.text = self.tm.tokenizer.decode(p.ids) if self.tm.tokenizer else ""
         owner = caller_of(raw_request).identity
-        self._check_rid(req.rid, len(prompts) * req.n, owner)
+        self._reserve_rid(req.rid, len(prompts) * req.n, owner)
         event = asyncio.Event()
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -249,11 +259,6 @@ class OpenAIServingCompletion(OpenAIServingBase):
             "system_fingerprint": None, "metadata": self.metadata(states),
         }
         return JSONResponse(body)
-
-    def _check_rid(self, rid: str | None, count: int, owner: str) -> None:
-        if rid:
-            self.tm.check_rids_free([rid] if count == 1 else [f"{rid}-{i}" for i in range(count)],
-                                    owner)
 
     async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
@@ -378,9 +383,7 @@ class OpenAIServingChat(OpenAIServingBase):
         params = dataclasses.replace(params, max_new_tokens=max_new)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         owner = caller_of(raw_request).identity
-        if req.rid:
-            self.tm.check_rids_free([req.rid] if req.n == 1 else
-                                    [f"{req.rid}-{i}" for i in range(req.n)], owner)
+        self._reserve_rid(req.rid, req.n, owner)
         prompts = [_Prompt(prompt_ids, None)]
         event = asyncio.Event()
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -578,3 +581,8 @@ def _template_variables(tok: Any, given: dict[str, Any] | None) -> dict[str, Any
                 "of the model's chat template, not arguments of the render call",
                 f"chat_template_kwargs.{key}", "invalid_value")
     return given
+
+
+def _sequence_rids(rid: str, count: int) -> list[str]:
+    """The rids of a request's `count` sequences: `rid` itself for one, `rid-i` for several."""
+    return [rid] if count == 1 else [f"{rid}-{i}" for i in range(count)]

@@ -63,6 +63,9 @@ from tide.server.metrics import ServerMetrics
 logger = logging.getLogger("tide.server")
 
 ADMISSION_CONCURRENCY = 16  # generation requests being admitted at once
+# How long a checked rid stays reserved for the request that will submit it (a stream submits once
+# its response starts; one whose client left before that never does).
+RID_RESERVATION_S = 60.0
 
 _NEG_INF_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -208,6 +211,9 @@ class TokenizerManager:
         self._stall_reported = False
         # by (owner, the rid the client sees): rids are scoped to the caller's identity
         self.rid_to_state: dict[tuple[str, str], ReqState] = {}
+        # (owner, rid) -> deadline: rids a request has checked and will submit (a stream submits
+        # once its response starts), so a concurrent request cannot take them meanwhile.
+        self._reserved: dict[tuple[str, str], float] = {}
         self.wire_to_state: dict[str, ReqState] = {}  # by the scheduler's (never reused) rid
         self._wire_seq = 0
         self._pending_control: dict[str, asyncio.Future[ControlReqOutput]] = {}
@@ -385,12 +391,30 @@ class TokenizerManager:
         self.wire_to_state[wire_rid] = state
         return state
 
-    def check_rids_free(self, rids: list[str], owner: str, param: str = "rid") -> None:
-        """400 `duplicate_rid` if one of `rids` names a running request of `owner`'s."""
+    def check_rids_free(self, rids: list[str], owner: str, param: str = "rid",
+                        reserve: bool = False) -> list[tuple[str, str]]:
+        """400 `duplicate_rid` if one of `rids` names a running request of `owner`'s, or one another
+        request reserved. With `reserve`, holds them (at most `RID_RESERVATION_S`) until the
+        caller submits and passes the returned keys to `release_rids`."""
+        now = time.monotonic()
+        if len(self._reserved) > 1024:
+            self._reserved = {k: d for k, d in self._reserved.items() if d > now}
         for rid in rids:
-            if (owner, rid) in self.rid_to_state:
+            if (owner, rid) in self.rid_to_state or self._reserved.get((owner, rid), 0.0) > now:
                 raise invalid_request(f"rid {rid!r} is already in use by a running request",
                                       param, "duplicate_rid")
+        if not reserve:
+            return []
+        keys = [(owner, rid) for rid in rids]
+        for key in keys:
+            self._reserved[key] = now + RID_RESERVATION_S
+        return keys
+
+    def release_rids(self, keys: list[tuple[str, str]]) -> None:
+        """Drop reservations of `check_rids_free` (once submitted, the running requests hold the
+        rids; if submitting failed, they are free again)."""
+        for key in keys:
+            self._reserved.pop(key, None)
 
     async def wait(self, event: asyncio.Event, watch: DisconnectWatch | None = None) -> None:
         """Wait for any update of the group behind `event`; raise ClientDisconnected if `watch`
