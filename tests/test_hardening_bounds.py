@@ -122,6 +122,10 @@ BAD = [
     ("/generate", json.dumps({"text": ["a", "b"], "rid": ["x-0", "x"],
                               "sampling_params": [{"max_new_tokens": 2},
                                                   {"n": 2, "max_new_tokens": 2}]}), "rid"),
+    ("/update_weights_from_disk", json.dumps({"model_path": "/x", "weight_version": ""}),
+     "weight_version"),
+    ("/update_weights_from_disk", json.dumps({"model_path": "/x", "weight_version": "v\n2"}),
+     "weight_version"),
     # counts
     ("/v1/completions", _cmpl(n=50000), "n"),
     ("/v1/completions", _cmpl(n=129), "n"),

@@ -555,6 +555,19 @@ def test_an_update_that_fails_part_way_blocks_generation_until_a_full_refill(bas
     assert engine.generate(input_ids=prompt, sampling_params=greedy)["output_ids"] == before
 
 
+@pytest.mark.parametrize("version", ["", "v\n2", "x" * 257])
+def test_update_with_a_bad_weight_version_changes_nothing(version, base_restored):
+    engine = base_restored.engine
+    snap = _snapshot(engine)
+    before = engine.handover.weight_version
+    with pytest.raises(ValueError, match="weight_version"):  # as any bad option, at the call
+        engine.update_weights_from_tensor(
+            named_tensors=_perturbed(base_restored.base, seed=15), weight_version=version)
+    _assert_unchanged(engine, snap)
+    assert engine.handover.weight_version == before
+    assert engine.update_weight_version(version)["success"] is False
+
+
 def _save_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> Path:
     from safetensors.torch import save_file
 

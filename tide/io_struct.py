@@ -64,6 +64,19 @@ class ShutdownReq(msgspec.Struct, tag=True):
     req_id: str
 
 
+MAX_WEIGHT_VERSION_CHARS = 256
+
+
+def check_weight_version(value: object, param: str = "weight_version") -> str:
+    """A weight version: 1 to `MAX_WEIGHT_VERSION_CHARS` printable characters (it is reported with
+    every output and logged); ValueError naming `param` otherwise."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{param} must be a non-empty string")
+    if len(value) > MAX_WEIGHT_VERSION_CHARS or not value.isprintable():
+        raise ValueError(f"{param} must be at most {MAX_WEIGHT_VERSION_CHARS} printable characters")
+    return value
+
+
 class WeightUpdateOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The options every weight update takes (sglang's names and defaults), defined once: the update
     messages extend it, the HTTP bodies are built from its fields (`tide.server.protocol`), and
@@ -77,6 +90,10 @@ class WeightUpdateOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     abort_all_requests: bool = False
     weight_version: str | None = None
     torch_empty_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight_version is not None:
+            check_weight_version(self.weight_version)
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> WeightUpdateOptions:

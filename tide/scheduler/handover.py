@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, TypedDict
 
-from tide.io_struct import WeightUpdateOptions
+from tide.io_struct import WeightUpdateOptions, check_weight_version
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import reserved_bytes
 from tide.memory.occupation import parse_tags
@@ -239,8 +239,10 @@ class Handover:
     # ---- versions
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True
                               ) -> HandoverResult:
-        if not isinstance(new_version, str) or not new_version:
-            return HandoverResult(False, "new_version must be a non-empty string")
+        try:
+            check_weight_version(new_version, "new_version")
+        except ValueError as e:
+            return HandoverResult(False, str(e))
         self.scheduler.settle()  # a step still on the device finishes under the old version
         if abort_all_requests:
             self.scheduler.abort(message="aborted by update_weight_version")

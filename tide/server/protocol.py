@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
-from tide.io_struct import WeightUpdateOptions
+from tide.io_struct import WeightUpdateOptions, check_weight_version
 from tide.sampling_params import MIN_REPETITION_PENALTY
 from tide.weights.distributed import (
     DEFAULT_JOIN_TIMEOUT_S,
@@ -165,12 +165,18 @@ class FlushCacheInput(BaseModel):
 
 
 # ---- admin: training <-> rollout handover (sglang's paths, bodies and defaults)
+def _weight_version(value: str | None) -> str | None:
+    return value if value is None else check_weight_version(value)
+
+
 def _weight_update_flags() -> type[BaseModel]:
     """The body fields every weight update takes: `tide.io_struct.WeightUpdateOptions`'s fields,
     types and defaults (its one definition)."""
     fields: dict[str, Any] = {
         f.name: (f.type, f.default) for f in msgspec.structs.fields(WeightUpdateOptions)
     }
+    fields["weight_version"] = (Annotated[str | None, AfterValidator(_weight_version)],
+                                fields["weight_version"][1])
     return create_model("WeightUpdateFlags", __config__=_STRICT,
                         __doc__=WeightUpdateOptions.__doc__, **fields)
 
