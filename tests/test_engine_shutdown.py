@@ -51,6 +51,13 @@ def test_shutdown_frees_weights_and_pools_held_by_live_references(arch, checkpoi
     assert _storage_bytes(_kv_tensors(runner)) == 0
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate(input_ids=[3, 4, 5], sampling_params=GREEDY)
+    # Every other operation says so too (an update used to fail on the freed storage instead).
+    name, param = next(iter(model.named_parameters()))
+    for call in (lambda: engine.update_weights_from_tensor(named_tensors=[(name, param)]),
+                 lambda: engine.get_weights_by_name(name), lambda: engine.pause_generation(),
+                 lambda: engine.release_memory_occupation()):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
     engine.shutdown()  # a second call does nothing
     # The scheduler's accounting still holds: every slot is free or cached, none locked.
     engine.scheduler.check_invariants()

@@ -144,6 +144,14 @@ class Engine:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """`_control` for an operation on a live engine (RuntimeError once it is shut down)."""
+        with self._control():
+            if self._shut_down:
+                raise RuntimeError("the engine is shut down")
+            yield
+
+    @contextlib.contextmanager
     def _control(self) -> Iterator[None]:
         """Hold the engine lock for a control operation, ahead of any stepping thread."""
         with self._controls_lock:
@@ -164,7 +172,7 @@ class Engine:
         """Reset radix cache, request pool and KV allocator when fully idle (and, if `empty_cache`,
         empty the device allocator cache); False with a log line of the queued/running counts
         otherwise."""
-        with self._control():
+        with self._control():  # also after shutdown: the accounting can still be checked
             ok, message = self.scheduler.flush_cache(empty_cache)
         if not ok:
             logger.warning(message)
@@ -183,25 +191,25 @@ class Engine:
             output_dir=output_dir or "", num_steps=num_steps,
             activities=None if activities is None else tuple(activities),
             record_shapes=record_shapes, with_stack=with_stack, profile_id=profile_id or "")
-        with self._control():
+        with self._open():
             self.scheduler.start_profile(options)
 
     def stop_profile(self) -> list[str]:
         """Stop the running profile; the files every rank wrote. RuntimeError if none is running
         (a profile with `num_steps` stops by itself)."""
-        with self._control():
+        with self._open():
             return self.scheduler.stop_profile()
 
     # ---- training <-> rollout handover (sglang's names, bodies and defaults; see Handover)
     def pause_generation(self, mode: str = "abort") -> HandoverReply:
         """`abort`, `retract` or `in_place`. Requests submitted while paused queue until
         `continue_generation`."""
-        with self._control():
+        with self._open():
             return self.handover.pause_generation(mode).to_dict()
 
     def continue_generation(self, torch_empty_cache: bool = True) -> HandoverReply:
         """Resume; with `torch_empty_cache`, empty the allocator cache first, while still paused."""
-        with self._control():
+        with self._open():
             return self.handover.continue_generation(torch_empty_cache).to_dict()
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
@@ -248,7 +256,7 @@ class Engine:
         abort it, then write, set the version, flush."""
         opts = WeightUpdateOptions.from_kwargs(options)
         results: list[HandoverResult] = []
-        with self._control():
+        with self._open():
             self.handover.submit_update(update, opts, results.append)
             while not results:
                 if not self.handover.apply_ready_updates():
@@ -272,31 +280,31 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The first `truncate_size` values of checkpoint tensor `name`, flattened."""
-        with self._control():
+        with self._open():
             return self.handover.get_weights_by_name(name, truncate_size)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True
                               ) -> HandoverReply:
-        with self._control():
+        with self._open():
             return self.handover.update_weight_version(new_version, abort_all_requests).to_dict()
 
     # ---- memory occupation (colocated trainer)
     def release_memory_occupation(self, tags: list[str] | None = None) -> HandoverReply:
         """Give back the memory of `tags` (None: kv_cache, weights, cuda_graph); needs
         `enable_memory_saver` and the engine idle or paused."""
-        with self._control():
+        with self._open():
             return self.handover.release_memory_occupation(tags).to_dict()
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> HandoverReply:
         """Take the memory of `tags` again (`weights` first lets the trainer push into them)."""
-        with self._control():
+        with self._open():
             return self.handover.resume_memory_occupation(tags).to_dict()
 
     def drop_cpu_backup(self) -> HandoverReply:
         """Free the host memory that `enable_cpu_backup` keeps for the weights from the first release
         on (as large as the weights); the next release allocates it again. Refused while the
         weights are released."""
-        with self._control():
+        with self._open():
             return self.handover.drop_cpu_backup().to_dict()
 
     def dump_memory_timeline(self, path: str) -> None:
