@@ -364,6 +364,8 @@ def test_max_new_tokens_zero(llama_engine):
     out = llama_engine.generate(input_ids=[9, 10, 11], sampling_params=dict(GREEDY, max_new_tokens=0))
     assert out["output_ids"] == []
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    # tagged with the weights it was served under, as every finished request (RL tags rollouts)
+    assert out["meta_info"]["weight_version"] == llama_engine.handover.weight_version is not None
     assert not llama_engine.scheduler.has_work()
 
 

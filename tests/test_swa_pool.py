@@ -335,6 +335,38 @@ def test_long_chunked_prompt_fits_a_small_swa_pool_without_retraction(ckpts, hf_
     engine.shutdown()
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("case", ["radix_off", "prompt_again"])
+def test_chunked_prompt_longer_than_the_swa_pool_finishes_when_its_chunks_are_not_cached(
+        ckpts, hf_models, arch, case):
+    """A 100-token prompt in 16-token chunks, a 40-slot SWA pool: the chunks are not published in
+    the radix tree (the cache is off; or the tree's copy of the prompt lost its out-of-window SWA
+    K/V, so the request keeps its own), and each chunk must still give back the SWA slots the next
+    one cannot see. Holding them, the prompt waited for SWA slots forever (generate hung)."""
+    import threading
+
+    engine = tide.Engine(str(ckpts[arch]), max_total_tokens=400, swa_full_tokens_ratio=0.1,
+                         chunked_prefill_size=16, disable_radix_cache=case == "radix_off")
+    assert engine.scheduler.kv_pools()["swa"]["capacity"] == 40
+    prompt = random_prompts(21, [100])[0]
+    greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    outs: list = []
+
+    def run() -> None:
+        for _ in range(2 if case == "prompt_again" else 1):
+            outs.append(engine.generate(input_ids=prompt, sampling_params=greedy,
+                                        return_logprob=True))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), f"generate hung: {engine.scheduler.kv_pools()}"
+    for out in outs:
+        _check_hf(hf_models[arch], prompt, out, 4)
+    _assert_empty_after_flush(engine)
+    engine.shutdown()
+
+
 def test_translation_runs_once_per_forward_not_per_layer(ckpts):
     """gemma3 has four sliding layers: one gather for the new tokens' SWA slots per forward; the
     sliding layers read SWA slots from `req_to_token_swa`, which mirrors the full table."""

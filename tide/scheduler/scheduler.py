@@ -188,10 +188,12 @@ class Scheduler:
         blocked = self.handover.memory_block_reason
         if blocked is not None:
             req.finished_reason = {"type": "abort", "message": blocked}
+            req.weight_version = self.handover.weight_version  # as every finished request
             return
         params = req.sampling_params
         if params.max_new_tokens == 0:
             req.finished_reason = {"type": "length", "length": 0}
+            req.weight_version = self.handover.weight_version
             return
         if params.stop_strs and self.tokenizer is not None and req.stop_detokenizer is None:
             req.stop_detokenizer = IncrementalDetokenizer(
@@ -799,6 +801,12 @@ class Scheduler:
                 if req.kv_len < req.seq_len:
                     if req.kv_epoch == self.kv_epoch:  # stale chunks stay private to the request
                         (req.tree or self.tree_cache).cache_unfinished_req(req)
+                    if self.swa_window is not None:
+                        # The SWA slots the next chunk cannot see go back even when the chunk
+                        # was not published (cache off or retired, a cached copy lacking SWA
+                        # K/V, a stale chunk): held, a prompt longer than the SWA pool would
+                        # wait for slots forever. A no-op after a publish (it released them).
+                        self._release_swa(req)
                     self.chunked_req = req
                     continue
                 if (i < prefilled and req.kv_epoch == self.kv_epoch
