@@ -67,6 +67,8 @@ def test_meta_info_and_random_seed_replay(demo):
     ({"seed": "7"}, "seed"),
     ({"output_type": "latent"}, "output_type"),
     ({"negative_prompt": ["a", "b"], "true_cfg_scale": 2.0}, "negative_prompt"),
+    ({"prompt": "a \ud800 b"}, "prompt"),  # a lone surrogate (JSON can carry one)
+    ({"prompt": ["ok", "\udc00"]}, "prompt.1"),
 ])
 def test_bad_requests_name_the_field(demo, kwargs, field):
     args = {"prompt": "the cat", "num_inference_steps": 1, **kwargs}
@@ -94,6 +96,13 @@ def test_config_is_frozen_and_validated(tmp_path):
         tide.DiffusionEngine(str(tmp_path))
     with pytest.raises(ValueError, match="default_size must be a multiple of 16"):
         tide.DiffusionEngine("demo-diffusion", default_size=40)
+    # a default no request could use: every request without a size would fail
+    with pytest.raises(ValueError, match="default_size 64 is above max_image_side 32"):
+        tide.DiffusionEngine("demo-diffusion", max_image_side=32)
+    with pytest.raises(ValueError, match="default_size 4096 is above max_image_side 2048"):
+        tide.DiffusionEngine("demo-diffusion", default_size=4096)
+    with pytest.raises(ValueError, match="weight_version must be at most 256 printable"):
+        DiffusionConfig.from_kwargs(weight_version="v\n1")
     cfg = DiffusionConfig.from_kwargs()
     assert cfg.default_size == 64
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -118,3 +127,18 @@ def test_tide_imports_without_diffusers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'tide[diffusion]'" in out.stdout
+
+
+def test_weight_version_rules_and_shutdown():
+    """update_weight_version takes what updates take (1 to 256 printable characters); after
+    shutdown every call says the engine is shut down."""
+    engine = tide.DiffusionEngine("demo-diffusion")
+    for bad in ("", "a\nb", "x" * 257):
+        assert engine.update_weight_version(bad)["success"] is False
+    assert engine.update_weight_version("step-3")["success"]
+    engine.shutdown()
+    for call in (lambda: engine.generate("the cat", num_inference_steps=1),
+                 lambda: engine.release_memory_occupation(),
+                 lambda: engine.update_weight_version("v2")):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()

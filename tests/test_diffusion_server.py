@@ -109,6 +109,7 @@ def test_concurrent_requests_get_their_own_images(client, engine):
     ({"prompt": "x", "negative_prompt": "y"}, 400, "negative_prompt"),
     ({"prompt": "x", "stream": True}, 400, "stream"),
     ({"prompt": "x", "model": "dall-e-3"}, 404, "model"),
+    ({"prompt": "x \ud800 y"}, 400, "prompt"),  # a lone surrogate: the tokenizer cannot take it
 ])
 def test_bad_input_is_a_400_naming_the_field(server, body, status, param):
     assert_error(server.post("/v1/images/generations", body), status, param)
@@ -197,6 +198,58 @@ def test_batcher_groups_compatible_requests_and_isolates_failures(engine):
     assert [r.rid for r in results[:6]] == ["a", "b", "c", "d", "e", "f"]
     assert isinstance(results[6], APIError) and results[6].status_code == 500
     assert "denoiser exploded" in results[6].message
+
+
+def test_batcher_requeues_a_batch_released_under_it_and_drops_requests_whose_client_left(engine):
+    """Memory released between taking a batch and running it: its requests wait for the resume
+    at the head of the queue (not a 503). A request whose client left no longer counts against
+    the queue bound."""
+    from tide.diffusion.io_struct import MemoryReleasedError
+    from tide.diffusion.server import DiffusionMetrics, ImageBatcher
+    from tide.memory.ledger import MemoryLedger
+
+    class ReleasedOnce(_GateEngine):
+        def run_batch(self, reqs):
+            self.batches.append([r.rid for r in reqs])
+            if len(self.batches) == 1:
+                raise MemoryReleasedError("memory of ['weights'] is released")
+            from tide.diffusion.io_struct import ImageResult
+
+            return [ImageResult(r.rid, [], {"stage_timings_ms": {"denoising": 1.0}}) for r in reqs]
+
+    def req(rid):
+        return engine.make_request("p", height=32, width=32, num_inference_steps=2, seed=0, rid=rid)
+
+    async def scenario():
+        fake = ReleasedOnce()
+        batcher = ImageBatcher(fake, DiffusionMetrics("t", MemoryLedger()), max_batch_images=4,
+                               max_queued=1)
+        await batcher.start()
+        queued = asyncio.create_task(batcher.submit(req("a")))
+        while not fake.batches:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert not queued.done()  # waiting for the resume, not failed
+        batcher.wake()  # what resume_memory_occupation does
+        first = await asyncio.wait_for(queued, 10)
+        # A client that leaves: its request is dropped from the queue bound at once.
+        fake.released_tags = ["weights"]  # hold the queue
+        left = asyncio.create_task(batcher.submit(req("b")))
+        await asyncio.sleep(0.05)
+        left.cancel()
+        await asyncio.sleep(0)
+        nxt = asyncio.create_task(batcher.submit(req("c")))  # max_queued=1: must not be queue_full
+        await asyncio.sleep(0.05)
+        assert not nxt.done()
+        fake.released_tags = []
+        batcher.wake()
+        second = await asyncio.wait_for(nxt, 10)
+        await batcher.stop()
+        return fake.batches, first, second
+
+    batches, first, second = asyncio.run(scenario())
+    assert batches == [["a"], ["a"], ["c"]]
+    assert (first.rid, second.rid) == ("a", "c")
 
 
 # ---- command line

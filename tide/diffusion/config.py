@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tide.io_struct import check_weight_version
+
 DEMO_DIFFUSION_NAME = "demo-diffusion"
 DEMO_DIFFUSION_PATH = str(Path(__file__).parent / "demo_model")
 DEMO_DEFAULT_SIZE = 64  # the demo's default image side (its model default, 256, is slow on a CPU)
@@ -154,8 +156,7 @@ class DiffusionConfig:
         if self.memory_intensive is not None:
             object.__setattr__(self, "memory_intensive",
                                _names("memory_intensive", self.memory_intensive))
-        if not isinstance(self.weight_version, str) or not self.weight_version:
-            raise ValueError(f"weight_version must be a non-empty string, got {self.weight_version!r}")
+        check_weight_version(self.weight_version)
         strategies = dict(self.component_residency)
         for name in self.preferred_resident:
             if strategies.get(name) == "layerwise":

@@ -36,7 +36,7 @@ from tide.diffusion.pipeline import ImagePipeline
 from tide.diffusion.residency import ComponentManager
 from tide.diffusion.stages import MAX_SEED
 from tide.diffusion.weights import DenoiserWeights
-from tide.io_struct import WeightUpdateOptions
+from tide.io_struct import WeightUpdateOptions, check_weight_version
 from tide.memory.ledger import MemoryLedger
 from tide.memory.occupation import parse_tags
 
@@ -121,6 +121,7 @@ class DiffusionEngine:
         rid: str | None = None,
     ) -> ImageRequest:
         """A validated request (ValueError naming the field otherwise); see `generate`."""
+        self._check_open()
         prompts = _strings("prompt", prompt)
         negatives = None
         if negative_prompt is not None:
@@ -188,6 +189,7 @@ class DiffusionEngine:
         after its components left the device and the allocator cache was emptied (release point
         `oom`); the engine goes on serving. While memory is released: `MemoryReleasedError`."""
         with self._lock:
+            self._check_open()
             if self._released:
                 raise MemoryReleasedError(f"memory is released ({self.released_tags}); call "
                                           "resume_memory_occupation before generating")
@@ -268,6 +270,7 @@ class DiffusionEngine:
         except ValueError as e:
             return {"success": False, "message": str(e)}
         with self._lock:
+            self._check_open()
             try:
                 apply = prepare()
             except ValueError as e:  # validated before any write: nothing changed
@@ -290,9 +293,12 @@ class DiffusionEngine:
 
     def update_weight_version(self, new_version: str) -> dict[str, Any]:
         """Set the version reported on outputs without touching the weights."""
-        if not isinstance(new_version, str) or not new_version:
-            return {"success": False, "message": "new_version must be a non-empty string"}
+        try:
+            check_weight_version(new_version, "new_version")
+        except ValueError as e:
+            return {"success": False, "message": str(e)}
         with self._lock:
+            self._check_open()
             self.weight_version = new_version
         return {"success": True, "message": f"weight_version {new_version}",
                 "new_version": new_version}
@@ -300,6 +306,7 @@ class DiffusionEngine:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The first `truncate_size` values of denoiser parameter `name`, flattened."""
         with self._lock:
+            self._check_open()
             return self.weights.get(name, truncate_size)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
@@ -312,6 +319,7 @@ class DiffusionEngine:
         except ValueError as e:
             return {"success": False, "message": str(e)}
         with self._lock:
+            self._check_open()
             new = [t for t in wanted if t not in self._released]
             weights = self.residency.release_weights() if "weights" in new else 0
             self._released.update(new)
@@ -330,6 +338,7 @@ class DiffusionEngine:
         except ValueError as e:
             return {"success": False, "message": str(e)}
         with self._lock:
+            self._check_open()
             back = [t for t in wanted if t in self._released]
             restored = self.residency.resume_weights() if "weights" in back else 0
             self._released.difference_update(back)
@@ -342,6 +351,10 @@ class DiffusionEngine:
     def dump_memory_timeline(self, path: str) -> None:
         """Write this engine's memory ledger as JSON for `tide memory-plot`."""
         self.memory_ledger.dump_json(path)
+
+    def _check_open(self) -> None:
+        if self.pipeline is None:
+            raise RuntimeError("the diffusion engine is shut down")
 
     def shutdown(self) -> None:
         """Drop the components (their memory returns to the allocator's cache) and unpin the host

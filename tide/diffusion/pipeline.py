@@ -117,6 +117,10 @@ class ImagePipeline:
                 raise ValueError(f"default_size must be a multiple of {self.size_multiple}, got "
                                  f"{config.default_size}")
             self.default_size = config.default_size
+        if self.default_size > config.max_image_side:
+            # every request that gives no size would fail, naming a size the caller never sent
+            raise ValueError(f"default_size {self.default_size} is above max_image_side "
+                             f"{config.max_image_side}; lower default_size or raise max_image_side")
         if [s.components for s in stages] != self.kind.stage_components:
             raise RuntimeError("the built stages do not match the pipeline kind's stage_types")
         self.residency.bind(stages)

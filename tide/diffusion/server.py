@@ -358,6 +358,7 @@ class ImageBatcher:
     async def submit(self, req: ImageRequest) -> ImageResult:
         if self.closed:
             raise APIError("The server is shutting down", 503, code="server_shutting_down")
+        self._pending = [p for p in self._pending if not p.future.done()]  # clients that left
         if len(self._pending) >= self.max_queued:
             raise APIError(f"Too many queued image requests ({self.max_queued}); retry later", 503,
                            code="queue_full")
@@ -396,6 +397,12 @@ class ImageBatcher:
                 reqs = [p.req for p in batch]
                 try:
                     results = await loop.run_in_executor(self._worker, self.engine.run_batch, reqs)
+                except MemoryReleasedError:
+                    # Released while this batch was being taken: it waits for the resume like
+                    # the rest of the queue, at its head.
+                    self._pending[:0] = [p for p in batch if not p.future.done()]
+                    self.metrics.queued.labels(**self.metrics.label).set(len(self._pending))
+                    break  # until the next wake: the resume, or a new request
                 except Exception as e:  # one batch failing never takes the server down
                     err = _batch_error(e)
                     if err.status_code == 500:
@@ -412,6 +419,12 @@ class ImageBatcher:
                 for p, res in zip(batch, results):
                     if not p.future.done():
                         p.future.set_result(res)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _batch_error(e: Exception) -> APIError:
@@ -511,10 +524,22 @@ class ImageServing:
         except ValueError as e:
             raise _engine_error(e) from None
 
-    async def create(self, body: ImageGenerationRequest) -> dict[str, Any]:
+    async def create(self, body: ImageGenerationRequest, request: Request) -> dict[str, Any] | Response:
         req = self.make_request(body)
+        waiting = asyncio.ensure_future(self.batcher.submit(req))
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            result = await self.batcher.submit(req)
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not waiting.done():
+            # The client left: its queued request is dropped now (it no longer counts against
+            # --max-queued-requests), a running batch still finishes.
+            waiting.cancel()
+            self.metrics.on_finish("error", 0, None)
+            return Response(status_code=499)
+        try:
+            result = waiting.result()
         except APIError:
             self.metrics.on_finish("error", 0, None)
             raise
@@ -597,9 +622,9 @@ def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
                            code="model_not_found")
         return model_card(model_id)
 
-    @app.post("/v1/images/generations")
-    async def generations(request: Request) -> dict[str, Any]:
-        return await serving.create(await read_request(request))
+    @app.post("/v1/images/generations", response_model=None)
+    async def generations(request: Request) -> dict[str, Any] | Response:
+        return await serving.create(await read_request(request), request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -96,6 +96,15 @@ class StageExecutor:
         return batch
 
 
+def _check_text(text: str, field: str) -> None:
+    """ValueError naming `field` for text the tokenizers cannot take (a lone surrogate, which JSON
+    can carry): caught here, it fails its own request, not the batch it would have joined."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} is not valid Unicode text (it holds a lone surrogate)") from None
+
+
 class InputValidationStage(Stage):
     """Checks each request against the pipeline's limits (`check`, also called before a request is
     queued) and that the batch's requests can share one run, then lays out the batch's prompts."""
@@ -118,6 +127,7 @@ class InputValidationStage(Stage):
             if len(p) > cfg.max_prompt_chars:
                 raise ValueError(f"prompt{_index(req.prompts, i)} is longer than {cfg.max_prompt_chars} "
                                  "characters")
+            _check_text(p, f"prompt{_index(req.prompts, i)}")
         if req.negative_prompts is not None:
             if len(req.negative_prompts) != len(req.prompts):
                 raise ValueError(f"negative_prompt must be one string or one per prompt "
@@ -127,6 +137,7 @@ class InputValidationStage(Stage):
                     raise ValueError(f"negative_prompt{_index(req.negative_prompts, i)} must be a string")
                 if len(p) > cfg.max_prompt_chars:
                     raise ValueError(f"negative_prompt is longer than {cfg.max_prompt_chars} characters")
+                _check_text(p, f"negative_prompt{_index(req.negative_prompts, i)}")
         m = self.size_multiple
         for name, value in (("height", req.height), ("width", req.width)):
             if not _is_int(value) or not m <= value <= cfg.max_image_side or value % m:
