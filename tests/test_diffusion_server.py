@@ -252,6 +252,42 @@ def test_batcher_requeues_a_batch_released_under_it_and_drops_requests_whose_cli
     assert (first.rid, second.rid) == ("a", "c")
 
 
+def test_shutdown_answers_queued_requests_at_once(engine):
+    """The server's first exit signal (`begin_shutdown`): every queued request and every new one
+    gets a 503 `server_shutting_down` now, while the running batch goes on."""
+    from tide.diffusion.server import DiffusionMetrics, ImageBatcher
+    from tide.memory.ledger import MemoryLedger
+    from tide.server.errors import APIError
+
+    def req(rid, size=32):
+        return engine.make_request("p", height=size, width=size, num_inference_steps=2, seed=0,
+                                   rid=rid)
+
+    async def scenario():
+        gate = _GateEngine()
+        batcher = ImageBatcher(gate, DiffusionMetrics("t", MemoryLedger()), max_batch_images=4,
+                               max_queued=8)
+        await batcher.start()
+        running = asyncio.create_task(batcher.submit(req("a")))
+        while not gate.batches:
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(batcher.submit(req("b", size=48)))
+        await asyncio.sleep(0.05)
+        batcher.begin_shutdown()
+        late = asyncio.create_task(batcher.submit(req("c")))
+        refused = await asyncio.gather(queued, late, return_exceptions=True)
+        gate.release.set()
+        done = await running
+        await batcher.stop()
+        return refused, done
+
+    refused, done = asyncio.run(scenario())
+    for err in refused:
+        assert isinstance(err, APIError) and err.status_code == 503, err
+        assert err.code == "server_shutting_down"
+    assert done.rid == "a"
+
+
 # ---- command line
 
 def test_tide_generate_writes_png(tmp_path, engine):

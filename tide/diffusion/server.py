@@ -344,12 +344,18 @@ class ImageBatcher:
         if self._wake is not None:
             self._wake.set()
 
-    def abort_queued(self, message: str) -> int:
-        """Fail every queued request (503 `aborted`); returns how many."""
+    def begin_shutdown(self) -> None:
+        """The server is stopping: new requests and every queued one get a 503 now; the running
+        batch may still finish within the graceful shutdown."""
+        self.closed = True
+        self.abort_queued("The server is shutting down", code="server_shutting_down")
+
+    def abort_queued(self, message: str, code: str = "aborted") -> int:
+        """Fail every queued request (503 `code`); returns how many."""
         aborted = 0
         for p in self._pending:
             if not p.future.done():
-                p.future.set_exception(APIError(message, 503, code="aborted"))
+                p.future.set_exception(APIError(message, 503, code=code))
                 aborted += 1
         self._pending.clear()
         self.metrics.queued.labels(**self.metrics.label).set(0)
@@ -752,7 +758,18 @@ def launch_diffusion_server(args: DiffusionServerArgs) -> int:
                             access_log=args.log_level.lower() == "debug",
                             timeout_graceful_shutdown=10, timeout_keep_alive=5, lifespan="on",
                             log_config=None)
-    server = uvicorn.Server(config)
+    batcher: ImageBatcher = app.state.batcher
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:  # the first signal: queued requests get their 503 now
+                try:
+                    asyncio.get_running_loop().call_soon_threadsafe(batcher.begin_shutdown)
+                except RuntimeError:
+                    batcher.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     server.run()
     return 0 if server.started else 1
 
