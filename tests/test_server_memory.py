@@ -171,6 +171,12 @@ def test_release_resume_all_then_same_greedy_output(server, reference):
     out = server.post("/generate", {"text": PROMPTS[0], "sampling_params": GREEDY}).json()
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "resume_memory_occupation" in out["meta_info"]["finish_reason"]["message"]
+    # reading a released weight is a 400 saying so (it took the scheduler process down)
+    read = server.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 3})
+    assert read.status_code == 400 and "released" in read.text, read.text
+    assert server.get("/health").status_code == 200
+    # released while idle (no pause) is a handover too: a probe must not restart the server
+    assert server.get("/health_generate").status_code == 200
     # releasing again is harmless; resume with no body means every tag
     ok(server.post("/release_memory_occupation", {"tags": ["kv_cache"]}))
     body = ok(server.post("/resume_memory_occupation"))

@@ -369,11 +369,17 @@ class SchedulerProcess:
                 logger.error("dropping undecodable message: %s", e)
                 continue
             operation = _LONG_OPERATIONS.get(type(msg))
-            if operation is None:
-                self._dispatch(msg)
-            else:
-                with self.progress.operation_scope(operation):
+            try:
+                if operation is None:
                     self._dispatch(msg)
+                else:
+                    with self.progress.operation_scope(operation):
+                        self._dispatch(msg)
+            except Exception as e:  # noqa: BLE001 - one bad call must not take the server down
+                logger.error("handling %s failed:\n%s", type(msg).__name__, traceback.format_exc())
+                req_id = getattr(msg, "req_id", None)
+                if isinstance(req_id, str):
+                    self._reply(req_id, False, f"internal error: {type(e).__name__}: {e}")
 
     def _dispatch(self, msg: SchedulerInput) -> None:
         handover = self.handover
@@ -654,6 +660,7 @@ class SchedulerProcess:
             "invariants_ok": invariants_ok,
             "weight_version": self.handover.weight_version,
             "paused": self.handover.paused,
+            "memory_blocked": self.handover.memory_block_reason,
             "admission_blocked": self.handover.admission_blocked,
             "num_pending_weight_updates": len(self.handover.pending_updates),
             "weight_update_groups": self.handover.group_names(),

@@ -285,13 +285,14 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     async def health_generate() -> Response:
         if tm.dead or tm.shutting_down or not tm.responsive:
             return Response(status_code=503)
-        if tm.paused is not None:
-            # Paused for a weight handover: a generation would wait for continue_generation, and a
-            # probe must not turn a training step into a restart. The scheduler answers, so it lives.
-            try:
-                await tm.get_load(timeout=5.0)
-            except (TimeoutError, APIError):
-                return Response(status_code=503)
+        try:
+            load = await tm.get_load(timeout=5.0)
+        except (TimeoutError, APIError):
+            return Response(status_code=503)
+        if load.get("paused") is not None or load.get("memory_blocked"):
+            # In a weight handover (paused, memory released, weights awaiting a refill): a
+            # generation would wait or be refused by design, and a probe must not turn a training
+            # step into a restart. The scheduler answers, so it lives.
             return Response(status_code=200)
         event = asyncio.Event()
         bos = tm.tokenizer.bos_token_id if tm.tokenizer is not None else None

@@ -388,17 +388,25 @@ class WeightUpdater:
                                               torch.Tensor]:
         """(full checkpoint shape, this rank's split or None, this rank's part on the host) of
         checkpoint tensor `name`."""
+        self._check_readable()
         target = self.weight_map.resolve(name)
         if target is None:
             raise ValueError(f"weight {name!r} is not stored by this model")
         return target.shape, target.split, self.weight_map.rows(target).float().cpu()
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        self._check_readable()
         target = self.weight_map.resolve(name)
         if target is None:
             raise ValueError(f"weight {name!r} is not stored by this model")
         rows = self.weight_map.rows(target)
         return rows.reshape(-1)[: max(0, truncate_size)].float().cpu().tolist()
+
+    def _check_readable(self) -> None:
+        """ValueError while the parameters' memory is released (their storage is empty)."""
+        if self.write_block is not None:
+            raise ValueError("the weights are released; resume_memory_occupation(['weights']) "
+                             "before reading them")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
