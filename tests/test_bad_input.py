@@ -178,6 +178,20 @@ def test_unknown_engine_option(llama_path):
         ("mem_fraction_static", 1.5),
         ("dtype", "float64"),
         ("load_format", "pickle"),
+        # types and ranges no field may slip through (each used to fail later, or not at all)
+        ("seed", 1.5),  # every unseeded sampled request aborted
+        ("seed", -1),
+        ("seed", True),
+        ("mem_fraction_static", "0.5"),
+        ("swa_full_tokens_ratio", None),
+        ("schedule_conservativeness", float("nan")),
+        ("enable_deterministic_inference", "false"),  # a truthy string turned it on
+        ("skip_tokenizer_init", "no"),
+        ("log_level", "loud"),
+        ("log_level", 3),
+        ("device", "tpu"),
+        ("tokenizer_path", "/nonexistent"),
+        ("enable_cpu_backup", True),  # without enable_memory_saver
     ],
 )
 def test_bad_engine_option_values(llama_path, option, value):

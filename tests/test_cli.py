@@ -109,6 +109,13 @@ def test_generate_chat_prints_only_the_reply(capsys):
     assert plain_out == prompt + completion + "\n"  # a completion continues its prompt
 
 
+def test_serve_rejects_a_port_out_of_range_naming_it(tmp_path):
+    from tide.server.port import check_port_available
+
+    with pytest.raises(ValueError, match=r"--port must be in \[0, 65535\], got -1"):
+        check_port_available("127.0.0.1", -1)  # not "--host cannot be resolved"
+
+
 def test_serve_on_a_busy_port_fails_before_loading(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -7,6 +7,7 @@ never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MAX_SEED = 2**63 - 1
 
 
 def _option(default: Any, help: str) -> Any:
@@ -107,6 +110,24 @@ class EngineConfig:
     log_level: str = _option("warning", "log level of the tide loggers (debug, info, warning, error)")
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed}")
+        if self.device != "auto":
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must be auto, cpu, cuda or cuda:N (a torch device), got "
+                                 f"{self.device!r}") from None
+        if self.log_level.lower() not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
+            raise ValueError(f"tokenizer_path must be a directory, got {self.tokenizer_path!r}")
+        if self.enable_cpu_backup and not self.enable_memory_saver:
+            raise ValueError("enable_cpu_backup needs enable_memory_saver (the backup is of the "
+                             "weights that release_memory_occupation gives back)")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.dtype not in _DTYPES:
@@ -132,7 +153,7 @@ class EngineConfig:
         _positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _positive("chunked_prefill_size", self.chunked_prefill_size)
         _positive("max_prefill_tokens", self.max_prefill_tokens)
-        if self.schedule_conservativeness <= 0:
+        if not self.schedule_conservativeness > 0 or not math.isfinite(self.schedule_conservativeness):
             raise ValueError(
                 f"schedule_conservativeness must be > 0, got {self.schedule_conservativeness}"
             )
@@ -151,6 +172,28 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _check_types(config: EngineConfig) -> None:
+    """ValueError naming the field whose value is not of its annotated type (bool, int, float, str,
+    or None where allowed): a string "false" for a bool flag would otherwise turn it on."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if value is None and "None" in kinds:
+            continue
+        ok = any(
+            (k == "bool" and isinstance(value, bool))
+            or (k == "int" and isinstance(value, int) and not isinstance(value, bool))
+            or (k == "float" and isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+            or (k == "str" and isinstance(value, str))
+            for k in kinds)
+        if not ok:
+            names = {"float": "a finite number", "int": "an integer", "bool": "a bool",
+                     "str": "a string", "None": "None"}
+            want = " or ".join(names.get(k, k) for k in kinds)
+            raise ValueError(f"{f.name} must be {want}, got {value!r}")
 
 
 def _positive(name: str, value: int | None, allow_none: bool = False) -> None:

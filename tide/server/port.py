@@ -9,6 +9,8 @@ def check_port_available(host: str, port: int) -> None:
     """Bind `host:port` the way uvicorn will (SO_REUSEADDR) and release it at once; ValueError naming
     the address when it is taken or cannot be bound, so a second server fails before its model loads.
     """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port!r}")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
