@@ -61,6 +61,8 @@ def _still_works(engine, baseline) -> None:
         ({"stop": "\ud800"}, "stop"),
         ({"temprature": 0.5}, "temprature"),
         ({"not_a_param": 1}, "not_a_param"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),  # failed after generating
+        ({"ignore_eos": "false"}, "ignore_eos"),  # a truthy string
     ],
 )
 def test_bad_sampling_params(llama_engine, baseline, params, match):
@@ -74,6 +76,39 @@ def test_unknown_sampling_param_is_named_among_allowed(llama_engine, baseline):
     with pytest.raises(ValueError, match=r"unknown sampling_params.*temprature") as info:
         llama_engine.generate(input_ids=[3, 4, 5], sampling_params={"temprature": 0.5})
     assert "temperature" in str(info.value)  # the allowed names help spot the typo
+    _still_works(llama_engine, baseline)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", "hot"),
+                                          ("top_k", 0), ("max_new_tokens", -1),
+                                          ("stop_token_ids", "x")])
+def test_a_sampling_params_object_changed_after_construction_is_validated(
+        llama_engine, baseline, field, value):
+    """A `tide.SamplingParams` is checked as it is when passed, like the dict form (it was used
+    as given: a negative temperature sampled, a string one aborted the request)."""
+    params = tide.SamplingParams(**OK)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=field):
+        llama_engine.generate(input_ids=[3, 4, 5], sampling_params=params)
+    _still_works(llama_engine, baseline)
+
+
+def test_a_stop_token_set_after_construction_is_honoured(llama_engine, baseline):
+    params = tide.SamplingParams(**OK)
+    params.stop_token_ids = [baseline[1]]
+    out = llama_engine.generate(input_ids=[3, 4, 5], sampling_params=params)
+    assert out["output_ids"] == baseline[:2]
+
+
+def test_bad_per_request_options(llama_engine, baseline):
+    with pytest.raises(ValueError, match="return_logprob"):
+        llama_engine.generate(input_ids=[3, 4, 5], sampling_params=OK, return_logprob="no")
+    with pytest.raises(ValueError, match="rid"):
+        llama_engine.generate(input_ids=[3, 4, 5], sampling_params=OK, rid=5)
+    with pytest.raises(ValueError, match="rid values must be unique"):
+        llama_engine.generate(input_ids=[[3, 4], [5, 6]], sampling_params=OK, rid=["a", "a"])
+    with pytest.raises(ValueError, match=r"input_ids\.1 must be a list"):
+        llama_engine.generate(input_ids=[[5, 6], 7], sampling_params=OK)
     _still_works(llama_engine, baseline)
 
 

@@ -181,7 +181,21 @@ def test_rl_logprobs_bad_input(hf_model_for):
         tide.rl.logprobs(hf, [], [3])
     with pytest.raises(ValueError, match="token ids"):
         tide.rl.logprobs(hf, [1, 2], [VOCAB])
+    for bad in (float("nan"), True, -0.5, "1"):
+        with pytest.raises(ValueError, match="temperature"):
+            tide.rl.logprobs(hf, [1, 2], [3], temperature=bad)
     assert tide.rl.logprobs(hf, [1, 2], []) == []
+
+
+def test_rl_logprobs_of_a_near_zero_temperature_are_the_engines(det_engine, hf_model_for):
+    """The engine treats a temperature below 1e-5 as greedy and reports logprobs at temperature 1;
+    the reference does the same (it returned 0.0 for every token)."""
+    hf = hf_model_for("llama")
+    out = det_engine.generate(input_ids=TARGETS[0], return_logprob=True, sampling_params={
+        "max_new_tokens": 4, "temperature": 1e-6, "ignore_eos": True})
+    ours = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+    assert tide.rl.logprobs(hf, TARGETS[0], out["output_ids"], temperature=1e-6) == ours
+    assert min(ours) < 0
 
 
 def test_deterministic_refused_off_cpu(llama_path):

@@ -57,6 +57,14 @@ def build_requests(
     logprob_flags = _per_item(return_logprob, count, "return_logprob")
     top_nums = _per_item(top_logprobs_num, count, "top_logprobs_num")
     rids = _per_item(rid, count, "rid")
+    for name, flags in (("return_logprob", logprob_flags),):
+        if not all(isinstance(f, bool) for f in flags):
+            raise ValueError(f"{name} must be a bool or a list of bools, one per prompt")
+    if not all(r is None or isinstance(r, str) for r in rids):
+        raise ValueError("rid must be a string or a list of strings, one per prompt")
+    given = [r for r in rids if r]
+    if len(set(given)) != len(given):
+        raise ValueError("rid values must be unique")
     reqs: list[Req] = []
     for i, ids in enumerate(token_lists):
         sp = SamplingParams.from_dict(params[i])
@@ -141,9 +149,13 @@ def _token_lists(prompt: Prompt, input_ids: InputIds, tokenizer: Tokenizer | Non
     candidates: list[Any] = [input_ids] if single else input_ids  # checked item by item below
     vocab = limits.vocab_size
     lists = []
-    for ids in candidates:
-        if not isinstance(ids, list) or not ids:
-            raise ValueError("input_ids must not be empty")
+    for k, ids in enumerate(candidates):
+        if not isinstance(ids, list):
+            raise ValueError(f"input_ids.{k} must be a list of token ids (input_ids mixes lists "
+                             "and ids)")
+        if not ids:
+            raise ValueError("input_ids must not be empty" if single else
+                             f"input_ids.{k} must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ValueError(f"input_ids must be integers in [0, {vocab})")
         lists.append(ids)

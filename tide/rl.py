@@ -19,11 +19,14 @@ CPU or CUDA (the engine must run on the same device type, with the module's dtyp
 (the result is a list of floats: use it for the importance ratio / as the old-policy logprob, and
 compute the differentiable logprobs with the trainer's own forward). The K/V of the scored sequence
 live in scratch buffers for the one call; nothing is cached between calls. The weights are copied into
-tide's layout on every call (the trainer changes them between calls).
+tide's layout on every call (the trainer changes them between calls). Of the sampling parameters
+only the temperature is modelled (below 1e-5: greedy, scored at 1, as the engine does); the engine's
+logprobs of a request with repetition/frequency/presence penalties come from penalised logits.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -38,6 +41,7 @@ from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
+from tide.sampling_params import GREEDY_TEMPERATURE
 from tide.weights.mapping import WeightMap
 
 __all__ = ["logprobs"]
@@ -156,8 +160,11 @@ def logprobs(model: nn.Module, input_ids: list[int], output_ids: list[int],
         raise ValueError("input_ids must not be empty")
     if not output_ids:
         return []
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature) or temperature < 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if temperature < GREEDY_TEMPERATURE:
+        temperature = 0.0  # greedy, as the engine stores it: logprobs at temperature 1
     ref = _REFERENCES.get(model)
     if ref is None:
         ref = _Reference(model)

@@ -113,6 +113,9 @@ class SamplingParams:
                 for t in self.stop_token_ids
             ):
                 raise ValueError(f"stop_token_ids must be a list of integers in [0, {MAX_INT32}]")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
             _int_field("seed", self.seed, lo=0, hi=MAX_SEED)
         _int_field("n", self.n, lo=1, hi=MAX_INT32)
@@ -131,7 +134,9 @@ class SamplingParams:
         if params is None:
             return cls()
         if isinstance(params, SamplingParams):
-            return params
+            # Rebuilt, so its fields are validated (and `stop_strs` derived) as they are now: an
+            # instance may have been changed after construction. The caller's object is not used.
+            params = {f.name: getattr(params, f.name) for f in dataclasses.fields(cls) if f.init}
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
         known = {f.name for f in dataclasses.fields(cls) if f.init}
