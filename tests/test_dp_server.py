@@ -336,3 +336,22 @@ def test_replicas_times_tp_ranks_form_one_trainer_group(model_path, base, tmp_pa
         allocated = {lb["rank"]: v for n, lb, v in samples
                      if n == "tide:rank_memory_allocated_bytes"}
         assert set(allocated) == {"0", "1"} and [r["rank"] for r in ranks] == [0, 1]
+
+
+def test_a_frozen_replica_neither_delays_other_aborts_nor_outlives_the_server(model_path, tmp_path):
+    """Replica 1 stopped (SIGSTOP): aborting a request of replica 0 answers at once (it waited for
+    every replica, the frozen one too, until the 30 s control timeout); SIGTERM then stops the
+    server with no process left behind (the stopped replica took no signal and was orphaned)."""
+    srv = ServerProcess(model_path, "--dp-size", "2", "--device", "cpu", log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        frozen = info(srv)["replicas"][1]["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        start = time.monotonic()
+        body = ok(srv.post("/abort_request", {"rid": "nobody-has-this"}))
+        assert body["num_aborted"] == 0 and time.monotonic() - start < 5
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(40)
+        assert srv.group_pids(settle=10.0) == []
+    finally:
+        srv.stop()

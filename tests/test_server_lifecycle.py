@@ -239,3 +239,57 @@ def test_bad_model_path_fails_fast(tmp_path):
         assert "model_path" in srv.log()
     finally:
         srv.stop()
+
+
+def _rank_children(pid: int) -> list[int]:
+    """Live tensor-parallel rank processes whose parent is `pid`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[-1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"tide.scheduler.tp_worker" in cmd:
+            out.append(int(entry))
+    return out
+
+
+def test_a_dead_tensor_parallel_rank_stops_the_scheduler(model_path, tmp_path):
+    """With tp_size 2, killing rank 1 breaks the engine for good: the request in the way is
+    aborted naming the rank, and the scheduler exits (the server with it, so a supervisor
+    restarts it) instead of failing every later request at once."""
+    srv = ServerProcess(model_path, "--tp-size", "2", "--device", "cpu", log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        sched_pid = srv.get("/get_server_info").json()["scheduler_pid"]
+        ranks = _rank_children(sched_pid)
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGKILL)
+        out = srv.post("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 4}})
+        if out.status_code == 200:
+            reason = out.json()["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and "rank" in reason["message"], reason
+        assert srv.proc.wait(60) != 0
+        assert "broken for good" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_tensor_parallel_ranks_die_with_rank_0_even_when_stopped(model_path, tmp_path):
+    """A rank process is SIGKILLed when its rank 0 dies, even while stopped (it would take no
+    other signal, and hold its device for ever)."""
+    srv = ServerProcess(model_path, "--tp-size", "2", "--device", "cpu", log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        sched_pid = srv.get("/get_server_info").json()["scheduler_pid"]
+        (rank,) = _rank_children(sched_pid)
+        os.kill(rank, signal.SIGSTOP)
+        os.kill(sched_pid, signal.SIGKILL)
+        assert _wait_gone(rank), "a stopped rank outlived its rank 0"
+    finally:
+        srv.stop()

@@ -81,6 +81,7 @@ _POLL_MS = 250  # how often the loop checks the replica processes, at most
 # Load and info answer with the replicas that replied within this many seconds (a frozen replica
 # must not make /metrics and /get_server_info wait, nor leave their fan-outs pending forever).
 _INFO_DEADLINE_S = 3.0
+_SHUTDOWN_DEADLINE_S = 3.0  # for the replicas' shutdown acknowledgements
 MAX_DP_SIZE = 64
 
 # Load counters that add up over replicas (each counts its own requests, slots and tokens).
@@ -277,6 +278,12 @@ def _wait_replicas_ready(procs: list[tuple[Any, Connection]], timeout: float) ->
 
 
 def _stop_replicas(procs: list[Any], timeout: float = 5.0) -> None:
+    """Wait up to `timeout` for the replicas to exit, then SIGTERM, then SIGKILL. A stopped
+    (SIGSTOP) replica is killed at once: it would take neither signal before it is continued, so
+    it would outlive the server."""
+    for proc in procs:
+        if proc.is_alive() and _is_stopped(proc.pid):
+            proc.kill()
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -288,6 +295,15 @@ def _stop_replicas(procs: list[Any], timeout: float = 5.0) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(2.0)
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped (Linux; False where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class DataParallelController:
@@ -358,10 +374,11 @@ class DataParallelController:
         now = time.monotonic()
         for req_id, fan in list(self.pending.items()):
             if fan.deadline is not None and now >= fan.deadline:
+                waited = (_SHUTDOWN_DEADLINE_S if isinstance(fan.msg, ShutdownReq)
+                          else _INFO_DEADLINE_S)
                 for index in sorted(fan.waiting):
                     fan.replies.append(ReplicaReply(
-                        index, False, f"replica {index} did not answer within "
-                                      f"{_INFO_DEADLINE_S:g} s"))
+                        index, False, f"replica {index} did not answer within {waited:g} s"))
                 fan.waiting.clear()
                 self._complete_if_done(req_id)
 
@@ -416,9 +433,16 @@ class DataParallelController:
             index = self.rid_replica.get(rid)
             if index is not None:
                 per_replica.setdefault(index, []).append(rid)
-        if msg.req_id is not None:  # the caller waits for the aborts to land: ask everyone
+        if msg.req_id is not None:  # the caller waits for the aborts to land
+            if not msg.abort_all and not per_replica:  # no replica holds them: nothing to wait for
+                self._send_up(ControlReqOutput(req_id=msg.req_id, success=True, message="",
+                                               data={"num_aborted": 0}))
+                return
+            # Only the replicas holding the rids (every one for abort_all): a frozen replica
+            # that holds none must not hold the reply back.
             self._fan_out(msg, lambda i: msgspec.structs.replace(
-                msg, req_id=_sub_id(msg.req_id, i), rids=per_replica.get(i, [])))
+                msg, req_id=_sub_id(msg.req_id, i), rids=per_replica.get(i, [])),
+                targets=None if msg.abort_all else set(per_replica))
             return
         for index in self.router.live_indices():
             if msg.abort_all:
@@ -427,12 +451,18 @@ class DataParallelController:
                 self.down_send[index].send(encode_message(
                     msgspec.structs.replace(msg, rids=per_replica[index])))
 
-    def _fan_out(self, msg: Any, copy_for: Any) -> None:
-        live = self.router.live_indices()
+    def _fan_out(self, msg: Any, copy_for: Any, targets: set[int] | None = None) -> None:
+        """`copy_for(i)` to every live replica i (of `targets`, if given); the merged reply goes
+        out once each has answered."""
+        live = [i for i in self.router.live_indices() if targets is None or i in targets]
         skipped = [r for r in self.router.describe() if not r["alive"]]
         fan = _FanOut(msg, set(live), skipped=skipped)
         if isinstance(msg, (GetLoadReqInput, GetServerInfoReqInput)):
             fan.deadline = time.monotonic() + _INFO_DEADLINE_S
+        elif isinstance(msg, ShutdownReq):
+            # A frozen replica never answers: the controller stops anyway (and then kills it),
+            # well within the time the server gives it.
+            fan.deadline = time.monotonic() + _SHUTDOWN_DEADLINE_S
         self.pending[msg.req_id] = fan
         for index in live:
             self.down_send[index].send(encode_message(copy_for(index)))

@@ -306,13 +306,25 @@ class SchedulerProcess:
             except Exception as e:  # noqa: BLE001 - a bug or device error: fail them, keep serving
                 logger.error("scheduler step failed:\n%s", traceback.format_exc())
                 self._abort_everything(f"internal error in scheduler step: {type(e).__name__}: {e}")
+                self._exit_if_broken()
                 return
             # A request a handover call already reported finished (it got its last token while a
             # launched step was settled) is not sent twice.
             reqs = [r for r in reqs if self.live.get(r.rid) is r]
             if reqs:
                 self._send_outputs(reqs)
+            self._exit_if_broken()
         self._retry_flushes()
+
+    def _exit_if_broken(self) -> None:
+        """A model worker that can never step again (a tensor-parallel rank is gone, or its forward
+        failed) fails every request at once: this process exits instead, so the server (or a
+        data-parallel router, which then serves on the other replicas) sees it dead."""
+        broken = getattr(self.scheduler.worker, "broken", None)
+        if broken is not None and self.running:
+            logger.error("the model worker is broken for good (%s); the scheduler exits", broken)
+            self._abort_everything(f"the model worker is broken: {broken}")
+            self.running = False
 
     def _has_ready_work(self) -> bool:
         return self.scheduler.can_step() or self.handover.update_ready()

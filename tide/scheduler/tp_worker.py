@@ -27,6 +27,7 @@ allocator serves all ranks.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -288,6 +289,7 @@ def rank_main() -> None:
     calls until told to stop (or rank 0 goes away)."""
     # Ctrl-C reaches the whole process group: rank 0 decides, and this rank ends when it goes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_rank_0()
     host, port = os.environ[_ENV_ADDRESS].rsplit(":", 1)
     rank = int(os.environ[_ENV_RANK])
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[_ENV_AUTHKEY]))
@@ -305,6 +307,25 @@ def rank_main() -> None:
         raise
     conn.send((True, runtime.max_total_tokens()))
     _serve(conn, runtime)
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with_rank_0() -> None:
+    """SIGKILL this rank when its parent (rank 0's process) dies, even while this one is stopped
+    or stuck in native code: killed rank 0 (a data-parallel router gives up on a stalled replica)
+    would otherwise leave it holding its device. Linux (where the signal follows the thread that
+    started the ranks: the one that built the engine); elsewhere the pipe's EOF ends it."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() != parent:  # rank 0 died before the prctl took effect
+        os._exit(1)
 
 
 def _serve(conn: Connection, runtime: RankRuntime) -> None:
@@ -504,9 +525,17 @@ class TpWorkerGroup(ModelWorker):
             self._take_failure_reports()
             if self._broken is not None:
                 raise RuntimeError(self._broken)
-            for conn in self._conns:
-                conn.send(("forward", message))
-            self.tp.broadcast(payload.contiguous())
+            try:
+                for conn in self._conns:
+                    conn.send(("forward", message))
+                self.tp.broadcast(payload.contiguous())
+            except (OSError, RuntimeError) as e:  # a rank process is gone (broken pipe, gloo)
+                dead = [rank for rank, proc in enumerate(self._procs, start=1)
+                        if proc.poll() is not None]
+                self._broken = (f"tensor-parallel rank(s) {dead or '?'} gone ({type(e).__name__}: "
+                                f"{e}); restart the engine")
+                logger.error("%s", self._broken)
+                raise RuntimeError(self._broken) from None
 
     def device_info(self) -> dict[str, str]:
         info = self.local.device_info()
@@ -571,6 +600,12 @@ class TpWorkerGroup(ModelWorker):
         if errors:
             raise RankError(errors)
         return results
+
+    @property
+    def broken(self) -> str | None:
+        """Why this group can never step again (a rank's forward failed or a rank is gone), else
+        None."""
+        return self._broken
 
     def _note_failure(self, rank: int, error: str) -> None:
         if self._broken is None:
