@@ -166,23 +166,42 @@ class _GateEngine:
         return [ImageResult(r.rid, [], {"stage_timings_ms": {"denoising": 1.0}}) for r in reqs]
 
 
-def test_batcher_groups_compatible_requests_and_isolates_failures(engine):
+def _batcher(fake, max_queued: int = 8):
+    """An `ImageBatcher` (4 images a batch) over a stand-in engine."""
     from tide.diffusion.server import DiffusionMetrics, ImageBatcher
     from tide.memory.ledger import MemoryLedger
-    from tide.server.errors import APIError
 
+    return ImageBatcher(fake, DiffusionMetrics("t", MemoryLedger()), max_batch_images=4,
+                        max_queued=max_queued)
+
+
+async def _one_running(fake, request, max_queued: int = 8):
+    """A started batcher over `fake` whose first batch (`request`) has reached the engine; returns
+    (batcher, the task awaiting that request)."""
+    batcher = _batcher(fake, max_queued)
+    await batcher.start()
+    task = asyncio.create_task(batcher.submit(request))
+    while not fake.batches:
+        await asyncio.sleep(0.01)
+    return batcher, task
+
+
+def _request_maker(engine):
     def req(rid, prompt="p", size=32, n=1, steps=2):
         return engine.make_request(prompt, height=size, width=size, num_inference_steps=steps,
                                    num_images_per_prompt=n, seed=0, rid=rid)
 
+    return req
+
+
+def test_batcher_groups_compatible_requests_and_isolates_failures(engine):
+    from tide.server.errors import APIError
+
+    req = _request_maker(engine)
+
     async def scenario():
         gate = _GateEngine()
-        batcher = ImageBatcher(gate, DiffusionMetrics("t", MemoryLedger()), max_batch_images=4,
-                               max_queued=8)
-        await batcher.start()
-        first = asyncio.create_task(batcher.submit(req("a")))
-        while not gate.batches:
-            await asyncio.sleep(0.01)
+        batcher, first = await _one_running(gate, req("a"))
         later = [asyncio.create_task(batcher.submit(r)) for r in (
             req("b"), req("c", size=48), req("d", n=2), req("e", n=2), req("f", steps=3),
             req("g", prompt="boom", size=64))]
@@ -205,29 +224,19 @@ def test_batcher_requeues_a_batch_released_under_it_and_drops_requests_whose_cli
     at the head of the queue (not a 503). A request whose client left no longer counts against
     the queue bound."""
     from tide.diffusion.io_struct import MemoryReleasedError
-    from tide.diffusion.server import DiffusionMetrics, ImageBatcher
-    from tide.memory.ledger import MemoryLedger
 
     class ReleasedOnce(_GateEngine):
         def run_batch(self, reqs):
-            self.batches.append([r.rid for r in reqs])
-            if len(self.batches) == 1:
+            if not self.batches:
+                self.batches.append([r.rid for r in reqs])
                 raise MemoryReleasedError("memory of ['weights'] is released")
-            from tide.diffusion.io_struct import ImageResult
+            return super().run_batch(reqs)  # a later batch: no wait
 
-            return [ImageResult(r.rid, [], {"stage_timings_ms": {"denoising": 1.0}}) for r in reqs]
-
-    def req(rid):
-        return engine.make_request("p", height=32, width=32, num_inference_steps=2, seed=0, rid=rid)
+    req = _request_maker(engine)
 
     async def scenario():
         fake = ReleasedOnce()
-        batcher = ImageBatcher(fake, DiffusionMetrics("t", MemoryLedger()), max_batch_images=4,
-                               max_queued=1)
-        await batcher.start()
-        queued = asyncio.create_task(batcher.submit(req("a")))
-        while not fake.batches:
-            await asyncio.sleep(0.01)
+        batcher, queued = await _one_running(fake, req("a"), max_queued=1)
         await asyncio.sleep(0.05)
         assert not queued.done()  # waiting for the resume, not failed
         batcher.wake()  # what resume_memory_occupation does
@@ -255,22 +264,13 @@ def test_batcher_requeues_a_batch_released_under_it_and_drops_requests_whose_cli
 def test_shutdown_answers_queued_requests_at_once(engine):
     """The server's first exit signal (`begin_shutdown`): every queued request and every new one
     gets a 503 `server_shutting_down` now, while the running batch goes on."""
-    from tide.diffusion.server import DiffusionMetrics, ImageBatcher
-    from tide.memory.ledger import MemoryLedger
     from tide.server.errors import APIError
 
-    def req(rid, size=32):
-        return engine.make_request("p", height=size, width=size, num_inference_steps=2, seed=0,
-                                   rid=rid)
+    req = _request_maker(engine)
 
     async def scenario():
         gate = _GateEngine()
-        batcher = ImageBatcher(gate, DiffusionMetrics("t", MemoryLedger()), max_batch_images=4,
-                               max_queued=8)
-        await batcher.start()
-        running = asyncio.create_task(batcher.submit(req("a")))
-        while not gate.batches:
-            await asyncio.sleep(0.01)
+        batcher, running = await _one_running(gate, req("a"))
         queued = asyncio.create_task(batcher.submit(req("b", size=48)))
         await asyncio.sleep(0.05)
         batcher.begin_shutdown()
