@@ -276,12 +276,14 @@ class WeightUpdater:
         load_format: str | None,
         peer_error: str | None = None,
     ) -> int:
-        """Receive broadcasts from rank 0: one per tensor, or with `load_format="flattened_bucket"`
-        each dtype's tensors as one flat buffer (first-seen dtype order) in the group's pieces
-        (`tide.weights.receive`). A request that fails validation (here, or on another
-        tensor-parallel rank: `peer_error`) still receives every broadcast (into scratch memory) so
-        the trainer never hangs, writes nothing, then raises ValueError; a valid one is validated
-        completely before the first broadcast is received. Under tensor parallelism a tensor this
+        """Receive rank 0's update header, then its broadcasts: one per tensor, or with
+        `load_format="flattened_bucket"` each dtype's tensors as one flat buffer (first-seen dtype
+        order) in the group's pieces (`tide.weights.receive`). A request that fails validation
+        (here, or on another tensor-parallel rank: `peer_error`) or disagrees with the header still
+        receives everything the header announced (into scratch memory) so the trainer never hangs,
+        writes nothing, then raises ValueError; a valid one is validated completely before the
+        first broadcast is received. No header (RuntimeError): the group is closed. A receive that
+        fails part-way raises `PartialWriteError`. Under tensor parallelism a tensor this
         rank holds only part of arrives whole and its part is copied out as soon as it has arrived
         (`PartDest`)."""
         group = self.groups.get(group_name)
