@@ -109,6 +109,13 @@ def test_generate_chat_prints_only_the_reply(capsys):
     assert plain_out == prompt + completion + "\n"  # a completion continues its prompt
 
 
+def test_serve_takes_a_startup_timeout_and_checks_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "tide", "serve", "--startup-timeout", "0"],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and "startup_timeout must be in [1.0, 86400]" in proc.stderr
+
+
 def test_serve_rejects_a_port_out_of_range_naming_it(tmp_path):
     from tide.server.port import check_port_available
 

@@ -148,6 +148,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
         scheduler_health_timeout=args.scheduler_health_timeout,
         scheduler_abort_timeout=args.scheduler_abort_timeout,
+        startup_timeout=args.startup_timeout,
         dp_size=args.dp_size,
     )
     return launch_server(server_args)
@@ -221,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--scheduler-abort-timeout", type=float, default=120.0, metavar="S",
                      help="in-flight requests end with reason abort once the scheduler has not "
                           "responded for S seconds (default: 120)")
+    srv.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                     help="give up (exit 2) if the engine (every replica) is not ready within S "
+                          "seconds of start (default: 600)")
     srv.add_argument("--dp-size", type=int, default=1, metavar="N",
                      help="data parallel: N engine replicas behind this server, each request on "
                           "the least loaded; each replica gets its own GPU when there are N, else "

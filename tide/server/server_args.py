@@ -64,7 +64,8 @@ class ServerArgs:
             raise ValueError("api_key: an empty key in the comma-separated list")
         if self.admin_api_key is not None and self.admin_api_key in self.api_keys:
             raise ValueError("admin_api_key must differ from every api_key")
-        for name, low in (("scheduler_health_timeout", 0.5), ("scheduler_abort_timeout", 0.5)):
+        for name, low in (("scheduler_health_timeout", 0.5), ("scheduler_abort_timeout", 0.5),
+                          ("startup_timeout", 1.0)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not low <= value <= 86400:
                 raise ValueError(f"{name} must be in [{low}, 86400] seconds, got {value!r}")
