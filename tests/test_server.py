@@ -203,6 +203,30 @@ def test_n_streamed_with_multiple_prompts(client):
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy copies agree
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_text_offsets_point_into_the_text_streamed_or_not(client, echo):
+    """Each token's text_offset is where its text starts in the returned text (a special token
+    the text leaves out takes no room), and a stream gives the same offsets: it computed them from
+    the text sent so far, which lags while a possible stop string is held back."""
+    base = client.completions.create(model="tide-test", prompt=PROMPTS[0], max_tokens=6,
+                                     temperature=0, logprobs=0)
+    first = base.choices[0].logprobs.tokens[0]
+    kwargs = dict(model="tide-test", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                  logprobs=0, echo=echo, stop=[first + "QQQ"])  # holds the first token back
+    out = client.completions.create(**kwargs)
+    text, lp = out.choices[0].text, out.choices[0].logprobs
+    special = {"<|begin_of_text|>", "<s>", "<|endoftext|>"}
+    for tok, off in zip(lp.tokens, lp.text_offset, strict=True):
+        if tok not in special and "\ufffd" not in tok:
+            assert text[off:off + len(tok)] == tok, (tok, off, text)
+    streamed: list[int] = []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            if c.logprobs:
+                streamed += c.logprobs.text_offset
+    assert streamed == lp.text_offset
+
+
 def test_completion_logprobs(client):
     out = client.completions.create(model="tide-test", prompt=PROMPTS[0], max_tokens=5,
                                     temperature=0, logprobs=3)

@@ -230,7 +230,9 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if req.echo:
             for p in prompts:
                 if p.text is None:
-                    p.text = self.tm.tokenizer.decode(p.ids) if self.tm.tokenizer else ""
+                    # as a text prompt echoes: without the special tokens (the BOS) it holds
+                    p.text = (self.tm.tokenizer.decode(p.ids, skip_special_tokens=True)
+                              if self.tm.tokenizer else "")
         owner = caller_of(raw_request).identity
         self._reserve_rid(req.rid, len(prompts) * req.n, owner)
         event = asyncio.Event()
@@ -248,7 +250,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
             text = s.text
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self._logprobs(s, 0, len(s.output_ids), req.echo, source, 0)
+                logprobs = self._logprobs(s, 0, len(s.output_ids), req.echo, source,
+                                          len(source.text or "") if req.echo else 0)
             if req.echo:
                 text = (source.text or "") + text
             choices.append({"index": idx, "text": text, "logprobs": logprobs,
@@ -290,9 +293,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
         return out
 
     def _logprobs(self, s: ReqState, start: int, end: int, echo: bool, prompt: _Prompt,
-                  offset: int) -> dict[str, Any]:
-        """OpenAI completions logprobs for output tokens [start, end); with echo (and start == 0)
-        the prompt tokens come first with null logprobs. `offset` is the text offset of `start`."""
+                  base: int) -> dict[str, Any]:
+        """OpenAI completions logprobs for output tokens [start, end); with `echo` (and start == 0)
+        the prompt tokens come first with null logprobs. `base` is the text offset of the first
+        output token (the echoed prompt's length, else 0). A token's `text_offset` is where its
+        text starts in the returned text: the length of the text the tokens before it decode to
+        (special tokens skipped as in the text), the same whether streamed or not."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
@@ -313,12 +319,18 @@ class OpenAIServingCompletion(OpenAIServingBase):
             else:
                 top.append(None)
         text_offset = []
-        pos = offset
-        for tok in tokens:
-            text_offset.append(pos)
-            pos += len(tok)
+        if echo and start == 0:
+            text_offset += [self._decoded_len(prompt.ids[:k], True) for k in range(len(prompt.ids))]
+        skip = s.params.skip_special_tokens
+        text_offset += [base + self._decoded_len(s.output_ids[:k], skip) for k in range(start, end)]
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": text_offset}
+
+    def _decoded_len(self, ids: list[int], skip_special_tokens: bool) -> int:
+        tok = self.tm.tokenizer
+        if tok is None or not ids:
+            return 0
+        return len(tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     async def _stream(self, req: CompletionRequest, prompts: list[_Prompt],
                       params: SamplingParams, event: asyncio.Event, cid: str,
@@ -329,7 +341,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             yield sse(e.body())
             return
         n = req.n
-        text_pos = [len(prompts[i // n].text or "") if req.echo else 0 for i in range(len(states))]
+        base = [len(prompts[i // n].text or "") if req.echo else 0 for i in range(len(states))]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
@@ -351,8 +363,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             async for i, s, delta, start, end, finished in self.deltas(states, event):
                 lp = None
                 if req.logprobs is not None:
-                    lp = self._logprobs(s, start, end, False, prompts[i // n], text_pos[i])
-                text_pos[i] += len(delta)
+                    lp = self._logprobs(s, start, end, False, prompts[i // n], base[i])
                 finished_count += finished
                 usage = self.usage(states, n) if finished_count == len(states) else None
                 yield chunk([{"index": i, "text": delta, "logprobs": lp,
