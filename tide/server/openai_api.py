@@ -60,6 +60,9 @@ class _Prompt:
     text: str | None  # the prompt as text (for echo); None until needed
 
 
+_OFFSET_WINDOW = 8  # tokens of context when measuring the text a token adds (text_offset)
+
+
 class OpenAIServingBase:
     """What both OpenAI routes share: model check, sampling params, submission, token strings."""
 
@@ -320,17 +323,30 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 top.append(None)
         text_offset = []
         if echo and start == 0:
-            text_offset += [self._decoded_len(prompt.ids[:k], True) for k in range(len(prompt.ids))]
-        skip = s.params.skip_special_tokens
-        text_offset += [base + self._decoded_len(s.output_ids[:k], skip) for k in range(start, end)]
+            prompt_offsets: list[int] = []
+            self._text_lengths(prompt.ids, prompt_offsets, len(prompt.ids), True)
+            text_offset += prompt_offsets[: len(prompt.ids)]
+        self._text_lengths(s.output_ids, s.text_offsets, end, s.params.skip_special_tokens)
+        text_offset += [base + s.text_offsets[k] for k in range(start, end)]
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": text_offset}
 
-    def _decoded_len(self, ids: list[int], skip_special_tokens: bool) -> int:
+    def _text_lengths(self, ids: list[int], lengths: list[int], upto: int, skip: bool) -> None:
+        """Extend `lengths` so that lengths[k], k <= upto, is the length of the text ids[:k] decode
+        to: each token adds what decoding it after up to `_OFFSET_WINDOW` tokens before it adds,
+        so the work is linear in the tokens (a full decode per token would be quadratic)."""
         tok = self.tm.tokenizer
-        if tok is None or not ids:
-            return 0
-        return len(tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        if not lengths:
+            lengths.append(0)
+        while len(lengths) <= upto:
+            k = len(lengths) - 1  # lengths[k + 1] from lengths[k]
+            if tok is None:
+                lengths.append(0)
+                continue
+            j = max(0, k - _OFFSET_WINDOW)
+            grown = len(tok.decode(ids[j:k + 1], skip_special_tokens=skip))
+            before = len(tok.decode(ids[j:k], skip_special_tokens=skip)) if k > j else 0
+            lengths.append(lengths[k] + grown - before)
 
     async def _stream(self, req: CompletionRequest, prompts: list[_Prompt],
                       params: SamplingParams, event: asyncio.Event, cid: str,

@@ -122,6 +122,8 @@ class ReqState:
         self.output_ids: list[int] = []
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # Text length of output_ids[:k] for each k computed so far (completions' text_offset).
+        self.text_offsets: list[int] = []
         self.finished_reason: dict[str, Any] | None = None
         self.cached_tokens = 0
         self.weight_version: str | None = None  # of the tokens so far (of the finish, once finished)
