@@ -77,6 +77,7 @@ from tide.server.protocol import (
     UpdateWeightVersionInput,
 )
 from tide.server.security import is_loopback_host
+from tide.server.tokenizer_manager import client_gone
 from tide.server.utils import parse_body
 from tide.version import __version__
 
@@ -427,12 +428,6 @@ class ImageBatcher:
                         p.future.set_result(res)
 
 
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body is read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _batch_error(e: Exception) -> APIError:
     """The HTTP error a failed batch gives each of its requests."""
     if isinstance(e, DiffusionOutOfMemoryError):
@@ -533,7 +528,7 @@ class ImageServing:
     async def create(self, body: ImageGenerationRequest, request: Request) -> dict[str, Any] | Response:
         req = self.make_request(body)
         waiting = asyncio.ensure_future(self.batcher.submit(req))
-        gone = asyncio.ensure_future(_client_gone(request))
+        gone = asyncio.ensure_future(client_gone(request.receive))
         try:
             await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -169,12 +169,16 @@ class DisconnectWatch:
             self._task.cancel()
 
     async def _listen(self) -> None:
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                self.gone = True
-                self._event.set()
-                return
+        await client_gone(self._receive)
+        self.gone = True
+        self._event.set()
+
+
+async def client_gone(receive: Any) -> None:
+    """Returns when the ASGI `receive` channel reports the client's disconnect (once the body has
+    been read, that is all it still reports)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class TokenizerManager:
