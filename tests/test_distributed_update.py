@@ -381,5 +381,4 @@ def test_a_trainer_that_stops_mid_update_blocks_generation_until_a_full_refill(r
         assert len(out["output_ids"]) == 2
     finally:
         engine.destroy_weights_update_group("die")
-        if hasattr(group.pg, "shutdown"):
-            group.pg.shutdown()
+        group.close()

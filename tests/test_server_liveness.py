@@ -332,8 +332,7 @@ def test_long_declared_operation_keeps_health(server, model_path):
         assert update[0].status_code == 200, update[0].text
     finally:
         server.post("/destroy_weights_update_group", {"group_name": group}, headers=_bearer(ADMIN))
-        if hasattr(trainer.pg, "shutdown"):
-            trainer.pg.shutdown()
+        trainer.close()
 
 
 def test_stopped_scheduler_fails_health_and_requests_then_recovers(server):

@@ -643,8 +643,7 @@ def test_distributed_update_with_a_gloo_trainer(server, ref, base):
             assert err["error"]["param"] == param
     finally:
         ok(server.post("/destroy_weights_update_group", {"group_name": group}))
-        if hasattr(trainer.pg, "shutdown"):
-            trainer.pg.shutdown()
+        trainer.close()
     assert group not in info(server)["weight_update_groups"]
     assert_refused(server.post("/destroy_weights_update_group", {"group_name": group}), 400, group)
     assert_refused(server.post("/update_weights_from_distributed", {

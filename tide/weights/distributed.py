@@ -194,6 +194,17 @@ class WeightUpdateGroup:
             if work is not None:
                 work.wait()  # the current stream waits for the group; the host does not
 
+    def close(self) -> None:
+        """Leave the group without waiting for the other ranks. NCCL: the communicator is aborted
+        (`ncclCommAbort`: local, and a broadcast still pending, e.g. a header that never came, is
+        cancelled); its graceful destroy waits for every rank to destroy it too, so it hung while a
+        trainer kept its side open. Gloo: shut down (local). Any later broadcast in the group fails
+        on the other ranks."""
+        if self.backend == "nccl":
+            self.pg.abort()
+        else:
+            self.pg.shutdown()
+
     def pieces(self, numel: int, element_size: int) -> list[tuple[int, int]]:
         """The [start, end) element ranges a flat buffer of `numel` elements travels in."""
         step = max(1, numel if self.bucket_bytes == 0 else self.bucket_bytes // element_size)
@@ -380,8 +391,8 @@ def init_custom_process_group(
         group.handshake(bucket_bytes, join_timeout, coalesce_tensors)
         store.set_timeout(timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - reported as one clear error; nothing is kept
-        if pg is not None and hasattr(pg, "shutdown"):
-            pg.shutdown()
+        if group is not None:
+            group.close()
         # Drop the references now (not when the traceback goes): the store's socket closes.
         pg = store = prefixed = group = None
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

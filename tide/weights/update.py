@@ -263,9 +263,7 @@ class WeightUpdater:
         group = self.groups.pop(group_name, None)
         if group is None:
             raise ValueError(f"group_name {group_name!r} is not an open weight update group")
-        shutdown = getattr(group.pg, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        group.close()
 
     def load_from_distributed(
         self,
