@@ -46,10 +46,17 @@ def _pool(lens: list[int], hk: int, seed: int, d: int = D, dtype: torch.dtype = 
 
 
 def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
-                 maxnregs: tuple[int, ...] = ()) -> None:
+                 maxnregs: tuple[int, ...] = (), split_counts: tuple[int, ...] = (1, 2, 4),
+                 stage_counts: tuple[int, ...] = (2, 3),
+                 cases: tuple[tuple[int, int, int, int], ...] | None = None,
+                 ) -> dict[tuple[int, int, int, int], dict[tuple, tuple[float, float, float]]]:
     """`maxnregs`: register caps (Triton's `maxnreg`) tried beside the compiler's own choice, at
-    4 warps and blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM."""
-    cases = [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
+    4 warps and blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM.
+    `split_counts`, `stage_counts`: the splits and pipeline depths tried; `cases`: (query heads, kv
+    heads, head dim, batch) shapes (default: all). Returns each case's {config: (us, fraction of
+    copy bandwidth, max difference)}."""
+    everything = {}
+    cases = cases or [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
              (16, 8, 256, 64), (16, 8, 256, 256)]
     for hq, hk, d, batch in cases:
         rng = random.Random(batch)
@@ -63,9 +70,11 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
         res = {}
         ref = None
         blocks = (32, 64, 128) if k.element_size() > 1 else (32, 64, 128, 256)
-        configs = [(*c, None) for c in itertools.product((1, 2, 4), blocks, (4, 8), (2, 3))]
+        configs = [(*c, None) for c in
+                   itertools.product(split_counts, blocks, (4, 8), stage_counts)]
         configs += [(splits, block_n, 4, stages, r) for splits, block_n, stages, r in
-                    itertools.product((1, 2, 4), blocks, (2, 3), maxnregs) if block_n >= 64]
+                    itertools.product(split_counts, blocks, stage_counts, maxnregs)
+                    if block_n >= 64]
         for splits, block_n, warps, stages, maxnreg in configs:
             mid_o = torch.empty(batch, hq, splits, d, device="cuda")
             mid_l = torch.empty(batch, hq, splits, device="cuda")
@@ -100,14 +109,16 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
             err = (out.float() - ref.float()).abs().max().item()
             res[(splits, block_n, warps, stages, maxnreg)] = (t * 1e6, kv_bytes / t / bw, err)
         splits = tk.num_kv_splits(batch * hk, 128)
-        default = (splits, *tk.decode_block_config(splits, d, k.element_size()))
-        default = (splits, default[1], 4, default[2], None)
+        blocks = tk.decode_block_config(splits, d, k.element_size())
+        default = (splits, blocks.block_n, blocks.warps, blocks.stages, blocks.maxnreg)
         if default not in res:
             res[default] = (float("nan"), float("nan"), 0.0)
         print(f"decode hq={hq} hk={hk} d={d} batch={batch} mean ctx {sum(lens) / batch:.0f}: default "
               f"{default}: {res[default][0]:.1f} us ({res[default][1]:.3f} of copy bw)", flush=True)
         for cfg, (us, frac, err) in sorted(res.items(), key=lambda kv: kv[1][0])[:5]:
             print(f"   {cfg}: {us:.1f} us, {frac:.3f} of copy bw, max diff {err:.1e}", flush=True)
+        everything[(hq, hk, d, batch)] = res
+    return everything
 
 
 def extend_sweep() -> None:
@@ -175,6 +186,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["decode", "extend"], default=None)
     ap.add_argument("--maxnreg", default="",
                     help="comma-separated register caps also tried in the decode sweep, e.g. 168,128")
+    ap.add_argument("--splits", default="1,2,4", help="split counts tried in the decode sweep")
+    ap.add_argument("--stages", default="2,3", help="pipeline depths tried in the decode sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
@@ -183,7 +196,9 @@ def main() -> None:
         extend_sweep()
     if args.only != "extend":
         decode_sweep(bw, torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16,
-                     tuple(int(r) for r in args.maxnreg.split(",") if r))
+                     tuple(int(r) for r in args.maxnreg.split(",") if r),
+                     tuple(int(n) for n in args.splits.split(",")),
+                     tuple(int(n) for n in args.stages.split(",")))
 
 
 if __name__ == "__main__":

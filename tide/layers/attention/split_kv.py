@@ -7,6 +7,8 @@ layer's decode step visits min(seq_len, window) keys at any context length) with
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 # Shortest split of split-KV decode: short visible ranges use fewer, longer splits.
 MIN_SPLIT_LEN = 64
 # Head-dim columns per stage-2 program: the merge of up to 128 splits holds 128 x 64 fp32 values
@@ -32,19 +34,29 @@ DECODE_BLOCK_N = 32
 FEW_SPLITS = 4
 
 
-def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2) -> tuple[int, int]:
-    """(keys per stage-1 iteration, software-pipeline stages) of split-KV decode. `kv_bytes`: the
-    KV element size; 4-byte (fp32) K/V keep short blocks and 2 stages (the deep pipeline would need
-    ~150 KB of shared memory, more than GPUs other than sm80/sm90 have); 1-byte (fp8) K/V at head
-    dim 256 take 128-token blocks."""
+class DecodeBlocks(NamedTuple):
+    """How stage 1 of split-KV decode walks a split: `block_n` keys per iteration through a
+    software pipeline of `stages`, in programs of `warps` warps compiled with at most `maxnreg`
+    registers a thread (None: the compiler's choice)."""
+
+    block_n: int
+    stages: int
+    maxnreg: int | None = None
+    warps: int = 4
+
+
+def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2) -> DecodeBlocks:
+    """Stage 1's blocks of split-KV decode. `kv_bytes`: the KV element size; 4-byte (fp32) K/V keep
+    short blocks and 2 stages (the deep pipeline would need ~150 KB of shared memory, more than GPUs
+    other than sm80/sm90 have); 1-byte (fp8) K/V at head dim 256 take 128-token blocks."""
     if num_splits > FEW_SPLITS or kv_bytes > 2:
-        return DECODE_BLOCK_N, 2
+        return DecodeBlocks(DECODE_BLOCK_N, 2)
     block_d = 1 << max(head_dim - 1, 1).bit_length()
     if kv_bytes == 1 and block_d > 128:
         # fp8 K/V at head dim 256 (same sweep, `--kv-dtype fp8`): 128-token blocks and 2 stages,
         # 404 vs 488 us for 256 requests (the bf16 choice below).
-        return 128, 2
-    return (128 if block_d <= 128 else DECODE_BLOCK_N), 3
+        return DecodeBlocks(128, 2)
+    return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 
 
 # Extend: new tokens (query rows) per program, keys per iteration.
@@ -90,7 +102,7 @@ def decode_split_bounds(
 def decode_blocks_visited(seq_len: int, sliding_window: int | None, num_splits: int,
                           head_dim: int, kv_bytes: int = 2) -> int:
     """Stage-1 key blocks (of `decode_block_config`'s size) one decode query visits per kv head."""
-    block = decode_block_config(num_splits, head_dim, kv_bytes)[0]
+    block = decode_block_config(num_splits, head_dim, kv_bytes).block_n
     return sum(-(-(e - s) // block) for s, e in decode_split_bounds(
         seq_len, sliding_window, num_splits))
 

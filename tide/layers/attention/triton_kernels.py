@@ -329,7 +329,8 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
-    block_n, stages = decode_block_config(num_splits, head_dim, k_buffer.element_size())
+    blocks = decode_block_config(num_splits, head_dim, k_buffer.element_size())
+    block_n = blocks.block_n
     if prefetch is None:
         prefetch = (use_pdl and head_dim > PREFETCH_MAX_SMALL_HEAD_DIM
                     and block_n * head_dim * k_buffer.element_size() <= PREFETCH_MAX_BLOCK_BYTES)
@@ -342,8 +343,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
-        USE_PDL=use_pdl, PREFETCH=prefetch, num_warps=4,
-        num_stages=stages, launch_pdl=use_pdl,
+        USE_PDL=use_pdl, PREFETCH=prefetch, num_warps=blocks.warps, num_stages=blocks.stages,
+        launch_pdl=use_pdl, **({} if blocks.maxnreg is None else {"maxnreg": blocks.maxnreg}),
     )
     if num_splits == 1:
         return  # stage 1 wrote the output
