@@ -72,6 +72,18 @@ def test_sliding_decode_cost_does_not_grow_with_context():
     assert split_kv.decode_blocks_visited(1_000_000, None, splits, 128) > 100 * bound
 
 
+def test_decode_register_cap_only_where_measured():
+    """fp8 K/V at head dim <= 128 and few splits get the register cap, low enough that three programs
+    of their warps fit an SM's 64k registers; other caches, dims and split counts keep the
+    compiler's choice."""
+    fp8 = split_kv.decode_block_config(1, 128, kv_bytes=1)
+    assert fp8.maxnreg == split_kv.FP8_DECODE_MAXNREG and (fp8.block_n, fp8.stages) == (128, 3)
+    assert 3 * fp8.warps * 32 * fp8.maxnreg <= 65536
+    assert split_kv.decode_block_config(2, 64, kv_bytes=1).maxnreg == split_kv.FP8_DECODE_MAXNREG
+    for splits, dim, kv_bytes in ((1, 128, 2), (1, 256, 1), (16, 128, 1), (1, 128, 4)):
+        assert split_kv.decode_block_config(splits, dim, kv_bytes).maxnreg is None
+
+
 def test_extend_reads_only_keys_some_query_of_the_block_sees():
     block = split_kv.EXTEND_BLOCK_M
     for window in (None, 1, 8, 100, 5000):

@@ -32,6 +32,10 @@ DECODE_BLOCK_N = 32
 # tokens): head dim 128 reads at 0.90 of copy bandwidth with 128-token blocks and 3 stages (0.80
 # with 32 and 2); head dim 256 at 0.90 with 32-token blocks and 3 stages (0.63 with 64 and 2).
 FEW_SPLITS = 4
+# Register cap of fp8 stage 1 at few splits, head dim <= 128 (sm_90: 255 -> 168, no spill). One H100,
+# `python -m benchmarks.attn_batch --only decode --kv-dtype fp8 --maxnreg 168,128`: 256 requests of
+# ~830 tokens 0.68 -> 0.75 of copy bandwidth (Qwen3 and Llama heads), 64 requests 0.52 -> 0.53.
+FP8_DECODE_MAXNREG = 168
 
 
 class DecodeBlocks(NamedTuple):
@@ -56,6 +60,10 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2) -> De
         # fp8 K/V at head dim 256 (same sweep, `--kv-dtype fp8`): 128-token blocks and 2 stages,
         # 404 vs 488 us for 256 requests (the bf16 choice below).
         return DecodeBlocks(128, 2)
+    if kv_bytes == 1:
+        # fp8 K/V at head dim <= 128: the compiler gives this stage 1 255 registers a thread (two
+        # programs an SM); capped at FP8_DECODE_MAXNREG it does not spill and three fit.
+        return DecodeBlocks(128, 3, FP8_DECODE_MAXNREG)
     return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 
 
