@@ -5,7 +5,9 @@ through `update_weights_from_distributed`. In one run: the raw NCCL broadcast of
 buffer (the reference), the raw per-tensor broadcasts with no engine in between, the time to join
 each update group (`init_weights_update_group`, handshake and NCCL warm-up included), and per-tensor
 and flattened updates, each on a group of its own so that each form's first call after joining is
-measured (`first`) as well as its later calls. `--bucket-mb` is the piece size of flattened updates.
+measured (`first`) as well as its later calls. `--bucket-mb` is the piece size of flattened updates;
+`--engine KEY=VALUE` passes engine options (`--engine enable_memory_saver=true` lays the parameters
+out in one region, where a flattened update in module order lands in place).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def trainer(barrier, result_q, calls: int, bucket_bytes: int, coalesce: int) -> 
     barrier.wait()
 
 
-def engine_side(barrier, result_q, calls: int) -> None:
+def engine_side(barrier, result_q, calls: int, options: dict) -> None:
     sys.path.insert(0, os.getcwd())
     import tide
     from tide.weights import init_custom_process_group
@@ -90,7 +92,8 @@ def engine_side(barrier, result_q, calls: int) -> None:
 
     torch.cuda.set_device(1)
     engine = tide.Engine(config_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
-                         device="cuda:1", max_total_tokens=100_000, disable_cuda_graph=True)
+                         device="cuda:1", max_total_tokens=100_000, disable_cuda_graph=True,
+                         **options)
     shapes = trainer_shapes()
     raw = init_custom_process_group("nccl", "127.0.0.1", PORT_RAW, 1, 2, "raw")
     buf = torch.empty(sum(torch.Size(s).numel() for _, s in shapes), dtype=torch.bfloat16,
@@ -134,13 +137,18 @@ def main() -> None:
                     help="piece size of flattened updates in MiB (0: one broadcast per dtype)")
     ap.add_argument("--coalesce", type=int, default=16,
                     help="per-tensor updates in NCCL groups of this many tensors (0: one by one)")
+    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option, e.g. enable_memory_saver=true")
     args = ap.parse_args()
+    from benchmarks.run import engine_options
+
+    options = engine_options(args.engine)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
     q = ctx.Queue()
     procs = [ctx.Process(target=trainer, args=(barrier, q, args.calls, args.bucket_mb << 20,
                                                    args.coalesce)),
-             ctx.Process(target=engine_side, args=(barrier, q, args.calls))]
+             ctx.Process(target=engine_side, args=(barrier, q, args.calls, options))]
     for p in procs:
         p.start()
     for p in procs:
@@ -151,6 +159,7 @@ def main() -> None:
     _, nbytes, raw_t, raw_per_tensor_t = next(r for r in results if r[0] == "raw")
     out = {"gpu": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
            "bytes": nbytes, "bucket_bytes": args.bucket_mb << 20, "coalesce_tensors": args.coalesce,
+           "engine_options": options,
            "raw_broadcast_s": raw_t, "raw_GBps": nbytes / raw_t / 1e9,
            "raw_per_tensor_broadcast_s": raw_per_tensor_t, "raw_per_tensor_ratio": raw_t / raw_per_tensor_t,
            "join_s": {f"{side}:{fmt}": t for side, fmt, t in

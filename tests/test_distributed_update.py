@@ -211,6 +211,8 @@ def test_a_rank_0_without_tides_handshake_is_refused(header, needle):
 
 
 def test_flattened_pieces_use_two_buffers_and_split_tensors_exactly():
+    """Pieces of several tensors alternate between two receive buffers; a piece inside one
+    destination lands in it directly."""
     trainer, engine_side = _pair(bucket_bytes=16 << 10)
     gen = torch.Generator().manual_seed(1)
     named = [("a", torch.randn(3000, generator=gen)), ("b", torch.randn(50, 70, generator=gen)),
@@ -236,8 +238,65 @@ def test_flattened_pieces_use_two_buffers_and_split_tensors_exactly():
     for n, t in named:
         if dests[n] is not None:
             assert torch.equal(dests[n], t), n
-    # fp32: 31 001 elements = 8 pieces of 4096 -> 2 buffers; bf16: 9000 = 2 pieces -> 2 buffers
-    assert receiver.buffers_allocated == 4
+    # fp32: 22 701 elements = 6 pieces of 4096; the two inside d land in place, the rest take
+    # 2 buffers. bf16: 9000 = 2 pieces of 8192, both inside c: in place, no buffer.
+    assert receiver.pieces_in_place == 4
+    assert receiver.buffers_allocated == 2
+
+
+def _one_storage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeroed tensors shaped like `tensors`, back to back in one storage, in order (as
+    `enable_memory_saver` lays out the parameters)."""
+    flat = torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+def test_flattened_pieces_land_in_place_where_the_parameters_are_one_run():
+    """Pieces whose tensors lie back to back in one storage, in the trainer's order, are received
+    straight into them; a piece that also holds a tensor stored elsewhere, a drained one or a
+    column part goes through a buffer. Every written element is exact either way."""
+    trainer, engine_side = _pair(bucket_bytes=16 << 10)  # 4096 fp32 elements a piece
+    gen = torch.Generator().manual_seed(3)
+    named = [(n, torch.randn(shape, generator=gen)) for n, shape in (
+        ("a", (64, 64)), ("b", (5000,)), ("c", (3000,)), ("d", (100, 41)), ("e", (4096,)),
+        ("f", (9000,)), ("g", (40, 30)), ("h", (8192,)))]
+    sizes = [t.numel() for _, t in named]
+    pieces = engine_side.pieces(sum(sizes), 4)
+    # All in one run: every piece lands in place, no buffer is taken.
+    run = _one_storage([t for _, t in named])
+    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
+    receiver = BroadcastReceiver(engine_side)
+    receiver.receive_header()
+    receiver.receive_flattened(torch.float32, list(zip(run, sizes)))
+    receiver.finish()
+    sender.result(JOIN_S)
+    assert receiver.pieces_in_place == len(pieces) and receiver.buffers_allocated == 0
+    assert all(torch.equal(d, t) for d, (_, t) in zip(run, named))
+    # Broken runs: c elsewhere, e drained, g a column part (staged); f..h one run again.
+    dests: list = _one_storage([t for _, t in named])
+    dests[2] = torch.zeros(3000)
+    dests[4] = None
+    dests[6] = PartDest(torch.zeros(40, 10), (40, 30), 1, 10, 10)
+    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
+    receiver = BroadcastReceiver(engine_side)
+    receiver.receive_header()
+    receiver.receive_flattened(torch.float32, list(zip(dests, sizes)))
+    receiver.finish()
+    sender.result(JOIN_S)
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    clean = [i for i, (lo, hi) in enumerate(pieces)
+             if not any(starts[j] < hi and lo < starts[j + 1] for j in (2, 4, 6))]
+    assert 0 < receiver.pieces_in_place == len(clean) < len(pieces)
+    assert receiver.buffers_allocated == 2
+    for d, (_, t) in zip(dests, named):
+        if isinstance(d, PartDest):
+            assert torch.equal(d.rows, t[:, 10:20])
+        elif d is not None:
+            assert torch.equal(d, t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +405,50 @@ def test_a_request_that_does_not_match_the_broadcast_drains_it_and_writes_nothin
     _assert_params(engine, before)
     res = _push(engine, group, named, load_format)  # still in step
     assert res["success"], res["message"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_flattened_update_in_model_order_lands_in_place(checkpoints, arch, monkeypatch):
+    """With the parameters in one region (as `enable_memory_saver` lays them out) a trainer that
+    flattens its model's parameters in module order sends the engine's own memory layout (fused
+    q/k/v and gate/up rows follow each other): every piece lands in place, and the model is the
+    trainer's exactly."""
+    from tide.weights import receive
+
+    path = checkpoints[arch]  # qwen3: q/k norms after o_proj, embeddings tied to the head
+    engine = tide.Engine(str(path), max_total_tokens=1024)
+    try:
+        params = list(engine.model_runner.model.parameters())
+        for p, view in zip(params, _one_storage([p.detach() for p in params])):
+            view.copy_(p.detach())
+            p.data = view
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        sgd_steps(hf, steps=1, lr=0.3, seed=11)
+        named = named_weights(hf)
+        port = free_port()
+        trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "run",
+                           timeout_s=JOIN_S, bucket_bytes=64 << 10, name="trainer-join")
+        assert engine.init_weights_update_group("127.0.0.1", port, 1, 2, "run", "gloo")["success"]
+        group = trainer.result(JOIN_S)
+        runs = []
+        real = receive._one_run
+        monkeypatch.setattr(receive, "_one_run", lambda *a: runs.append(real(*a)) or runs[-1])
+        sender = InThread(group.broadcast_weights, named, "flattened_bucket", name="trainer-send")
+        res = engine.update_weights_from_distributed(
+            [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named],
+            group_name="run", load_format="flattened_bucket")
+        sender.result(JOIN_S)
+        assert res["success"], res["message"]
+        total = sum(t.numel() for _, t in named)
+        assert len(runs) == len(group.pieces(total, 4)) > 1
+        assert all(r is not None for r in runs)
+        for name, t in named:
+            got = torch.tensor(engine.get_weights_by_name(name, truncate_size=t.numel()))
+            assert torch.equal(got, t.reshape(-1)), name
+        engine.destroy_weights_update_group("run")
+        group.close()
+    finally:
+        engine.shutdown()
 
 
 def test_a_trainer_that_stops_mid_update_blocks_generation_until_a_full_refill(rig):

@@ -4,7 +4,11 @@
 contiguous memory on the group's device is received straight into them; anything else lands in a
 receive buffer and is copied out. A flattened dtype buffer arrives in the pieces the group agreed on
 (`WeightUpdateGroup.pieces`), alternately into two buffers of one piece each, and `piece_copies` maps
-every piece onto the parameters it covers (a tensor may straddle two pieces).
+every piece onto the parameters it covers (a tensor may straddle two pieces). A piece whose tensors
+lie back to back in one storage, in the trainer's order, is received straight into them instead:
+with `enable_memory_saver` the parameters are one region in module order, and a trainer that
+flattens its model's parameters in module order sends exactly that layout (q/k/v rows follow each
+other as in the fused parameter), so such an update copies nothing.
 
 With NCCL the broadcasts are queued on a receive stream and the copies on a copy stream: the copy of
 piece i (after an event that marks its arrival) runs while piece i+1 arrives in the other buffer, and
@@ -104,6 +108,7 @@ class BroadcastReceiver:
         self.device = group.device
         self.cuda = self.device.type == "cuda"
         self.buffers_allocated = 0  # receive buffers taken so far (tests read it)
+        self.pieces_in_place = 0  # flattened pieces received straight into parameter memory
         self._recv: torch.cuda.Stream | None = None
         self._copy: torch.cuda.Stream | None = None
         if self.cuda:
@@ -210,39 +215,56 @@ class BroadcastReceiver:
             flats.append(flat)
             lows.append(low)
         size = max(end - start for start, end in pieces)
-        buffers = [self._buffer(size, dtype) for _ in range(min(2, len(pieces)))]
+        buffers: list[torch.Tensor | None] = [None] * min(2, len(pieces))  # taken on first use
         released: list[torch.cuda.Event | None] = [None] * len(buffers)
         for i, ((start, end), copies) in enumerate(zip(pieces, piece_copies(numels, pieces))):
-            slot = i % len(buffers)
-            wait = released[slot]
-            if wait is not None and self._recv is not None:
-                self._recv.wait_event(wait)  # the copy out of this buffer's last piece is done
-            buf = buffers[slot][: end - start]
-            self._receive(buf)
-            pairs = []
+            # (destination memory, [lo, hi) of this piece) for whole ranges of parameters; a
+            # piece that also feeds a staged part or a drained tensor is never received in place.
+            spans: list[tuple[torch.Tensor, int, int]] = []
+            in_place = True
             for c in copies:
-                count = c.src_end - c.src_start
-                part = parts.get(c.index)
-                if part is not None:
-                    stage = stages.get(c.index)
-                    if stage is None:
-                        with self._on(self._copy):
-                            stage = torch.empty(numels[c.index], dtype=dtype, device=self.device)
-                        stages[c.index] = stage
-                    pairs.append((stage[c.dst_start : c.dst_start + count],
-                                  buf[c.src_start : c.src_end]))
-                    if c.dst_start + count == numels[c.index]:  # its last elements
-                        pairs.append((part.rows, part.part(stages.pop(c.index))))
-                    continue
                 flat = flats[c.index]
-                if flat is None:
+                if c.index in parts or flat is None:
+                    in_place = False
                     continue
+                count = c.src_end - c.src_start
                 lo = max(c.dst_start, lows[c.index])
                 hi = min(c.dst_start + count, lows[c.index] + flat.numel())
                 if hi > lo:
                     skip = lo - c.dst_start
-                    pairs.append((flat[lo - lows[c.index] : hi - lows[c.index]],
-                                  buf[c.src_start + skip : c.src_start + skip + hi - lo]))
+                    spans.append((flat[lo - lows[c.index] : hi - lows[c.index]],
+                                  c.src_start + skip, c.src_start + skip + hi - lo))
+                if hi - lo != count:
+                    in_place = False  # elements this rank does not keep
+            direct = _one_run(spans, end - start, self.device) if in_place else None
+            if direct is not None:
+                self._receive(direct)  # straight into the parameters: nothing to copy
+                self.pieces_in_place += 1
+                continue
+            slot = i % len(buffers)
+            wait = released[slot]
+            if wait is not None and self._recv is not None:
+                self._recv.wait_event(wait)  # the copy out of this buffer's last piece is done
+            whole = buffers[slot]
+            if whole is None:
+                whole = buffers[slot] = self._buffer(size, dtype)
+            buf = whole[: end - start]
+            self._receive(buf)
+            pairs = [(dst, buf[lo:hi]) for dst, lo, hi in spans]
+            for c in copies:
+                part = parts.get(c.index)
+                if part is None:
+                    continue
+                count = c.src_end - c.src_start
+                stage = stages.get(c.index)
+                if stage is None:
+                    with self._on(self._copy):
+                        stage = torch.empty(numels[c.index], dtype=dtype, device=self.device)
+                    stages[c.index] = stage
+                pairs.append((stage[c.dst_start : c.dst_start + count],
+                              buf[c.src_start : c.src_end]))
+                if c.dst_start + count == numels[c.index]:  # its last elements
+                    pairs.append((part.rows, part.part(stages.pop(c.index))))
             if pairs:
                 released[slot] = self._copy_out(pairs)
 
@@ -251,3 +273,25 @@ class BroadcastReceiver:
         if self._recv is not None and self._copy is not None:
             self._copy.synchronize()
             self._recv.synchronize()
+
+
+def _one_run(spans: Sequence[tuple[torch.Tensor, int, int]], length: int,
+             device: torch.device) -> torch.Tensor | None:
+    """One tensor over the memory of `spans` (destination, [lo, hi) of a piece of `length`
+    elements) when they cover the piece in order and lie back to back in one storage, as the
+    parameters do when they were allocated in one region (`enable_memory_saver`) and the trainer
+    flattened them in the model's order, on the group's `device`; else None."""
+    if not spans or spans[0][1] != 0 or spans[-1][2] != length or spans[0][0].device != device:
+        return None
+    first = spans[0][0]
+    size = first.element_size()
+    storage = first.untyped_storage()
+    for (a, _, a_hi), (b, b_lo, _) in zip(spans, spans[1:]):
+        if (b_lo != a_hi or b.untyped_storage().data_ptr() != storage.data_ptr()
+                or b.data_ptr() != a.data_ptr() + a.numel() * size):
+            return None
+    if any(not dst.is_contiguous() for dst, _, _ in spans):
+        return None
+    offset = (first.data_ptr() - storage.data_ptr()) // size
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        storage, offset, (length,), (1,))
