@@ -407,6 +407,27 @@ def test_a_request_that_does_not_match_the_broadcast_drains_it_and_writes_nothin
     assert res["success"], res["message"]
 
 
+def test_no_receive_buffers_are_held_for_parameters_in_one_region(monkeypatch):
+    """Joining a group takes (and leaves cached) two piece buffers, unless the parameters are one
+    region: an update flattened in module order then lands in place and needs none."""
+    from types import SimpleNamespace
+
+    from tide.weights.update import WeightUpdater
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    updater = WeightUpdater(model, torch.device("cpu"))
+    taken: list[torch.device] = []
+    monkeypatch.setattr(updater, "_streams", lambda device: taken.append(device) or (None, None))
+    group = SimpleNamespace(bucket_bytes=1 << 20, device=torch.device("cpu"))
+    updater._warm_receive_pool(group)
+    assert taken == [torch.device("cpu")]
+    params = list(model.parameters())
+    for p, view in zip(params, _one_storage([p.detach() for p in params])):
+        p.data = view
+    updater._warm_receive_pool(group)
+    assert len(taken) == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_flattened_update_in_model_order_lands_in_place(checkpoints, arch, monkeypatch):
     """With the parameters in one region (as `enable_memory_saver` lays them out) a trainer that

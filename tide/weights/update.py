@@ -248,9 +248,14 @@ class WeightUpdater:
     def _warm_receive_pool(self, group: WeightUpdateGroup) -> None:
         """Take and free a flattened update's two piece buffers on the receive stream, so that the
         caching allocator holds them for it and the first update does not wait for cudaMalloc.
-        Without the memory for them now, the first update allocates them itself."""
+        Without the memory for them now, the first update allocates them itself. Parameters in
+        one region (`enable_memory_saver`) take no buffers for an update flattened in module order
+        (its pieces land in place), so none are held for it."""
         if group.bucket_bytes == 0:
             return  # pieces are whole dtype buffers, of sizes known only at an update
+        storages = {p.untyped_storage().data_ptr() for p in self.weight_map.params.values()}
+        if len(storages) == 1:
+            return
         with torch.cuda.stream(self._streams(group.device)[0]):
             try:
                 buffers = [torch.empty(group.bucket_bytes, dtype=torch.uint8, device=group.device)
