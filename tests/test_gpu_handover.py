@@ -66,7 +66,15 @@ def test_release_all_reuses_one_pinned_backup_and_keeps_tokens(checkpoint):
     assert backup.host_bytes == 0
 
 
-def _trainer(port: int, checkpoint: str, commands, replies) -> None:
+def _module_order(checkpoint) -> list[str]:
+    """The checkpoint's tensor names in the order of the HF model's `named_parameters()`."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    return [n for n, _ in model.named_parameters()]
+
+
+def _trainer(port: int, checkpoint: str, commands, replies, order: list[str]) -> None:
     from safetensors.torch import load_file
 
     from tide.weights import init_custom_process_group
@@ -74,8 +82,8 @@ def _trainer(port: int, checkpoint: str, commands, replies) -> None:
     torch.cuda.set_device(0)
     group = init_custom_process_group("nccl", "127.0.0.1", port, 0, 2, "wu", timeout_s=120,
                                       bucket_bytes=1 << 20, coalesce_tensors=5)
-    named = [(n, (t.to(torch.bfloat16) * 0.5).cuda())
-             for n, t in load_file(f"{checkpoint}/model.safetensors").items()]
+    tensors = load_file(f"{checkpoint}/model.safetensors")
+    named = [(n, (tensors[n].to(torch.bfloat16) * 0.5).cuda()) for n in order]
     replies.put("joined")
     while (fmt := commands.get()) is not None:
         group.broadcast_weights(named, None if fmt == "per_tensor" else fmt)
@@ -84,25 +92,36 @@ def _trainer(port: int, checkpoint: str, commands, replies) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_nccl_update_is_warm_at_init_and_exact_in_pieces(checkpoint):
+@pytest.mark.parametrize("memory_saver", [False, True], ids=["copied", "in_place"])
+def test_nccl_update_is_warm_at_init_and_exact_in_pieces(checkpoint, memory_saver, monkeypatch):
+    """Per-tensor and flattened updates in 1 MiB pieces land bit-exact. With the memory saver the
+    parameters are one region in module order, and the trainer sends in module order: every
+    flattened piece is received in place."""
     from safetensors.torch import load_file
 
+    from tide.weights import receive
+
+    runs: list = []
+    real = receive._one_run
+    monkeypatch.setattr(receive, "_one_run", lambda *a: runs.append(real(*a)) or runs[-1])
+    order = _module_order(checkpoint)
     ctx = multiprocessing.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
     port = free_port()
-    proc = ctx.Process(target=_trainer, args=(port, str(checkpoint), commands, replies))
+    proc = ctx.Process(target=_trainer, args=(port, str(checkpoint), commands, replies, order))
     proc.start()
     try:
         engine = tide.Engine(str(checkpoint), dtype="bfloat16", device="cuda:1",
-                             max_total_tokens=20_000, disable_cuda_graph=True)
+                             max_total_tokens=20_000, disable_cuda_graph=True,
+                             enable_memory_saver=memory_saver)
         joined = engine.init_weights_update_group("127.0.0.1", port, 1, 2, "wu", "nccl")
         assert joined["success"], joined["message"]
         assert replies.get(timeout=120) == "joined"
         assert engine.worker.weight_updater.groups["wu"].bucket_bytes == 1 << 20
         # Per-tensor updates travel in NCCL groups of 5 tensors on both sides.
         assert engine.worker.weight_updater.groups["wu"].coalesce_tensors == 5
-        named = [(n, (t.to(torch.bfloat16) * 0.5))
-                 for n, t in load_file(f"{checkpoint}/model.safetensors").items()]
+        tensors = load_file(f"{checkpoint}/model.safetensors")
+        named = [(n, tensors[n].to(torch.bfloat16) * 0.5) for n in order]
         for fmt in ("per_tensor", "flattened_bucket"):
             commands.put(fmt)
             res = engine.update_weights_from_distributed(
@@ -115,6 +134,9 @@ def test_nccl_update_is_warm_at_init_and_exact_in_pieces(checkpoint):
                     continue  # not stored by tide (a tied lm_head)
                 got = torch.tensor(engine.get_weights_by_name(name, truncate_size=t.numel()))
                 assert torch.equal(got.to(torch.bfloat16), t.reshape(-1)), (fmt, name)
+        # Copied: every 1 MiB piece of this model straddles parameters in separate allocations.
+        in_place = [r is not None for r in runs]
+        assert len(in_place) == 10 and all(in_place) == memory_saver == any(in_place), in_place
         engine.shutdown()
     finally:
         commands.put(None)
