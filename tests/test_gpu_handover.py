@@ -134,9 +134,11 @@ def test_nccl_update_is_warm_at_init_and_exact_in_pieces(checkpoint, memory_save
                     continue  # not stored by tide (a tied lm_head)
                 got = torch.tensor(engine.get_weights_by_name(name, truncate_size=t.numel()))
                 assert torch.equal(got.to(torch.bfloat16), t.reshape(-1)), (fmt, name)
-        # Copied: every 1 MiB piece of this model straddles parameters in separate allocations.
+        # Without the memory saver the parameters are separate allocations: the pieces that
+        # straddle two are copied, the two that lie inside one fused gate_up land in place (on
+        # CPU with gloo the same model gives the same split).
         in_place = [r is not None for r in runs]
-        assert len(in_place) == 10 and all(in_place) == memory_saver == any(in_place), in_place
+        assert len(in_place) == 10 and sum(in_place) == (10 if memory_saver else 2), in_place
         engine.shutdown()
     finally:
         commands.put(None)
