@@ -297,6 +297,25 @@ def test_flattened_pieces_land_in_place_where_the_parameters_are_one_run():
             assert torch.equal(d.rows, t[:, 10:20])
         elif d is not None:
             assert torch.equal(d, t)
+    # One storage, but not the trainer's layout: a gap after b, c and d swapped, f in bf16 (a
+    # copy converts it). Only the pieces inside a, inside b, and inside h stay in place.
+    region = torch.zeros(sum(sizes) + 64)
+    at, views = 0, {}
+    for n, size in (("a", 4096), ("b", 5000), ("gap", 64), ("d", 4100), ("c", 3000),
+                    ("e", 4096), ("g", 1200), ("h", 8192)):
+        views[n] = region[at : at + size]
+        at += size
+    views["f"] = torch.zeros(9000, dtype=torch.bfloat16)
+    dests = [views[n].view(t.shape) for n, t in named]
+    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
+    receiver = BroadcastReceiver(engine_side)
+    receiver.receive_header()
+    receiver.receive_flattened(torch.float32, list(zip(dests, sizes)))
+    receiver.finish()
+    sender.result(JOIN_S)
+    assert receiver.pieces_in_place == 4  # [0, 4096) a, [4096, 8192) b, both pieces of h
+    for d, (_, t) in zip(dests, named):
+        assert torch.equal(d, t.to(d.dtype)), d.dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,6 +445,14 @@ def test_no_receive_buffers_are_held_for_parameters_in_one_region(monkeypatch):
         p.data = view
     updater._warm_receive_pool(group)
     assert len(taken) == 1
+    # Parts kept under tensor parallelism, or a parameter stored elsewhere: buffers are needed.
+    params[2].tp_split = {None: (1, 0, 4, 8)}
+    updater._warm_receive_pool(group)
+    assert len(taken) == 2
+    del params[2].tp_split
+    params[3].data = torch.zeros(params[3].numel() + 1)[1:].view(params[3].shape)
+    updater._warm_receive_pool(group)
+    assert len(taken) == 3
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

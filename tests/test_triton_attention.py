@@ -82,6 +82,9 @@ def test_decode_register_cap_only_where_measured():
     assert split_kv.decode_block_config(2, 64, kv_bytes=1).maxnreg == split_kv.FP8_DECODE_MAXNREG
     for splits, dim, kv_bytes in ((1, 128, 2), (1, 256, 1), (16, 128, 1), (1, 128, 4)):
         assert split_kv.decode_block_config(splits, dim, kv_bytes).maxnreg is None
+    # More than 16 query heads a kv head: a taller tile than the cap was measured with.
+    assert split_kv.decode_block_config(1, 128, 1, group=16).maxnreg == split_kv.FP8_DECODE_MAXNREG
+    assert split_kv.decode_block_config(1, 128, 1, group=32).maxnreg is None
 
 
 def test_extend_reads_only_keys_some_query_of_the_block_sees():

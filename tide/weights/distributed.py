@@ -196,10 +196,9 @@ class WeightUpdateGroup:
 
     def close(self) -> None:
         """Leave the group without waiting for the other ranks. NCCL: the communicator is aborted
-        (`ncclCommAbort`: local, and a broadcast still pending, e.g. a header that never came, is
-        cancelled); its graceful destroy waits for every rank to destroy it too, so it hung while a
-        trainer kept its side open. Gloo: shut down (local). Any later broadcast in the group fails
-        on the other ranks."""
+        (`ncclCommAbort`: local; its graceful destroy waits for every rank to destroy it too, so it
+        hung while a trainer kept its side open). Gloo: shut down (local). A later broadcast by
+        another rank finds no peer: with NCCL it waits until that rank's own timeout."""
         if self.backend == "nccl":
             self.pg.abort()
         else:
@@ -392,7 +391,8 @@ def init_custom_process_group(
         store.set_timeout(timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - reported as one clear error; nothing is kept
         if group is not None:
-            group.close()
+            with contextlib.suppress(Exception):  # the join's error is the one to report
+                group.close()
         # Drop the references now (not when the traceback goes): the store's socket closes.
         pg = store = prefixed = group = None
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -5,10 +5,12 @@ contiguous memory on the group's device is received straight into them; anything
 receive buffer and is copied out. A flattened dtype buffer arrives in the pieces the group agreed on
 (`WeightUpdateGroup.pieces`), alternately into two buffers of one piece each, and `piece_copies` maps
 every piece onto the parameters it covers (a tensor may straddle two pieces). A piece whose tensors
-lie back to back in one storage, in the trainer's order, is received straight into them instead:
-with `enable_memory_saver` the parameters are one region in module order, and a trainer that
-flattens its model's parameters in module order sends exactly that layout (q/k/v rows follow each
-other as in the fused parameter), so such an update copies nothing.
+lie back to back in one storage, in the trainer's order and dtype, is received straight into them
+instead: with `enable_memory_saver` the parameters are one region in module order (gaps only where
+a tensor's size is not a multiple of the region's 256-byte alignment), and a trainer that flattens
+its model's parameters in module order sends exactly that layout (q/k/v rows follow each other as
+in the fused parameter), so such an update copies nothing. Without tensor parallelism only: a rank
+keeping parts receives into buffers.
 
 With NCCL the broadcasts are queued on a receive stream and the copies on a copy stream: the copy of
 piece i (after an event that marks its arrival) runs while piece i+1 arrives in the other buffer, and
@@ -217,7 +219,8 @@ class BroadcastReceiver:
         size = max(end - start for start, end in pieces)
         buffers: list[torch.Tensor | None] = [None] * min(2, len(pieces))  # taken on first use
         released: list[torch.cuda.Event | None] = [None] * len(buffers)
-        for i, ((start, end), copies) in enumerate(zip(pieces, piece_copies(numels, pieces))):
+        buffered = 0  # pieces received into a buffer so far: they alternate between the two
+        for (start, end), copies in zip(pieces, piece_copies(numels, pieces)):
             # (destination memory, [lo, hi) of this piece) for whole ranges of parameters; a
             # piece that also feeds a staged part or a drained tensor is never received in place.
             spans: list[tuple[torch.Tensor, int, int]] = []
@@ -236,12 +239,13 @@ class BroadcastReceiver:
                                   c.src_start + skip, c.src_start + skip + hi - lo))
                 if hi - lo != count:
                     in_place = False  # elements this rank does not keep
-            direct = _one_run(spans, end - start, self.device) if in_place else None
+            direct = _one_run(spans, end - start, self.device, dtype) if in_place else None
             if direct is not None:
                 self._receive(direct)  # straight into the parameters: nothing to copy
                 self.pieces_in_place += 1
                 continue
-            slot = i % len(buffers)
+            slot = buffered % len(buffers)
+            buffered += 1
             wait = released[slot]
             if wait is not None and self._recv is not None:
                 self._recv.wait_event(wait)  # the copy out of this buffer's last piece is done
@@ -276,13 +280,16 @@ class BroadcastReceiver:
 
 
 def _one_run(spans: Sequence[tuple[torch.Tensor, int, int]], length: int,
-             device: torch.device) -> torch.Tensor | None:
+             device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     """One tensor over the memory of `spans` (destination, [lo, hi) of a piece of `length`
     elements) when they cover the piece in order and lie back to back in one storage, as the
     parameters do when they were allocated in one region (`enable_memory_saver`) and the trainer
-    flattened them in the model's order, on the group's `device`; else None."""
+    flattened them in the model's order, on the group's `device` and of the piece's `dtype`;
+    else None."""
     if not spans or spans[0][1] != 0 or spans[-1][2] != length or spans[0][0].device != device:
         return None
+    if any(dst.dtype != dtype for dst, _, _ in spans):
+        return None  # a copy converts; a broadcast into the memory would not
     first = spans[0][0]
     size = first.element_size()
     storage = first.untyped_storage()

@@ -245,16 +245,29 @@ class WeightUpdater:
             self._receive_streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._receive_streams
 
+    def _params_one_run(self) -> bool:
+        """Whether the parameters, in module order, are whole tensors of one dtype back to back in
+        one storage: a flattened update in module order then lands in place (`BroadcastReceiver`)."""
+        params = list(self.weight_map.params.values())
+        if not params or any(getattr(p, "tp_split", None) for p in params):
+            return False
+        storage = params[0].untyped_storage().data_ptr()
+        for a, b in zip(params, params[1:]):
+            if (b.dtype != a.dtype or b.untyped_storage().data_ptr() != storage
+                    or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size()):
+                return False
+        return True
+
     def _warm_receive_pool(self, group: WeightUpdateGroup) -> None:
         """Take and free a flattened update's two piece buffers on the receive stream, so that the
         caching allocator holds them for it and the first update does not wait for cudaMalloc.
-        Without the memory for them now, the first update allocates them itself. Parameters in
-        one region (`enable_memory_saver`) take no buffers for an update flattened in module order
-        (its pieces land in place), so none are held for it."""
+        Without the memory for them now, the first update allocates them itself. Parameters back
+        to back in one storage, in module order, whole (`enable_memory_saver` without tensor
+        parallelism, no alignment gaps) take no buffers for an update flattened in module order
+        (its pieces land in place), so none are held for them."""
         if group.bucket_bytes == 0:
             return  # pieces are whole dtype buffers, of sizes known only at an update
-        storages = {p.untyped_storage().data_ptr() for p in self.weight_map.params.values()}
-        if len(storages) == 1:
+        if self._params_one_run():
             return
         with torch.cuda.stream(self._streams(group.device)[0]):
             try:

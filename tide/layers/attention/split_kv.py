@@ -49,10 +49,12 @@ class DecodeBlocks(NamedTuple):
     warps: int = 4
 
 
-def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2) -> DecodeBlocks:
+def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
+                        group: int = 1) -> DecodeBlocks:
     """Stage 1's blocks of split-KV decode. `kv_bytes`: the KV element size; 4-byte (fp32) K/V keep
     short blocks and 2 stages (the deep pipeline would need ~150 KB of shared memory, more than GPUs
-    other than sm80/sm90 have); 1-byte (fp8) K/V at head dim 256 take 128-token blocks."""
+    other than sm80/sm90 have); 1-byte (fp8) K/V at head dim 256 take 128-token blocks. `group`:
+    query heads per kv head (the register cap was measured with up to 16, one 16-row tile)."""
     if num_splits > FEW_SPLITS or kv_bytes > 2:
         return DecodeBlocks(DECODE_BLOCK_N, 2)
     block_d = 1 << max(head_dim - 1, 1).bit_length()
@@ -60,7 +62,7 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2) -> De
         # fp8 K/V at head dim 256 (same sweep, `--kv-dtype fp8`): 128-token blocks and 2 stages,
         # 404 vs 488 us for 256 requests (the bf16 choice below).
         return DecodeBlocks(128, 2)
-    if kv_bytes == 1:
+    if kv_bytes == 1 and group <= 16:
         # fp8 K/V at head dim <= 128: the compiler gives this stage 1 255 registers a thread (two
         # programs an SM); capped at FP8_DECODE_MAXNREG it does not spill and three fit.
         return DecodeBlocks(128, 3, FP8_DECODE_MAXNREG)

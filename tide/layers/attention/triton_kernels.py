@@ -329,7 +329,7 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
-    blocks = decode_block_config(num_splits, head_dim, k_buffer.element_size())
+    blocks = decode_block_config(num_splits, head_dim, k_buffer.element_size(), group)
     block_n = blocks.block_n
     if prefetch is None:
         prefetch = (use_pdl and head_dim > PREFETCH_MAX_SMALL_HEAD_DIM
