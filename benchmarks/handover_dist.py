@@ -67,6 +67,8 @@ def trainer(barrier, result_q, calls: int, bucket_bytes: int, coalesce: int) -> 
         raw.broadcast(torch.zeros(1, device="cuda"))
         per_tensor.append(_timed(lambda: [raw.broadcast(t) for t in tensors]))
     result_q.put(("raw", nbytes, min(one), min(per_tensor)))
+    torch.cuda.synchronize()
+    raw.close()  # its store is this process's: left open, the engine's side polls it after exit
     for fmt, (name, port) in GROUPS.items():
         barrier.wait()  # the engine joins this group now
         t = time.perf_counter()
@@ -107,6 +109,7 @@ def engine_side(barrier, result_q, calls: int, options: dict) -> None:
         for p in parts:
             raw.broadcast(p)
     torch.cuda.synchronize()
+    raw.close()
     del buf, parts
     names = [n for n, _ in shapes]
     for fmt, (name, port) in GROUPS.items():
