@@ -255,6 +255,18 @@ def _one_storage(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _receive_flat(trainer, engine_side, named, dests) -> BroadcastReceiver:
+    """The trainer sends `named` flattened (one fp32 buffer); the engine side receives it into
+    `dests` (one per tensor). Returns the receiver, done."""
+    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
+    receiver = BroadcastReceiver(engine_side)
+    receiver.receive_header()
+    receiver.receive_flattened(torch.float32, [(d, t.numel()) for d, (_, t) in zip(dests, named)])
+    receiver.finish()
+    sender.result(JOIN_S)
+    return receiver
+
+
 def test_flattened_pieces_land_in_place_where_the_parameters_are_one_run():
     """Pieces whose tensors lie back to back in one storage, in the trainer's order, are received
     straight into them; a piece that also holds a tensor stored elsewhere, a drained one or a
@@ -268,12 +280,7 @@ def test_flattened_pieces_land_in_place_where_the_parameters_are_one_run():
     pieces = engine_side.pieces(sum(sizes), 4)
     # All in one run: every piece lands in place, no buffer is taken.
     run = _one_storage([t for _, t in named])
-    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
-    receiver = BroadcastReceiver(engine_side)
-    receiver.receive_header()
-    receiver.receive_flattened(torch.float32, list(zip(run, sizes)))
-    receiver.finish()
-    sender.result(JOIN_S)
+    receiver = _receive_flat(trainer, engine_side, named, run)
     assert receiver.pieces_in_place == len(pieces) and receiver.buffers_allocated == 0
     assert all(torch.equal(d, t) for d, (_, t) in zip(run, named))
     # Broken runs: c elsewhere, e drained, g a column part (staged); f..h one run again.
@@ -281,12 +288,7 @@ def test_flattened_pieces_land_in_place_where_the_parameters_are_one_run():
     dests[2] = torch.zeros(3000)
     dests[4] = None
     dests[6] = PartDest(torch.zeros(40, 10), (40, 30), 1, 10, 10)
-    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
-    receiver = BroadcastReceiver(engine_side)
-    receiver.receive_header()
-    receiver.receive_flattened(torch.float32, list(zip(dests, sizes)))
-    receiver.finish()
-    sender.result(JOIN_S)
+    receiver = _receive_flat(trainer, engine_side, named, dests)
     starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     clean = [i for i, (lo, hi) in enumerate(pieces)
              if not any(starts[j] < hi and lo < starts[j + 1] for j in (2, 4, 6))]
@@ -307,12 +309,7 @@ def test_flattened_pieces_land_in_place_where_the_parameters_are_one_run():
         at += size
     views["f"] = torch.zeros(9000, dtype=torch.bfloat16)
     dests = [views[n].view(t.shape) for n, t in named]
-    sender = InThread(trainer.broadcast_weights, named, "flattened_bucket", name="trainer-send")
-    receiver = BroadcastReceiver(engine_side)
-    receiver.receive_header()
-    receiver.receive_flattened(torch.float32, list(zip(dests, sizes)))
-    receiver.finish()
-    sender.result(JOIN_S)
+    receiver = _receive_flat(trainer, engine_side, named, dests)
     assert receiver.pieces_in_place == 4  # [0, 4096) a, [4096, 8192) b, both pieces of h
     for d, (_, t) in zip(dests, named):
         assert torch.equal(d, t.to(d.dtype)), d.dtype
