@@ -288,6 +288,28 @@ def test_shutdown_answers_queued_requests_at_once(engine):
     assert done.rid == "a"
 
 
+def test_shutdown_answers_the_running_batch_before_the_server_cuts_it_off(engine):
+    """A batch still running at the shutdown's deadline: its requests get a 503
+    `server_shutting_down` then (the server would otherwise close them with a bare 500); the
+    batch itself is left to end in its thread."""
+    from tide.server.errors import APIError
+
+    req = _request_maker(engine)
+
+    async def scenario():
+        gate = _GateEngine()
+        batcher, running = await _one_running(gate, req("a"))
+        batcher.begin_shutdown(running_deadline_s=0.05)
+        err = await asyncio.gather(asyncio.wait_for(running, 10), return_exceptions=True)
+        gate.release.set()
+        await batcher.stop()
+        return err[0]
+
+    err = asyncio.run(scenario())
+    assert isinstance(err, APIError) and err.status_code == 503, err
+    assert err.code == "server_shutting_down"
+
+
 # ---- command line
 
 def test_tide_generate_writes_png(tmp_path, engine):

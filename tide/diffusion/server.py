@@ -90,6 +90,10 @@ _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
                   10.0, 30.0, 60.0, 120.0)
 _MEMORY_BUCKETS = tuple(float(1 << s) for s in range(20, 39, 2))  # 1 MiB .. 256 GiB
 MAX_BODY_BYTES = 1 << 20  # prompts are bounded by max_prompt_chars; nothing else is large
+# After the first exit signal the running batch has this long to finish; its requests get a 503
+# (an OpenAI-style body) this much before uvicorn would cut them off.
+GRACEFUL_SHUTDOWN_S = 10
+SHUTDOWN_REPLY_MARGIN_S = 1
 # Engine field -> the request field a client sent.
 _PARAMS = {"height": "size", "width": "size", "num_images_per_prompt": "n"}
 
@@ -312,6 +316,7 @@ class ImageBatcher:
         self.max_batch_images = max_batch_images
         self.max_queued = max_queued
         self._pending: list[_Pending] = []
+        self._running: list[_Pending] = []  # the batch in the worker
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tide-diffusion")
@@ -345,11 +350,21 @@ class ImageBatcher:
         if self._wake is not None:
             self._wake.set()
 
-    def begin_shutdown(self) -> None:
+    def begin_shutdown(self, running_deadline_s: float | None = None) -> None:
         """The server is stopping: new requests and every queued one get a 503 now; the running
-        batch may still finish within the graceful shutdown."""
+        batch may still finish. Past `running_deadline_s` (called on the event loop) its requests
+        get the 503 too: the graceful shutdown would otherwise cut them off with a bare 500."""
         self.closed = True
         self.abort_queued("The server is shutting down", code="server_shutting_down")
+        if running_deadline_s is not None:
+            asyncio.get_running_loop().call_later(running_deadline_s, self._fail_running)
+
+    def _fail_running(self) -> None:
+        for p in self._running:
+            if not p.future.done():
+                p.future.set_exception(APIError(
+                    "The server shut down before this image was done", 503,
+                    code="server_shutting_down"))
 
     def abort_queued(self, message: str, code: str = "aborted") -> int:
         """Fail every queued request (503 `code`); returns how many."""
@@ -402,6 +417,7 @@ class ImageBatcher:
                 self.metrics.queued.labels(**self.metrics.label).set(len(self._pending))
                 start = time.perf_counter()
                 reqs = [p.req for p in batch]
+                self._running = batch
                 try:
                     results = await loop.run_in_executor(self._worker, self.engine.run_batch, reqs)
                 except MemoryReleasedError:
@@ -751,15 +767,18 @@ def launch_diffusion_server(args: DiffusionServerArgs) -> int:
     app = create_app(args, engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=args.log_level.lower() == "debug",
-                            timeout_graceful_shutdown=10, timeout_keep_alive=5, lifespan="on",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=5,
+                            lifespan="on",
                             log_config=None)
     batcher: ImageBatcher = app.state.batcher
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:  # the first signal: queued requests get their 503 now
+                deadline = GRACEFUL_SHUTDOWN_S - SHUTDOWN_REPLY_MARGIN_S
                 try:
-                    asyncio.get_running_loop().call_soon_threadsafe(batcher.begin_shutdown)
+                    asyncio.get_running_loop().call_soon_threadsafe(batcher.begin_shutdown,
+                                                                    deadline)
                 except RuntimeError:
                     batcher.begin_shutdown()
             super().handle_exit(sig, frame)
