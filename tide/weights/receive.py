@@ -279,26 +279,35 @@ class BroadcastReceiver:
             self._recv.synchronize()
 
 
+def back_to_back(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether `tensors` are contiguous, of one dtype, in one storage, each starting where the one
+    before it ends (as parameters allocated in one region in module order are)."""
+    if not tensors:
+        return False
+    storage = tensors[0].untyped_storage().data_ptr()
+    return all(t.is_contiguous() and t.dtype == tensors[0].dtype
+               and t.untyped_storage().data_ptr() == storage for t in tensors) and all(
+        b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+        for a, b in zip(tensors, tensors[1:]))
+
+
 def _one_run(spans: Sequence[tuple[torch.Tensor, int, int]], length: int,
              device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     """One tensor over the memory of `spans` (destination, [lo, hi) of a piece of `length`
-    elements) when they cover the piece in order and lie back to back in one storage, as the
-    parameters do when they were allocated in one region (`enable_memory_saver`) and the trainer
-    flattened them in the model's order, on the group's `device` and of the piece's `dtype`;
-    else None."""
+    elements) when they cover the piece in order and lie `back_to_back`, as the parameters do when
+    they were allocated in one region (`enable_memory_saver`) and the trainer flattened them in the
+    model's order, on the group's `device` and of the piece's `dtype`; else None."""
     if not spans or spans[0][1] != 0 or spans[-1][2] != length or spans[0][0].device != device:
         return None
-    if any(dst.dtype != dtype for dst, _, _ in spans):
+    if spans[0][0].dtype != dtype:
         return None  # a copy converts; a broadcast into the memory would not
-    first = spans[0][0]
-    size = first.element_size()
-    storage = first.untyped_storage()
-    for (a, _, a_hi), (b, b_lo, _) in zip(spans, spans[1:]):
-        if (b_lo != a_hi or b.untyped_storage().data_ptr() != storage.data_ptr()
-                or b.data_ptr() != a.data_ptr() + a.numel() * size):
-            return None
-    if any(not dst.is_contiguous() for dst, _, _ in spans):
+    if any(b_lo != a_hi for (_, _, a_hi), (_, b_lo, _) in zip(spans, spans[1:])):
         return None
-    offset = (first.data_ptr() - storage.data_ptr()) // size
+    dests = [dst for dst, _, _ in spans]
+    if not back_to_back(dests):
+        return None
+    first = dests[0]
+    storage = first.untyped_storage()
+    offset = (first.data_ptr() - storage.data_ptr()) // first.element_size()
     return torch.empty(0, dtype=first.dtype, device=first.device).set_(
         storage, offset, (length,), (1,))

@@ -25,7 +25,7 @@ from tide.weights.distributed import (
 )
 from tide.weights.loader import PinnedStaging, read_checkpoint_shapes, write_checkpoint
 from tide.weights.mapping import WeightMap, WeightTarget
-from tide.weights.receive import BroadcastReceiver, Dest, PartDest
+from tide.weights.receive import BroadcastReceiver, Dest, PartDest, back_to_back
 from tide.weights.wire import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -249,14 +249,7 @@ class WeightUpdater:
         """Whether the parameters, in module order, are whole tensors of one dtype back to back in
         one storage: a flattened update in module order then lands in place (`BroadcastReceiver`)."""
         params = list(self.weight_map.params.values())
-        if not params or any(getattr(p, "tp_split", None) for p in params):
-            return False
-        storage = params[0].untyped_storage().data_ptr()
-        for a, b in zip(params, params[1:]):
-            if (b.dtype != a.dtype or b.untyped_storage().data_ptr() != storage
-                    or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size()):
-                return False
-        return True
+        return not any(getattr(p, "tp_split", None) for p in params) and back_to_back(params)
 
     def _warm_receive_pool(self, group: WeightUpdateGroup) -> None:
         """Take and free a flattened update's two piece buffers on the receive stream, so that the
