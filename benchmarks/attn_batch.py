@@ -48,12 +48,14 @@ def _pool(lens: list[int], hk: int, seed: int, d: int = D, dtype: torch.dtype = 
 def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
                  maxnregs: tuple[int, ...] = (), split_counts: tuple[int, ...] = (1, 2, 4),
                  stage_counts: tuple[int, ...] = (2, 3),
+                 block_counts: tuple[int, ...] | None = None,
+                 warp_counts: tuple[int, ...] = (4, 8),
                  cases: tuple[tuple[int, int, int, int], ...] | None = None,
                  ) -> dict[tuple[int, int, int, int], dict[tuple, tuple[float, float, float]]]:
     """`maxnregs`: register caps (Triton's `maxnreg`) tried beside the compiler's own choice, at
     4 warps and blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM.
-    `split_counts`, `stage_counts`: the splits and pipeline depths tried; `cases`: (query heads, kv
-    heads, head dim, batch) shapes (default: all). Returns each case's {config: (us, fraction of
+    `split_counts`, `stage_counts`, `block_counts`, `warp_counts`: the splits, pipeline depths, keys
+    a block and warps tried; `cases`: (query heads, kv heads, head dim, batch) shapes (default: all). Returns each case's {config: (us, fraction of
     copy bandwidth, max difference)}."""
     everything = {}
     cases = cases or [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
@@ -69,9 +71,9 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
         kv_bytes = sum(lens) * hk * d * 2 * k.element_size()
         res = {}
         ref = None
-        blocks = (32, 64, 128) if k.element_size() > 1 else (32, 64, 128, 256)
+        blocks = block_counts or ((32, 64, 128) if k.element_size() > 1 else (32, 64, 128, 256))
         configs = [(*c, None) for c in
-                   itertools.product(split_counts, blocks, (4, 8), stage_counts)]
+                   itertools.product(split_counts, blocks, warp_counts, stage_counts)]
         configs += [(splits, block_n, 4, stages, r) for splits, block_n, stages, r in
                     itertools.product(split_counts, blocks, stage_counts, maxnregs)
                     if block_n >= 64]
@@ -80,7 +82,7 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
             mid_l = torch.empty(batch, hq, splits, device="cuda")
 
             def run() -> None:
-                tk._decode_stage1[(batch, hk, splits)](
+                tk._decode_stage1[(hk, batch, splits)](
                     q, k, v, table, req, seq, mid_o, mid_l, out, q.stride(0), q.stride(1),
                     k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
                     mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0),
@@ -109,8 +111,8 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
             err = (out.float() - ref.float()).abs().max().item()
             res[(splits, block_n, warps, stages, maxnreg)] = (t * 1e6, kv_bytes / t / bw, err)
         splits = tk.num_kv_splits(batch * hk, 128)
-        blocks = tk.decode_block_config(splits, d, k.element_size())
-        default = (splits, blocks.block_n, blocks.warps, blocks.stages, blocks.maxnreg)
+        cfg = tk.decode_block_config(splits, d, k.element_size(), hq // hk)
+        default = (splits, cfg.block_n, cfg.warps, cfg.stages, cfg.maxnreg)
         if default not in res:
             res[default] = (float("nan"), float("nan"), 0.0)
         print(f"decode hq={hq} hk={hk} d={d} batch={batch} mean ctx {sum(lens) / batch:.0f}: default "

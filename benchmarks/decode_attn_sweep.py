@@ -63,7 +63,7 @@ def main() -> None:
 
             def run() -> None:
                 for k, v in zip(ks, vs):
-                    tk._decode_stage1[(1, HK, splits)](
+                    tk._decode_stage1[(HK, 1, splits)](
                         q, k, v, table, req, seq, mid_o, mid_l, out, q.stride(0), q.stride(1),
                         k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
                         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0),

@@ -87,6 +87,17 @@ def test_decode_register_cap_only_where_measured():
     assert split_kv.decode_block_config(1, 128, 1, group=32).maxnreg is None
 
 
+def test_decode_batch_fits_the_grid_axis():
+    """Decode stage 1 puts the batch on grid axis 1 (at most 65535 programs): a larger
+    `max_running_requests` is refused by name when the engine is configured."""
+    from tide.config import DEMO_MODEL_PATH, MAX_RUNNING_REQUESTS, EngineConfig
+
+    assert EngineConfig(model_path=DEMO_MODEL_PATH,
+                        max_running_requests=MAX_RUNNING_REQUESTS).max_running_requests == 65535
+    with pytest.raises(ValueError, match="max_running_requests must be at most 65535"):
+        EngineConfig(model_path=DEMO_MODEL_PATH, max_running_requests=MAX_RUNNING_REQUESTS + 1)
+
+
 def test_extend_reads_only_keys_some_query_of_the_block_sees():
     block = split_kv.EXTEND_BLOCK_M
     for window in (None, 1, 8, 100, 5000):

@@ -20,6 +20,8 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_SEED = 2**63 - 1
+# Decode kernels put the batch on a grid axis of at most 65535 programs.
+MAX_RUNNING_REQUESTS = 65535
 
 
 def _option(default: Any, help: str) -> Any:
@@ -139,6 +141,9 @@ class EngineConfig:
         _positive("max_total_tokens", self.max_total_tokens, allow_none=True)
         _positive("context_length", self.context_length, allow_none=True)
         _positive("max_running_requests", self.max_running_requests)
+        if self.max_running_requests > MAX_RUNNING_REQUESTS:
+            raise ValueError(f"max_running_requests must be at most {MAX_RUNNING_REQUESTS} (a decode "
+                             f"batch is one axis of a CUDA grid), got {self.max_running_requests}")
         _positive("tp_size", self.tp_size)
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Triton kernels for paged attention over `req_to_token`.
 
-- Decode: split-KV. Stage 1 runs one program per (request, kv head, split) over a slice of the keys the
+- Decode: split-KV. Stage 1 runs one program per (kv head, request, split) over a slice of the keys the
   query sees, for all q heads of that kv head's group (GQA-aware: the group rides the M dim of
   `tl.dot`), writing a partial output and its log-sum-exp; stage 2 merges the splits. The grid depends
   only on the batch size, so the pair can be captured in a CUDA graph; sequence lengths are read on the
@@ -175,8 +175,11 @@ def _decode_stage1(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # The kv heads of a request are consecutive programs (axis 0), so the programs running at once
+    # read whole tokens' rows of the pool (all heads of a token lie together) rather than one head's
+    # slice of many requests' rows: +2.5% of copy bandwidth for bf16 at 256 requests (H100).
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPoolIdx + b)
@@ -334,7 +337,7 @@ def decode_attention(
     if prefetch is None:
         prefetch = (use_pdl and head_dim > PREFETCH_MAX_SMALL_HEAD_DIM
                     and block_n * head_dim * k_buffer.element_size() <= PREFETCH_MAX_BLOCK_BYTES)
-    _decode_stage1[(batch, num_kv_heads, num_splits)](
+    _decode_stage1[(num_kv_heads, batch, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
