@@ -5,8 +5,11 @@ request slot, whose row maps every position to KV slot 0, sequence length 1, wri
 Hybrid sliding-window models (two KV pools) also take `out_cache_loc_swa`, the new tokens' SWA slots,
 translated on device once per step before the replay (padded rows: SWA slot 0, the SWA pool's dummy
 slot), so the captured graph never translates full slots itself.
-All graphs share one memory pool, read their inputs from one `DecodeInputBuffers` and write their fp32
-logits into one shared buffer (so the pool holds only transients). With the memory saver on CUDA that
+All graphs share one memory pool, read their inputs from one `DecodeInputBuffers` and write their
+logits into one shared buffer (so the pool holds only transients). The buffer has the model's dtype:
+the LM head writes its product there directly, and the argmax reads it at half the bytes of fp32
+(the sampler widens rows to fp32 where it needs them, which gives the same values: every model-dtype
+value is exact in fp32). With the memory saver on CUDA that
 buffer is an address-stable `VmmRegion`, released and re-taken with the `cuda_graph` tag.
 """
 
@@ -93,11 +96,11 @@ class CudaGraphRunner:
         if runner.use_vmm:
             from tide.memory.vmm import VmmRegion, region_nbytes
 
-            shape = ((self.max_bs, vocab), torch.float32)
+            shape = ((self.max_bs, vocab), runner.dtype)
             self.logits_region = VmmRegion(region_nbytes([shape]), runner.device)
             self.logits = self.logits_region.tensor(*shape)
         else:
-            self.logits = torch.empty(self.max_bs, vocab, dtype=torch.float32, device=runner.device)
+            self.logits = torch.empty(self.max_bs, vocab, dtype=runner.dtype, device=runner.device)
         # Each replay also leaves every row's argmax here, so greedy sampling needs no extra launch.
         self.greedy_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=runner.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

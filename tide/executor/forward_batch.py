@@ -44,7 +44,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
-    # Where the model writes its fp32 logits (CUDA graphs share one buffer); None: a new tensor.
+    # Where the model writes its logits, in its own dtype (CUDA graphs share one buffer); None: new
+    # fp32 logits.
     logits_out: torch.Tensor | None = None
     # Hybrid models: the SWA-pool slots (int32) of `out_cache_loc`, translated once per forward
     # (`SWAKVPool.translate`); sliding layers write there. None for a single pool.

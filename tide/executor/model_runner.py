@@ -385,9 +385,9 @@ class ModelRunner:
         """One token per request at `positions` (= KV length before this step): records
         `out_cache_loc` as each request's slot at its position in req_to_token, then returns
         logits [B, vocab]. `input_ids` may be a device tensor (int64). After a CUDA-graph replay
-        the logits are a view of the graphs' shared buffer and `last_greedy_ids` holds each row's
-        argmax: both are valid until the next replay.
-        Eager: new logits, `last_greedy_ids` None."""
+        the logits are a view of the graphs' shared buffer, in the model's dtype, and
+        `last_greedy_ids` holds each row's argmax: both are valid until the next replay.
+        Eager: new fp32 logits, `last_greedy_ids` None."""
         bs = len(input_ids)
         seq_lens = [p + 1 for p in positions]
         self.last_greedy_ids = None

@@ -153,7 +153,8 @@ class Gemma2ForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        """Returns fp32 logits of each request's last new token: [B, vocab]."""
+        """Logits of each request's last new token, [B, vocab]: fp32, or the model's dtype when
+        written into `forward_batch.logits_out` (a decode graph's buffer)."""
         hidden = self.model(input_ids, positions, forward_batch)
         hidden = hidden[forward_batch.last_token_indices()]
         cap = self.final_logit_cap
@@ -163,7 +164,7 @@ class Gemma2ForCausalLM(nn.Module):
             if cap is not None:  # in the model dtype, as transformers does
                 logits = torch.tanh(logits / cap) * cap
             return logits.float()
-        logits = self.lm_head(hidden, out=out)  # model-dtype values in the fp32 buffer
+        logits = self.lm_head(hidden, out=out)  # model-dtype values in the graphs' buffer
         if cap is not None:  # capped in the model dtype too, so a graph replay equals eager
             logits.copy_(torch.tanh(logits.to(hidden.dtype) / cap) * cap)
         return logits

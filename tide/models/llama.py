@@ -185,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        """Returns fp32 logits of each request's last new token: [B, vocab]."""
+        """Logits of each request's last new token, [B, vocab]: fp32, or the model's dtype when
+        written into `forward_batch.logits_out` (a decode graph's buffer)."""
         hidden = self.model(input_ids, positions, forward_batch)
         hidden = hidden[forward_batch.last_token_indices()]
         out = forward_batch.logits_out
