@@ -55,8 +55,8 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
     """`maxnregs`: register caps (Triton's `maxnreg`) tried beside the compiler's own choice, at
     4 warps and blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM.
     `split_counts`, `stage_counts`, `block_counts`, `warp_counts`: the splits, pipeline depths, keys
-    a block and warps tried; `cases`: (query heads, kv heads, head dim, batch) shapes (default: all). Returns each case's {config: (us, fraction of
-    copy bandwidth, max difference)}."""
+    a block and warps tried; `cases`: (query heads, kv heads, head dim, batch) shapes (default:
+    all). Returns each case's {config: (us, fraction of copy bandwidth, max difference)}."""
     everything = {}
     cases = cases or [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
              (16, 8, 256, 64), (16, 8, 256, 256)]

@@ -9,8 +9,8 @@ All graphs share one memory pool, read their inputs from one `DecodeInputBuffers
 logits into one shared buffer (so the pool holds only transients). The buffer has the model's dtype:
 the LM head writes its product there directly, and the argmax reads it at half the bytes of fp32
 (the sampler widens rows to fp32 where it needs them, which gives the same values: every model-dtype
-value is exact in fp32). With the memory saver on CUDA that
-buffer is an address-stable `VmmRegion`, released and re-taken with the `cuda_graph` tag.
+value is exact in fp32). With the memory saver on CUDA that buffer is an address-stable `VmmRegion`,
+released and re-taken with the `cuda_graph` tag.
 """
 
 from __future__ import annotations
