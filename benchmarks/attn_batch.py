@@ -53,7 +53,7 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
                  cases: tuple[tuple[int, int, int, int], ...] | None = None,
                  ) -> dict[tuple[int, int, int, int], dict[tuple, tuple[float, float, float]]]:
     """`maxnregs`: register caps (Triton's `maxnreg`) tried beside the compiler's own choice, at
-    4 warps and blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM.
+    blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM, 128 fits 2 of 8.
     `split_counts`, `stage_counts`, `block_counts`, `warp_counts`: the splits, pipeline depths, keys
     a block and warps tried; `cases`: (query heads, kv heads, head dim, batch) shapes (default:
     all). Returns each case's {config: (us, fraction of copy bandwidth, max difference)}."""
@@ -74,8 +74,8 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
         blocks = block_counts or ((32, 64, 128) if k.element_size() > 1 else (32, 64, 128, 256))
         configs = [(*c, None) for c in
                    itertools.product(split_counts, blocks, warp_counts, stage_counts)]
-        configs += [(splits, block_n, 4, stages, r) for splits, block_n, stages, r in
-                    itertools.product(split_counts, blocks, stage_counts, maxnregs)
+        configs += [(splits, block_n, warps, stages, r) for splits, block_n, warps, stages, r in
+                    itertools.product(split_counts, blocks, warp_counts, stage_counts, maxnregs)
                     if block_n >= 64]
         for splits, block_n, warps, stages, maxnreg in configs:
             mid_o = torch.empty(batch, hq, splits, d, device="cuda")
