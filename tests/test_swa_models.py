@@ -484,9 +484,10 @@ def test_cuda_auto_backend_runs_windowed_models_exactly(arch, swa_checkpoints, h
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_final_soft_cap_is_the_same_into_the_graphs_logits_buffer(arch, swa_checkpoints, monkeypatch):
-    """A CUDA-graph decode writes logits into a shared fp32 buffer (`logits_out`); the final soft-cap
-    must round there as the eager path (and transformers) rounds it, in the model dtype, or greedy
-    tokens of graph and eager decode part ways."""
+    """A CUDA-graph decode writes logits into a shared buffer (`logits_out`, of the model's dtype;
+    an fp32 one must work too); the final soft-cap must round there as the eager path (and
+    transformers) rounds it, in the model dtype, or greedy tokens of graph and eager decode part
+    ways."""
     engine = tide.Engine(str(swa_checkpoints[arch]), dtype="bfloat16")
     try:
         model = engine.model_runner.model
@@ -502,13 +503,17 @@ def test_final_soft_cap_is_the_same_into_the_graphs_logits_buffer(arch, swa_chec
                 return torch.arange(hidden.shape[0])
 
         eager = model(None, None, Batch())
-        into = Batch()
-        into.logits_out = torch.full((hidden.shape[0], _COMMON["vocab_size"]), float("nan"))
-        graph_like = model(None, None, into)
+        written = []
+        for dtype in (torch.bfloat16, torch.float32):
+            into = Batch()
+            into.logits_out = torch.full((hidden.shape[0], _COMMON["vocab_size"]), float("nan"),
+                                         dtype=dtype)
+            written.append((into.logits_out, model(None, None, into)))
     finally:
         engine.shutdown()
-    assert graph_like.data_ptr() == into.logits_out.data_ptr()
-    assert torch.equal(graph_like, eager)
+    for buffer, graph_like in written:
+        assert graph_like.data_ptr() == buffer.data_ptr()
+        assert torch.equal(graph_like.float(), eager)
 
 
 def test_n_copies_of_a_prompt_shorter_than_the_window_prefill_once(tmp_path):

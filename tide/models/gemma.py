@@ -166,7 +166,7 @@ class Gemma2ForCausalLM(nn.Module):
             return logits.float()
         logits = self.lm_head(hidden, out=out)  # model-dtype values in the graphs' buffer
         if cap is not None:  # capped in the model dtype too, so a graph replay equals eager
-            logits.copy_(torch.tanh(logits / cap) * cap)
+            logits.copy_(torch.tanh(logits.to(hidden.dtype) / cap) * cap)
         return logits
 
 
