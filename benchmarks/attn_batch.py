@@ -7,9 +7,10 @@ stages) and prints the fastest next to the current default, as a fraction of cop
 read / time). Extend: one 8k-token prefill chunk of prompts uniform in [100, 1024], no prefix, against
 torch's varlen flash attention on the same tensors, in TFLOP/s of causal attention.
 `--kv-dtype fp8` sweeps decode over an fp8 (e4m3) pool (`kv_cache_dtype="fp8_e4m3"`); `--only decode`
-skips the extend sweep. `--maxnreg 168,128` also tries those register caps (a config's last field):
+skips the extend sweep. `--maxnreg 168,128` also tries those register caps (a config's fifth field):
 compiled for sm_90, the fp8 stage 1 at 128-key blocks takes 255 registers a thread, so two programs of
-4 warps fit an SM where the bf16 one (168) fits three; capped at 168 it does not spill.
+4 warps fit an SM where the bf16 one (168) fits three; capped at 168 it does not spill. `--v-pairs 0,1`
+also reads fp8 values as int16 words (the sixth field, `DecodeBlocks.v_pairs`).
 """
 
 from __future__ import annotations
@@ -51,12 +52,15 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
                  block_counts: tuple[int, ...] | None = None,
                  warp_counts: tuple[int, ...] = (4, 8),
                  cases: tuple[tuple[int, int, int, int], ...] | None = None,
+                 v_pairs: tuple[bool, ...] = (False,),
                  ) -> dict[tuple[int, int, int, int], dict[tuple, tuple[float, float, float]]]:
     """`maxnregs`: register caps (Triton's `maxnreg`) tried beside the compiler's own choice, at
     blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM, 128 fits 2 of 8.
     `split_counts`, `stage_counts`, `block_counts`, `warp_counts`: the splits, pipeline depths, keys
-    a block and warps tried; `cases`: (query heads, kv heads, head dim, batch) shapes (default:
-    all). Returns each case's {config: (us, fraction of copy bandwidth, max difference)}."""
+    a block and warps tried; `v_pairs`: fp8 values read as bytes (False) and/or as int16 words
+    (True, `DecodeBlocks.v_pairs`); `cases`: (query heads, kv heads, head dim, batch) shapes
+    (default: all). Returns each case's {(splits, keys a block, warps, stages, register cap,
+    v_pairs): (us, fraction of copy bandwidth, max difference)}."""
     everything = {}
     cases = cases or [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
              (16, 8, 256, 64), (16, 8, 256, 256)]
@@ -72,25 +76,26 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
         res = {}
         ref = None
         blocks = block_counts or ((32, 64, 128) if k.element_size() > 1 else (32, 64, 128, 256))
-        configs = [(*c, None) for c in
-                   itertools.product(split_counts, blocks, warp_counts, stage_counts)]
-        configs += [(splits, block_n, warps, stages, r) for splits, block_n, warps, stages, r in
-                    itertools.product(split_counts, blocks, warp_counts, stage_counts, maxnregs)
-                    if block_n >= 64]
-        for splits, block_n, warps, stages, maxnreg in configs:
+        pairs = v_pairs if k.element_size() == 1 else (False,)
+        configs = list(itertools.product(split_counts, blocks, warp_counts, stage_counts, (None,),
+                                         pairs))
+        configs += [c for c in itertools.product(split_counts, blocks, warp_counts, stage_counts,
+                                                 maxnregs, pairs) if c[1] >= 64]
+        for splits, block_n, warps, stages, maxnreg, pair in configs:
+            vv = v.view(torch.int16) if pair else v
             mid_o = torch.empty(batch, hq, splits, d, device="cuda")
             mid_l = torch.empty(batch, hq, splits, device="cuda")
 
             def run() -> None:
                 tk._decode_stage1[(hk, batch, splits)](
-                    q, k, v, table, req, seq, mid_o, mid_l, out, q.stride(0), q.stride(1),
-                    k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
+                    q, k, vv, table, req, seq, mid_o, mid_l, out, q.stride(0), q.stride(1),
+                    k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), table.stride(0),
                     mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0),
                     mid_l.stride(1), out.stride(0), out.stride(1), d**-0.5, 0, 1.0,
                     GROUP=hq // hk, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=d, HEAD_DIM=d,
                     NUM_SPLITS=splits, MIN_SPLIT_LEN=tk.MIN_SPLIT_LEN, SLIDING=False,
                     SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=False, PREFETCH=False,
-                    num_warps=warps,
+                    V_PAIRS=pair, ASM=True, num_warps=warps,
                     num_stages=stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
                 if splits == 1:
                     return  # stage 1 wrote the output
@@ -103,16 +108,16 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
             try:
                 t = replay_seconds(capture(run), reps=20, warmup=2)
             except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
-                print(f"   {(splits, block_n, warps, stages, maxnreg)}: {type(e).__name__}",
+                print(f"   {(splits, block_n, warps, stages, maxnreg, pair)}: {type(e).__name__}",
                       flush=True)
                 continue
             if ref is None:
                 ref = out.clone()
             err = (out.float() - ref.float()).abs().max().item()
-            res[(splits, block_n, warps, stages, maxnreg)] = (t * 1e6, kv_bytes / t / bw, err)
+            res[(splits, block_n, warps, stages, maxnreg, pair)] = (t * 1e6, kv_bytes / t / bw, err)
         splits = tk.num_kv_splits(batch * hk, 128)
         cfg = tk.decode_block_config(splits, d, k.element_size(), hq // hk)
-        default = (splits, cfg.block_n, cfg.warps, cfg.stages, cfg.maxnreg)
+        default = (splits, cfg.block_n, cfg.warps, cfg.stages, cfg.maxnreg, cfg.v_pairs)
         if default not in res:
             res[default] = (float("nan"), float("nan"), 0.0)
         print(f"decode hq={hq} hk={hk} d={d} batch={batch} mean ctx {sum(lens) / batch:.0f}: default "
@@ -190,6 +195,7 @@ def main() -> None:
                     help="comma-separated register caps also tried in the decode sweep, e.g. 168,128")
     ap.add_argument("--splits", default="1,2,4", help="split counts tried in the decode sweep")
     ap.add_argument("--stages", default="2,3", help="pipeline depths tried in the decode sweep")
+    ap.add_argument("--v-pairs", default="0", help="fp8 values as bytes (0) and/or int16 words (1)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
@@ -200,7 +206,8 @@ def main() -> None:
         decode_sweep(bw, torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16,
                      tuple(int(r) for r in args.maxnreg.split(",") if r),
                      tuple(int(n) for n in args.splits.split(",")),
-                     tuple(int(n) for n in args.stages.split(",")))
+                     tuple(int(n) for n in args.stages.split(",")),
+                     v_pairs=tuple(bool(int(n)) for n in args.v_pairs.split(",")))
 
 
 if __name__ == "__main__":

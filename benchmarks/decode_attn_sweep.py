@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.run import measure_copy_bandwidth
 from benchmarks.timing import replay_seconds
+from tide.layers.attention import split_kv
 from tide.layers.attention import triton_kernels as tk
 
 LAYERS = 8
@@ -71,7 +72,8 @@ def main() -> None:
                         GROUP=HQ // HK, BLOCK_H=16, BLOCK_N=block_n, BLOCK_D=D,
                         HEAD_DIM=D, NUM_SPLITS=splits, MIN_SPLIT_LEN=min_len, SLIDING=window > 0,
                         SOFT_CAP=False, DOT_PRECISION="tf32", USE_PDL=True,
-                        PREFETCH=D > tk.PREFETCH_MAX_SMALL_HEAD_DIM, num_warps=warps,
+                        PREFETCH=D > split_kv.PREFETCH_MAX_SMALL_HEAD_DIM, V_PAIRS=False, ASM=True,
+                        num_warps=warps,
                         num_stages=stages, launch_pdl=True)
                     tk._decode_stage2[(1, HQ, D // tk.stage2_columns(D))](
                         mid_o, mid_l, out, seq, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

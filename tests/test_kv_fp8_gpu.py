@@ -85,3 +85,50 @@ def test_fp8_cache_holds_twice_the_tokens(paths):
                          mem_fraction_static=0.3, disable_cuda_graph=True) as engine:
             sizes.append(engine.model_runner.max_total_tokens)
     assert 1.9 < sizes[1] / sizes[0] < 2.1, sizes
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("batch", [3, 200])
+@pytest.mark.parametrize("v_pairs", [False, True])
+def test_fp8_decode_kernel_matches_widened_reference(head_dim, batch, v_pairs, monkeypatch):
+    """Split-KV decode over an fp8 pool, values read as bytes and as int16 words (`v_pairs`, the
+    head-dim-256 default), against attention over the widened K/V in fp32: few splits (200
+    requests) and many (3), launched as the engine launches it (PDL where enabled) and with the
+    first key block loaded before the PDL wait (`prefetch`, not the default for fp8)."""
+    from tide.layers.attention import split_kv, triton_kernels
+
+    base = split_kv.decode_block_config
+    monkeypatch.setattr(triton_kernels, "decode_block_config",
+                        lambda *a, **k: base(*a, **k)._replace(v_pairs=v_pairs))
+    gen = torch.Generator().manual_seed(head_dim + batch)
+    hq, hk = 8, 2
+    lens = torch.randint(1, 700, (batch,), generator=gen)
+    lens[: min(batch, 4)] = torch.tensor([1, 63, 64, 129][: min(batch, 4)])
+    total = int(lens.sum()) + 1
+    k = (torch.randn(total, hk, head_dim, generator=gen) * 3).to("cuda", torch.float8_e4m3fn)
+    v = (torch.randn(total, hk, head_dim, generator=gen) * 3).to("cuda", torch.float8_e4m3fn)
+    slots = torch.randperm(total - 1, generator=gen) + 1
+    table = torch.zeros(batch, int(lens.max()), dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(lens.tolist()):
+        table[i, :n] = slots[pos:pos + n]
+        pos += n
+    table = table.cuda()
+    q = torch.randn(batch, hq, head_dim, generator=gen).to("cuda", torch.bfloat16)
+    out = torch.empty_like(q)
+    max_splits = 16
+    mid_o = torch.empty(batch, hq, max_splits, head_dim, device="cuda")
+    mid_lse = torch.empty(batch, hq, max_splits, device="cuda")
+    seq = lens.cuda()
+    refs = []
+    for i, n in enumerate(lens.tolist()):
+        rows = table[i, :n].long()
+        kk, vv = k[rows].float(), v[rows].float()  # [n, hk, d]
+        qq = q[i].float().view(hk, hq // hk, head_dim)
+        w = torch.einsum("hgd,nhd->hgn", qq, kk).mul(head_dim**-0.5).softmax(-1)
+        refs.append(torch.einsum("hgn,nhd->hgd", w, vv).reshape(hq, head_dim))
+    for prefetch in (None, True):
+        out.fill_(float("nan"))
+        triton_kernels.decode_attention(q, k, v, out, table, torch.arange(batch, device="cuda"),
+                                        seq, mid_o, mid_lse, head_dim**-0.5, prefetch=prefetch)
+        torch.testing.assert_close(out.float(), torch.stack(refs), atol=3e-2, rtol=2e-2)

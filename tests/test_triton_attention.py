@@ -87,6 +87,26 @@ def test_decode_register_cap_only_where_measured():
     assert split_kv.decode_block_config(1, 128, 1, group=32).maxnreg is None
 
 
+def test_decode_values_as_words_only_where_measured():
+    """fp8 K/V at head dim 256 with few splits read their values as int16 words (measured faster);
+    at head dim <= 128 (measured 1% slower), with many splits, and for 2- and 4-byte caches they
+    read them as they are."""
+    wide = split_kv.decode_block_config(1, 256, kv_bytes=1)
+    assert wide.v_pairs and (wide.block_n, wide.stages) == (64, 2)
+    for splits, dim, kv_bytes in ((1, 128, 1), (2, 64, 1), (16, 256, 1), (1, 256, 2), (1, 128, 4)):
+        assert not split_kv.decode_block_config(splits, dim, kv_bytes).v_pairs
+
+
+def test_decode_prefetch_only_where_measured():
+    """The first key block loads before the PDL wait only above head dim 128, for 2-byte caches
+    (measured faster in bf16, slower with fp8), in blocks of at most PREFETCH_MAX_BLOCK_BYTES."""
+    assert split_kv.decode_prefetch(256, 32, 2)
+    assert not split_kv.decode_prefetch(128, 32, 2)
+    assert not split_kv.decode_prefetch(256, 64, 2)  # 32 KB held across the wait
+    assert not split_kv.decode_prefetch(256, 32, 1) and not split_kv.decode_prefetch(256, 64, 1)
+    assert not split_kv.decode_prefetch(256, 32, 4)
+
+
 def test_decode_batch_fits_the_grid_axis():
     """Decode stage 1 puts the batch on grid axis 1 (at most 65535 programs): a larger
     `max_running_requests` is refused by name when the engine is configured."""
@@ -147,8 +167,8 @@ def test_kernels_in_the_interpreter():
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert "skipped" not in summary and "deselected" in summary, tail
-    # decode and extend per case, the two visit counts, two models
-    assert int(summary.split(" passed")[0].split()[-1]) == 2 * len(CASES) + 3 + 2, tail
+    # decode and extend per case, the two visit counts, two models, fp8 values as words (2)
+    assert int(summary.split(" passed")[0].split()[-1]) == 2 * len(CASES) + 3 + 2 + 2, tail
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +254,40 @@ def test_interpreted_decode_matches_torch_native(kernels, monkeypatch, window, c
                                      pool.v[pool.table[i, : n].long()], n - 1, 0, _layer(window + 1, cap))
                  for i, n in enumerate(lens)]
         assert (torch.cat(wider) - ref)[-1].abs().max() > 1e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 8])
+def test_interpreted_fp8_decode_values_as_words_equal_bytes(kernels, monkeypatch, window):
+    """An fp8 pool's values read as int16 words and widened (`DecodeBlocks.v_pairs`; the
+    interpreter's shift-and-mask widening, the GPU's runs one PTX conversion a word) give exactly
+    the output of reading them as bytes, with and without the first-block prefetch and over 1 and
+    16 splits, and match attention over the widened pool. Hidden slots hold fp8 NaN."""
+    lens = [1, 5, 8, 9, 32, 96, 128, 130, 700]
+    pool = _Pool(lens, seed=3)
+    layer = _layer(window, None)
+    for i, n in enumerate(lens):
+        pool.see(i, split_kv.decode_visible_start(n, window), n)
+    k, v = (t.to(torch.float8_e4m3fn) for t in pool.poison_the_rest())
+    q = torch.randn(len(lens), HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    ref = []
+    for i, n in enumerate(lens):
+        kv0 = split_kv.decode_visible_start(n, window)
+        slots = pool.table[i, kv0:n].long()
+        ref.append(torch_native.attend(q[i : i + 1], k[slots].float(), v[slots].float(), n - 1,
+                                       kv0, layer))
+    ref = torch.cat(ref)
+    base = split_kv.decode_block_config
+    for splits, prefetch in ((1, False), (16, False), (1, True)):
+        outs = []
+        for pairs in (False, True):
+            monkeypatch.setattr(kernels, "decode_block_config",
+                                lambda *a, p=pairs, **kw: base(*a, **kw)._replace(v_pairs=p))
+            outs.append(_decode(kernels, pool, q, lens, layer, splits, k, v, prefetch))
+        assert not outs[1].isnan().any(), f"splits {splits}: a hidden slot was read"
+        assert torch.equal(outs[0], outs[1]), f"splits {splits}, prefetch {prefetch}"
+        # The query and the weights round to fp16 for the dots.
+        torch.testing.assert_close(outs[1], ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_triton

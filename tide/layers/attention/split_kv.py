@@ -21,9 +21,20 @@ STAGE2_COLUMNS = 64
 # 32k 100 -> 98; benchmarks/RESULTS.md).
 PREFETCH_MAX_SMALL_HEAD_DIM = 128
 # ... and only for key blocks of at most this many bytes (32 keys at head dim 256 in bf16, as
-# measured): fp8 caches at head dim 256 with few splits take 128-key blocks, which would hold four
-# times the registers across the wait, unmeasured.
+# measured), of 2-byte caches: with an fp8 cache at head dim 256 (one H100, PDL on), the prefetch
+# made stage 1 slower at every batch: 256 requests 373 -> 462 us, 64 requests 117 -> 147, 8
+# requests (16 splits of 32-key blocks) 23 -> 28.
 PREFETCH_MAX_BLOCK_BYTES = 32 * 256 * 2
+
+
+def decode_prefetch(head_dim: int, block_n: int, kv_bytes: int) -> bool:
+    """Whether decode stage 1 loads a split's first key block before its PDL wait (with PDL on):
+    above PREFETCH_MAX_SMALL_HEAD_DIM, for 2-byte caches, in blocks of at most
+    PREFETCH_MAX_BLOCK_BYTES."""
+    return (head_dim > PREFETCH_MAX_SMALL_HEAD_DIM and kv_bytes == 2
+            and block_n * head_dim * kv_bytes <= PREFETCH_MAX_BLOCK_BYTES)
+
+
 # Tokens per stage-1 iteration. With up to 128 splits this measured best at 8k and 32k context on an
 # H200 (40 vs 50 us per layer at 32k with 64 splits of 64-token blocks; benchmarks/RESULTS.md).
 DECODE_BLOCK_N = 32
@@ -41,12 +52,14 @@ FP8_DECODE_MAXNREG = 168
 class DecodeBlocks(NamedTuple):
     """How stage 1 of split-KV decode walks a split: `block_n` keys per iteration through a
     software pipeline of `stages`, in programs of `warps` warps compiled with at most `maxnreg`
-    registers a thread (None: the compiler's choice)."""
+    registers a thread (None: the compiler's choice). `v_pairs`: an fp8 V is read as int16 words
+    (two values each) and widened in registers (`triton_kernels._widen_pairs`)."""
 
     block_n: int
     stages: int
     maxnreg: int | None = None
     warps: int = 4
+    v_pairs: bool = False
 
 
 def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
@@ -59,12 +72,15 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
         return DecodeBlocks(DECODE_BLOCK_N, 2)
     block_d = 1 << max(head_dim - 1, 1).bit_length()
     if kv_bytes == 1 and block_d > 128:
-        # fp8 K/V at head dim 256 (same sweep, `--kv-dtype fp8`): 128-token blocks and 2 stages,
-        # 404 vs 488 us for 256 requests (the bf16 choice below).
-        return DecodeBlocks(128, 2)
+        # fp8 K/V at head dim 256 (same sweep, `--kv-dtype fp8 --v-pairs 0,1`, one H100): values
+        # as words, 64-token blocks and 2 stages, 256 requests 371 us (0.78 of copy bandwidth)
+        # where bytes took 389 at best and 511 in 128-token blocks; 64 requests 116 vs 152 us.
+        return DecodeBlocks(64, 2, v_pairs=True)
     if kv_bytes == 1 and group <= 16:
         # fp8 K/V at head dim <= 128: the compiler gives this stage 1 255 registers a thread (two
         # programs an SM); capped at FP8_DECODE_MAXNREG it does not spill and three fit.
+        # Values as words (`v_pairs`) cut the key loop from 1,370 to 1,050 instructions here but
+        # measured 1% slower (192.7 vs 190.7 us, 256 requests, one H100).
         return DecodeBlocks(128, 3, FP8_DECODE_MAXNREG)
     return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 

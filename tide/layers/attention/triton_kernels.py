@@ -34,10 +34,9 @@ from tide.layers.attention.split_kv import (
     EXTEND_BLOCK_M,
     EXTEND_BLOCK_N,
     MIN_SPLIT_LEN,
-    PREFETCH_MAX_BLOCK_BYTES,
-    PREFETCH_MAX_SMALL_HEAD_DIM,
     STAGE2_COLUMNS,
     decode_block_config,
+    decode_prefetch,
     num_kv_splits,
 )
 from tide.layers.triton_ops import INDEX_ARGS
@@ -58,20 +57,43 @@ def _soft_cap(s, cap):
 
 @triton.jit
 def _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt, stride_vh, offs_d,
-                   mask_d):
-    """Keys [D, BLOCK_N] and values [BLOCK_N, D] of pool rows `slots` (loaded where `mask_n`, else
-    0), in the cache's dtype."""
+                   mask_d, offs_v, mask_v):
+    """Keys [D, BLOCK_N] and values [BLOCK_N, len(offs_v)] of pool rows `slots` (loaded where
+    `mask_n`, else 0), in the pool's dtype. `offs_v` is `offs_d`, or with an fp8 pool viewed as
+    int16 words (`V_PAIRS` of `_decode_stage1`) the word columns: two values each."""
     k = tl.load(
         K + slots[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
     )
     v = tl.load(
-        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-        mask=mask_n[:, None] & mask_d[None, :],
+        V + slots[:, None] * stride_vt + kvh * stride_vh + offs_v[None, :],
+        mask=mask_n[:, None] & mask_v[None, :],
         other=0.0,
     )
     return k, v
+
+
+@triton.jit
+def _widen_pairs(w, ASM: tl.constexpr):
+    """fp16 [N, 2 * W] of int16 words [N, W], each two e4m3 values (the low byte first). On the GPU
+    (`ASM`) one `cvt.rn.f16x2.e4m3x2` a word; the interpreter, which runs no PTX, shifts and masks.
+
+    Why words: with the fp8 values themselves, the pipeliner loads V from shared memory straight
+    into the layout of the P @ V dot, which for 8-bit values that the dot reduces over tokens (V is
+    token-major) means a byte at a time (ldmatrix has no 8-bit transpose): 128 byte loads and ~280
+    packing instructions a thread per 128-key block. Words load from shared memory 16 bytes at a
+    time, widen in registers, and reach the dot as fp16 through shared memory, which ldmatrix
+    transposes. At head dim 128 that cuts the sm_90 key loop from 1,370 to 1,050 instructions but
+    measured no faster; at head dim 256 it is faster (`split_kv.decode_block_config`)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
+            "=h,=h,h", [w], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.reshape(tl.join(lo, hi), [w.shape[0], 2 * w.shape[1]])
 
 
 @triton.jit
@@ -96,12 +118,14 @@ def _scores_to_weights(q, k, keep, sm_scale, logit_cap, m_i, SOFT_CAP: tl.conste
 
 @triton.jit
 def _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr):
     """One loaded block of keys and values through online softmax for the query rows of `q`.
     Returns the updated (max, sum, output). A row that has kept no score yet stays at max -inf,
     sum 0, output 0. Decode loads a block's keys and values together (`_load_kv_block`)."""
     m_new, p, alpha = _scores_to_weights(q, k, keep, sm_scale, logit_cap, m_i, SOFT_CAP,
                                          DOT_PRECISION)
+    if V_PAIRS:
+        v = _widen_pairs(v, ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
@@ -172,6 +196,7 @@ def _decode_stage1(
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    V_PAIRS: tl.constexpr, ASM: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -198,6 +223,13 @@ def _decode_stage1(
     offs_h = kvh * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    if V_PAIRS:
+        # V is the fp8 pool viewed as int16 words (strides in words), two values a word.
+        offs_v = tl.arange(0, BLOCK_D // 2)
+        mask_v = offs_v < HEAD_DIM // 2
+    else:
+        offs_v = offs_d
+        mask_v = mask_d
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -212,16 +244,16 @@ def _decode_stage1(
         early = mask_n & (offs_n < seq_len - 1)
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=early, other=0).to(tl.int64)
         k, v = _load_kv_block(K, V, slots, early, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                              offs_d, mask_d)
+                              offs_d, mask_d, offs_v, mask_v)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         if end == seq_len and start + BLOCK_N >= seq_len:
             slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
             k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt,
-                                  stride_vh, offs_d, mask_d)
+                                  stride_vh, offs_d, mask_d, offs_v, mask_v)
         q = _load_query(Q, b, stride_qt, stride_qh, offs_h, mask_h, offs_d, mask_d, K)
         m_i, l_i, acc = _attend_kv(q, k, v, mask_n[None, :], sm_scale, logit_cap, m_i, l_i, acc,
-                                   SOFT_CAP, DOT_PRECISION)
+                                   SOFT_CAP, DOT_PRECISION, V_PAIRS, ASM)
         loop_start = start + BLOCK_N
     else:
         # Every block in the pipelined loop (peeling the first one out of it measured slower at
@@ -235,9 +267,9 @@ def _decode_stage1(
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
         k, v = _load_kv_block(K, V, slots, mask_n, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                              offs_d, mask_d)
+                              offs_d, mask_d, offs_v, mask_v)
         m_i, l_i, acc = _attend_kv(q, k, v, mask_n[None, :], sm_scale, logit_cap, m_i, l_i, acc,
-                                   SOFT_CAP, DOT_PRECISION)
+                                   SOFT_CAP, DOT_PRECISION, V_PAIRS, ASM)
     out = acc / l_i[:, None]
     if NUM_SPLITS == 1:
         # One split holds every visible key (large batches): its output is final, and stage 2
@@ -321,9 +353,8 @@ def decode_attention(
 ) -> None:
     """One decode query per request over its keys (the last `sliding_window` of them for a sliding
     layer), scores soft-capped at `logit_cap` when given. `prefetch`: whether a split's first key
-    block loads before the PDL wait (None: with PDL, above head dim 128 and for key blocks of at most
-    `PREFETCH_MAX_BLOCK_BYTES`, see `split_kv`); True also without PDL runs the same steps (the CPU
-    tests do)."""
+    block loads before the PDL wait (None: with PDL, where `split_kv.decode_prefetch` says); True
+    also without PDL runs the same steps (the CPU tests do)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -335,18 +366,20 @@ def decode_attention(
     blocks = decode_block_config(num_splits, head_dim, k_buffer.element_size(), group)
     block_n = blocks.block_n
     if prefetch is None:
-        prefetch = (use_pdl and head_dim > PREFETCH_MAX_SMALL_HEAD_DIM
-                    and block_n * head_dim * k_buffer.element_size() <= PREFETCH_MAX_BLOCK_BYTES)
+        prefetch = use_pdl and decode_prefetch(head_dim, block_n, k_buffer.element_size())
+    v_pairs = blocks.v_pairs and k_buffer.element_size() == 1 and head_dim % 2 == 0
+    v_view = v_buffer.view(torch.int16) if v_pairs else v_buffer
     _decode_stage1[(num_kv_heads, batch, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
+        q, k_buffer, v_view, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        v_view.stride(0), v_view.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), sm_scale, window, logit_cap if logit_cap is not None else 1.0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
-        USE_PDL=use_pdl, PREFETCH=prefetch, num_warps=blocks.warps, num_stages=blocks.stages,
+        USE_PDL=use_pdl, PREFETCH=prefetch, V_PAIRS=v_pairs, ASM=q.is_cuda,
+        num_warps=blocks.warps, num_stages=blocks.stages,
         launch_pdl=use_pdl, **({} if blocks.maxnreg is None else {"maxnreg": blocks.maxnreg}),
     )
     if num_splits == 1:
