@@ -92,7 +92,7 @@ def test_fp8_cache_holds_twice_the_tokens(paths):
 @pytest.mark.parametrize("v_pairs", [False, True])
 def test_fp8_decode_kernel_matches_widened_reference(head_dim, batch, v_pairs, monkeypatch):
     """Split-KV decode over an fp8 pool, values read as bytes and as int16 words (`v_pairs`, the
-    head-dim-256 default), against attention over the widened K/V in fp32: few splits (200
+    default with few splits), against attention over the widened K/V in fp32: few splits (200
     requests) and many (3), launched as the engine launches it (PDL where enabled) and with the
     first key block loaded before the PDL wait (`prefetch`, not the default for fp8)."""
     from tide.layers.attention import split_kv, triton_kernels

@@ -77,7 +77,7 @@ def test_decode_register_cap_only_where_measured():
     of their warps fit an SM's 64k registers; other caches, dims and split counts keep the
     compiler's choice."""
     fp8 = split_kv.decode_block_config(1, 128, kv_bytes=1)
-    assert fp8.maxnreg == split_kv.FP8_DECODE_MAXNREG and (fp8.block_n, fp8.stages) == (128, 3)
+    assert fp8.maxnreg == split_kv.FP8_DECODE_MAXNREG and (fp8.block_n, fp8.stages) == (128, 5)
     assert 3 * fp8.warps * 32 * fp8.maxnreg <= 65536
     assert split_kv.decode_block_config(2, 64, kv_bytes=1).maxnreg == split_kv.FP8_DECODE_MAXNREG
     for splits, dim, kv_bytes in ((1, 128, 2), (1, 256, 1), (16, 128, 1), (1, 128, 4)):
@@ -88,12 +88,14 @@ def test_decode_register_cap_only_where_measured():
 
 
 def test_decode_values_as_words_only_where_measured():
-    """fp8 K/V at head dim 256 with few splits read their values as int16 words (measured faster);
-    at head dim <= 128 (measured 1% slower), with many splits, and for 2- and 4-byte caches they
-    read them as they are."""
+    """fp8 K/V with few splits read their values as int16 words (measured faster at head dim 256
+    in 64-key blocks, and at head dim 128 with a 5-stage pipeline); with many splits (32-key
+    blocks, unmeasured) and for 2- and 4-byte caches they read them as they are."""
     wide = split_kv.decode_block_config(1, 256, kv_bytes=1)
     assert wide.v_pairs and (wide.block_n, wide.stages) == (64, 2)
-    for splits, dim, kv_bytes in ((1, 128, 1), (2, 64, 1), (16, 256, 1), (1, 256, 2), (1, 128, 4)):
+    for splits, dim in ((1, 128), (2, 64), (4, 128)):
+        assert split_kv.decode_block_config(splits, dim, 1).v_pairs
+    for splits, dim, kv_bytes in ((16, 128, 1), (16, 256, 1), (1, 256, 2), (1, 128, 2), (1, 128, 4)):
         assert not split_kv.decode_block_config(splits, dim, kv_bytes).v_pairs
 
 

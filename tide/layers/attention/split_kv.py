@@ -77,11 +77,13 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
         # where bytes took 389 at best and 511 in 128-token blocks; 64 requests 116 vs 152 us.
         return DecodeBlocks(64, 2, v_pairs=True)
     if kv_bytes == 1 and group <= 16:
-        # fp8 K/V at head dim <= 128: the compiler gives this stage 1 255 registers a thread (two
-        # programs an SM); capped at FP8_DECODE_MAXNREG it does not spill and three fit.
-        # Values as words (`v_pairs`) cut the key loop from 1,370 to 1,050 instructions here but
-        # measured 1% slower (192.7 vs 190.7 us, 256 requests, one H100).
-        return DecodeBlocks(128, 3, FP8_DECODE_MAXNREG)
+        # fp8 K/V at head dim <= 128: values as words (`v_pairs`) through a 5-stage pipeline. At 3
+        # or 4 stages Triton gives the key/value loads one shared-memory buffer (the request-table
+        # load takes a stage), at 5 two. One H100, 256 requests: 192.2 -> 187.8 us (Qwen3 heads),
+        # 194.7 -> 187.7 (Llama heads); 64 requests 63.6 -> 62.9; bytes at 5 stages and words at 3
+        # gained little or lost. The cap (FP8_DECODE_MAXNREG, measured for bytes at 3 stages,
+        # where the compiler took 255 registers) costs words nothing.
+        return DecodeBlocks(128, 5, FP8_DECODE_MAXNREG, v_pairs=True)
     return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 
 
