@@ -87,13 +87,14 @@ def test_fp8_cache_holds_twice_the_tokens(paths):
     assert 1.9 < sizes[1] / sizes[0] < 2.1, sizes
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("batch", [3, 200])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("batch,max_splits", [(3, 16), (200, 16), (200, 1)])
 @pytest.mark.parametrize("v_pairs", [False, True])
-def test_fp8_decode_kernel_matches_widened_reference(head_dim, batch, v_pairs, monkeypatch):
+def test_fp8_decode_kernel_matches_widened_reference(head_dim, batch, max_splits, v_pairs,
+                                                     monkeypatch):
     """Split-KV decode over an fp8 pool, values read as bytes and as int16 words (`v_pairs`, the
-    default with few splits), against attention over the widened K/V in fp32: few splits (200
-    requests) and many (3), launched as the engine launches it (PDL where enabled) and with the
+    default with few splits), against attention over the widened K/V in fp32: one split and four
+    (200 requests), sixteen (3), a head dim below its block (96), launched as the engine launches it (PDL where enabled) and with the
     first key block loaded before the PDL wait (`prefetch`, not the default for fp8)."""
     from tide.layers.attention import split_kv, triton_kernels
 
@@ -116,7 +117,6 @@ def test_fp8_decode_kernel_matches_widened_reference(head_dim, batch, v_pairs, m
     table = table.cuda()
     q = torch.randn(batch, hq, head_dim, generator=gen).to("cuda", torch.bfloat16)
     out = torch.empty_like(q)
-    max_splits = 16
     mid_o = torch.empty(batch, hq, max_splits, head_dim, device="cuda")
     mid_lse = torch.empty(batch, hq, max_splits, device="cuda")
     seq = lens.cuda()

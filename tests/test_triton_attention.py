@@ -280,12 +280,24 @@ def test_interpreted_fp8_decode_values_as_words_equal_bytes(kernels, monkeypatch
                                        kv0, layer))
     ref = torch.cat(ref)
     base = split_kv.decode_block_config
+    stage1 = kernels._decode_stage1
+    launched: list[tuple[bool, torch.dtype]] = []
+
+    class Recorder:  # the launch's V_PAIRS and the dtype of the V it passes
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["V_PAIRS"], args[2].dtype))
+                return stage1[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kernels, "_decode_stage1", Recorder())
     for splits, prefetch in ((1, False), (16, False), (1, True)):
         outs = []
         for pairs in (False, True):
             monkeypatch.setattr(kernels, "decode_block_config",
                                 lambda *a, p=pairs, **kw: base(*a, **kw)._replace(v_pairs=p))
             outs.append(_decode(kernels, pool, q, lens, layer, splits, k, v, prefetch))
+            assert launched[-1] == ((True, torch.int16) if pairs else (False, torch.float8_e4m3fn))
         assert not outs[1].isnan().any(), f"splits {splits}: a hidden slot was read"
         assert torch.equal(outs[0], outs[1]), f"splits {splits}, prefetch {prefetch}"
         # The query and the weights round to fp16 for the dots.

@@ -46,6 +46,8 @@ FEW_SPLITS = 4
 # Register cap of fp8 stage 1 at few splits, head dim <= 128 (sm_90: 255 -> 168, no spill). One H100,
 # `python -m benchmarks.attn_batch --only decode --kv-dtype fp8 --maxnreg 168,128`: 256 requests of
 # ~830 tokens 0.68 -> 0.75 of copy bandwidth (Qwen3 and Llama heads), 64 requests 0.52 -> 0.53.
+# That was for values read as bytes through 3 stages; the words through 5 stages that replaced them
+# compile to 154 registers under the cap, and their 107.5 KB of shared memory fits two programs.
 FP8_DECODE_MAXNREG = 168
 
 
@@ -66,8 +68,10 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
                         group: int = 1) -> DecodeBlocks:
     """Stage 1's blocks of split-KV decode. `kv_bytes`: the KV element size; 4-byte (fp32) K/V keep
     short blocks and 2 stages (the deep pipeline would need ~150 KB of shared memory, more than GPUs
-    other than sm80/sm90 have); 1-byte (fp8) K/V at head dim 256 take 128-token blocks. `group`:
-    query heads per kv head (the register cap was measured with up to 16, one 16-row tile)."""
+    other than sm80/sm90 have); 1-byte (fp8) K/V with few splits read their values as words
+    (`v_pairs`): 64-token blocks at head dim 256, and at head dim <= 128 with up to 16 query heads
+    a kv head 128-token blocks through 5 stages. `group`: query heads per kv head (the register
+    cap was measured with up to 16, one 16-row tile)."""
     if num_splits > FEW_SPLITS or kv_bytes > 2:
         return DecodeBlocks(DECODE_BLOCK_N, 2)
     block_d = 1 << max(head_dim - 1, 1).bit_length()

@@ -4,8 +4,10 @@
   query sees, for all q heads of that kv head's group (GQA-aware: the group rides the M dim of
   `tl.dot`), writing a partial output and its log-sum-exp; stage 2 merges the splits. The grid depends
   only on the batch size, so the pair can be captured in a CUDA graph; sequence lengths are read on the
-  device. With PDL and head dim > 128 a split's first block of keys streams in while the kernel before
-  it (the layer's rope-and-store) still runs; only the newest key, which that kernel stores, waits.
+  device. With PDL, head dim > 128 and a 2-byte cache (`split_kv.decode_prefetch`) a split's first block
+  of keys streams in while the kernel before it (the layer's rope-and-store) still runs; only the
+  newest key, which that kernel stores, waits. An fp8 V may be read as int16 words, two values each,
+  and widened in registers (`DecodeBlocks.v_pairs`, `_widen_pairs`).
 - Extend: one program per (request, q head, block of new tokens), streaming the keys the block's
   queries see (cached prefix, then the new tokens, already stored in the pool) through `req_to_token`
   with a causal mask on the new part.
@@ -25,6 +27,8 @@ arithmetic), so tests and cost estimates can check them without a GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +44,10 @@ from tide.layers.attention.split_kv import (
     num_kv_splits,
 )
 from tide.layers.triton_ops import INDEX_ARGS
+
+# Triton's interpreter (TRITON_INTERPRET=1, chosen when triton is first imported) runs no inline PTX,
+# on CPU or CUDA tensors.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -84,8 +92,8 @@ def _widen_pairs(w, ASM: tl.constexpr):
     token-major) means a byte at a time (ldmatrix has no 8-bit transpose): 128 byte loads and ~280
     packing instructions a thread per 128-key block. Words load from shared memory 16 bytes at a
     time, widen in registers, and reach the dot as fp16 through shared memory, which ldmatrix
-    transposes. At head dim 128 that cuts the sm_90 key loop from 1,370 to 1,050 instructions but
-    measured no faster; at head dim 256 it is faster (`split_kv.decode_block_config`)."""
+    transposes. At head dim 128 that cuts the sm_90 key loop from 1,370 to 1,050 instructions; it
+    measured no faster at 3 stages, faster at 5 and at head dim 256 (`split_kv.decode_block_config`)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
@@ -121,7 +129,8 @@ def _attend_kv(q, k, v, keep, sm_scale, logit_cap, m_i, l_i, acc, SOFT_CAP: tl.c
                DOT_PRECISION: tl.constexpr, V_PAIRS: tl.constexpr, ASM: tl.constexpr):
     """One loaded block of keys and values through online softmax for the query rows of `q`.
     Returns the updated (max, sum, output). A row that has kept no score yet stays at max -inf,
-    sum 0, output 0. Decode loads a block's keys and values together (`_load_kv_block`)."""
+    sum 0, output 0. Decode loads a block's keys and values together (`_load_kv_block`); with
+    `V_PAIRS`, `v` holds int16 words of fp8 pairs and is widened here."""
     m_new, p, alpha = _scores_to_weights(q, k, keep, sm_scale, logit_cap, m_i, SOFT_CAP,
                                          DOT_PRECISION)
     if V_PAIRS:
@@ -367,7 +376,8 @@ def decode_attention(
     block_n = blocks.block_n
     if prefetch is None:
         prefetch = use_pdl and decode_prefetch(head_dim, block_n, k_buffer.element_size())
-    v_pairs = blocks.v_pairs and k_buffer.element_size() == 1 and head_dim % 2 == 0
+    # Words widen as e4m3 (the cache's fp8 type); odd head dims read bytes.
+    v_pairs = blocks.v_pairs and v_buffer.dtype == torch.float8_e4m3fn and head_dim % 2 == 0
     v_view = v_buffer.view(torch.int16) if v_pairs else v_buffer
     _decode_stage1[(num_kv_heads, batch, num_splits)](
         q, k_buffer, v_view, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
@@ -378,7 +388,7 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN,
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
-        USE_PDL=use_pdl, PREFETCH=prefetch, V_PAIRS=v_pairs, ASM=q.is_cuda,
+        USE_PDL=use_pdl, PREFETCH=prefetch, V_PAIRS=v_pairs, ASM=q.is_cuda and not INTERPRETED,
         num_warps=blocks.warps, num_stages=blocks.stages,
         launch_pdl=use_pdl, **({} if blocks.maxnreg is None else {"maxnreg": blocks.maxnreg}),
     )
