@@ -194,7 +194,9 @@ def main() -> None:
     ap.add_argument("--maxnreg", default="",
                     help="comma-separated register caps also tried in the decode sweep, e.g. 168,128")
     ap.add_argument("--splits", default="1,2,4", help="split counts tried in the decode sweep")
-    ap.add_argument("--stages", default="2,3", help="pipeline depths tried in the decode sweep")
+    ap.add_argument("--stages", default="2,3",
+                    help="pipeline depths tried in the decode sweep (one key/value buffer at 3 and "
+                         "4 stages, two at 5)")
     ap.add_argument("--v-pairs", default="0", help="fp8 values as bytes (0) and/or int16 words (1)")
     args = ap.parse_args()
     torch.manual_seed(0)
