@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--current-only", action="store_true", help="time only the engine's config")
+    ap.add_argument("--splits", default="64,128,256", help="max split counts tried")
+    ap.add_argument("--blocks", default="16,32,64,128", help="keys a block tried")
+    ap.add_argument("--warps", default="4,8", help="warps a program tried")
     ap.add_argument("--stages", default="2,3",
                     help="pipeline depths tried (sm_90, Triton 3.6: stage 1 holds one key/value "
                          "buffer at 3 and 4 stages, two at 5, three at 6)")
@@ -54,8 +57,8 @@ def main() -> None:
         now = (splits, *tk.decode_block_config(splits, D))
         now = (now[0], now[1], 4, now[2], tk.MIN_SPLIT_LEN)
         configs = [now] if args.current_only else itertools.product(
-            (64, 128, 256), (16, 32, 64, 128), (4, 8),
-            tuple(int(n) for n in args.stages.split(",")), (16, 32, 64))
+            *(tuple(int(n) for n in a.split(",")) for a in (args.splits, args.blocks, args.warps,
+                                                             args.stages)), (16, 32, 64))
         for splits, block_n, warps, stages, min_len in configs:
             if ctx <= 2048 and splits != 128:
                 continue  # short contexts: the shortest split, not the count, sets the launch
