@@ -99,6 +99,16 @@ def test_decode_values_as_words_only_where_measured():
         assert not split_kv.decode_block_config(splits, dim, kv_bytes).v_pairs
 
 
+def test_fp8_decode_fits_the_device_shared_memory():
+    """fp8 words through 5 stages need ~108 KB of shared memory a program: a device that opts in to
+    less (sm_89, sm_120: ~99 KB) reads bytes through 3 stages (41 KB), an sm_90 keeps words."""
+    assert split_kv.decode_block_config(1, 128, 1, shared_bytes=227 * 1024).v_pairs
+    small = split_kv.decode_block_config(1, 128, 1, shared_bytes=99 * 1024)
+    assert not small.v_pairs and small.stages == 3
+    # Head dim 256's words in 64-key blocks take ~76 KB and stay.
+    assert split_kv.decode_block_config(1, 256, 1, shared_bytes=99 * 1024).v_pairs
+
+
 def test_decode_prefetch_only_where_measured():
     """The first key block loads before the PDL wait only above head dim 128, for 2-byte caches
     (measured faster in bf16, slower with fp8), in blocks of at most PREFETCH_MAX_BLOCK_BYTES."""

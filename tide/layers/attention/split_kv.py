@@ -49,6 +49,10 @@ FEW_SPLITS = 4
 # That was for values read as bytes through 3 stages; the words through 5 stages that replaced them
 # compile to 154 registers under the cap, and their 107.5 KB of shared memory fits two programs.
 FP8_DECODE_MAXNREG = 168
+# Shared memory a program of fp8 stage 1 takes with values as words through 5 stages at head dim
+# <= 128 (sm_90, Triton 3.6: 107,520 bytes). Devices that opt in to less per block (sm_89 and
+# sm_120 allow ~99 KB) read bytes through 3 stages (41 KB) instead.
+FP8_WORDS_DEEP_SHARED = 108 * 1024
 
 
 class DecodeBlocks(NamedTuple):
@@ -65,13 +69,14 @@ class DecodeBlocks(NamedTuple):
 
 
 def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
-                        group: int = 1) -> DecodeBlocks:
+                        group: int = 1, shared_bytes: int | None = None) -> DecodeBlocks:
     """Stage 1's blocks of split-KV decode. `kv_bytes`: the KV element size; 4-byte (fp32) K/V keep
     short blocks and 2 stages (the deep pipeline would need ~150 KB of shared memory, more than GPUs
     other than sm80/sm90 have); 1-byte (fp8) K/V with few splits read their values as words
     (`v_pairs`): 64-token blocks at head dim 256, and at head dim <= 128 with up to 16 query heads
     a kv head 128-token blocks through 5 stages. `group`: query heads per kv head (the register
-    cap was measured with up to 16, one 16-row tile)."""
+    cap was measured with up to 16, one 16-row tile). `shared_bytes`: the device's shared memory a
+    block may opt in to (None: enough for every config here)."""
     if num_splits > FEW_SPLITS or kv_bytes > 2:
         return DecodeBlocks(DECODE_BLOCK_N, 2)
     block_d = 1 << max(head_dim - 1, 1).bit_length()
@@ -87,6 +92,8 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
         # 194.7 -> 187.7 (Llama heads); 64 requests 63.6 -> 62.9; bytes at 5 stages and words at 3
         # gained little or lost. The cap (FP8_DECODE_MAXNREG, measured for bytes at 3 stages,
         # where the compiler took 255 registers) costs words nothing.
+        if shared_bytes is not None and shared_bytes < FP8_WORDS_DEEP_SHARED:
+            return DecodeBlocks(128, 3, FP8_DECODE_MAXNREG)
         return DecodeBlocks(128, 5, FP8_DECODE_MAXNREG, v_pairs=True)
     return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 

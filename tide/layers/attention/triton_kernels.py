@@ -27,6 +27,7 @@ arithmetic), so tests and cost estimates can check them without a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -339,6 +340,14 @@ def stage2_columns(head_dim: int) -> int:
     return min(triton.next_power_of_2(head_dim), STAGE2_COLUMNS)
 
 
+@functools.cache
+def _opt_in_shared_bytes(device: torch.device) -> int:
+    """Shared memory one block may opt in to on `device` (227 KB on sm_90, ~99 KB on sm_89): the
+    limit Triton checks a launch against."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
 def _dot_precision(q: torch.Tensor) -> str:
     """fp32 models get fp32 products (as torch's matmul by default), not TF32."""
     return "ieee" if q.dtype == torch.float32 else "tf32"
@@ -372,7 +381,8 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window if sliding else 0
     use_pdl = pdl.enabled(q)
-    blocks = decode_block_config(num_splits, head_dim, k_buffer.element_size(), group)
+    blocks = decode_block_config(num_splits, head_dim, k_buffer.element_size(), group,
+                                 _opt_in_shared_bytes(q.device) if q.is_cuda else None)
     block_n = blocks.block_n
     if prefetch is None:
         prefetch = use_pdl and decode_prefetch(head_dim, block_n, k_buffer.element_size())
