@@ -73,18 +73,23 @@ def test_sliding_decode_cost_does_not_grow_with_context():
 
 
 def test_decode_register_cap_only_where_measured():
-    """fp8 K/V at head dim <= 128 and few splits get the register cap, low enough that three programs
-    of their warps fit an SM's 64k registers; other caches, dims and split counts keep the
-    compiler's choice."""
-    fp8 = split_kv.decode_block_config(1, 128, kv_bytes=1)
-    assert fp8.maxnreg == split_kv.FP8_DECODE_MAXNREG and (fp8.block_n, fp8.stages) == (128, 5)
-    assert 3 * fp8.warps * 32 * fp8.maxnreg <= 65536
-    assert split_kv.decode_block_config(2, 64, kv_bytes=1).maxnreg == split_kv.FP8_DECODE_MAXNREG
+    """Only fp8 values read as bytes through 3 stages (the fallback of a device with less shared
+    memory) get the register cap, low enough that three programs of their warps fit an SM's 64k
+    registers. Words through 5 stages (two programs an SM by shared memory) measured faster
+    uncapped; other caches, dims and split counts keep the compiler's choice."""
+    words = split_kv.decode_block_config(1, 128, kv_bytes=1)
+    assert words.v_pairs and words.maxnreg is None and (words.block_n, words.stages) == (128, 5)
+    small = 99 * 1024
+    for splits, dim in ((1, 128), (2, 64), (4, 128)):
+        fallback = split_kv.decode_block_config(splits, dim, 1, shared_bytes=small)
+        assert fallback.maxnreg == split_kv.FP8_DECODE_MAXNREG and fallback.stages == 3
+        assert 3 * fallback.warps * 32 * fallback.maxnreg <= 65536
     for splits, dim, kv_bytes in ((1, 128, 2), (1, 256, 1), (16, 128, 1), (1, 128, 4)):
         assert split_kv.decode_block_config(splits, dim, kv_bytes).maxnreg is None
-    # More than 16 query heads a kv head: a taller tile than the cap was measured with.
-    assert split_kv.decode_block_config(1, 128, 1, group=16).maxnreg == split_kv.FP8_DECODE_MAXNREG
-    assert split_kv.decode_block_config(1, 128, 1, group=32).maxnreg is None
+    # More than 16 query heads a kv head: a taller tile than these configs were measured with.
+    assert split_kv.decode_block_config(1, 128, 1, group=16).v_pairs
+    tall = split_kv.decode_block_config(1, 128, 1, group=32)
+    assert tall.maxnreg is None and not tall.v_pairs
 
 
 def test_decode_values_as_words_only_where_measured():

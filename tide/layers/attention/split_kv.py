@@ -46,8 +46,10 @@ FEW_SPLITS = 4
 # Register cap of fp8 stage 1 at few splits, head dim <= 128 (sm_90: 255 -> 168, no spill). One H100,
 # `python -m benchmarks.attn_batch --only decode --kv-dtype fp8 --maxnreg 168,128`: 256 requests of
 # ~830 tokens 0.68 -> 0.75 of copy bandwidth (Qwen3 and Llama heads), 64 requests 0.52 -> 0.53.
-# That was for values read as bytes through 3 stages; the words through 5 stages that replaced them
-# compile to 154 registers under the cap, and their 107.5 KB of shared memory fits two programs.
+# It applies to values read as bytes through 3 stages (now the fallback for devices with less shared
+# memory). Words through 5 stages take no cap: their 107.5 KB of shared memory fits two programs an
+# SM whatever the registers, and uncapped (142 registers) they ran faster than at 168 (one H100,
+# 256 requests: 170.3 vs 173.9 us, Qwen3 heads; 172.2 vs 175.3, Llama heads).
 FP8_DECODE_MAXNREG = 168
 # Shared memory a program of fp8 stage 1 takes with values as words through 5 stages at head dim
 # <= 128 (sm_90, Triton 3.6: 107,520 bytes). Devices that opt in to less per block (sm_89 and
@@ -74,8 +76,8 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
     short blocks and 2 stages (the deep pipeline would need ~150 KB of shared memory, more than GPUs
     other than sm80/sm90 have); 1-byte (fp8) K/V with few splits read their values as words
     (`v_pairs`): 64-token blocks at head dim 256, and at head dim <= 128 with up to 16 query heads
-    a kv head 128-token blocks through 5 stages. `group`: query heads per kv head (the register
-    cap was measured with up to 16, one 16-row tile). `shared_bytes`: the device's shared memory a
+    a kv head 128-token blocks through 5 stages. `group`: query heads per kv head (these configs
+    were measured with up to 16, one 16-row tile). `shared_bytes`: the device's shared memory a
     block may opt in to (None: enough for every config here)."""
     if num_splits > FEW_SPLITS or kv_bytes > 2:
         return DecodeBlocks(DECODE_BLOCK_N, 2)
@@ -90,11 +92,11 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
         # or 4 stages Triton gives the key/value loads one shared-memory buffer (the request-table
         # load takes a stage), at 5 two. One H100, 256 requests: 192.2 -> 187.8 us (Qwen3 heads),
         # 194.7 -> 187.7 (Llama heads); 64 requests 63.6 -> 62.9; bytes at 5 stages and words at 3
-        # gained little or lost. The cap (FP8_DECODE_MAXNREG, measured for bytes at 3 stages,
-        # where the compiler took 255 registers) costs words nothing.
+        # gained little or lost. With the widened values behind `_sixteen_bit_operand` and no
+        # register cap (see FP8_DECODE_MAXNREG): 185.4 -> 170.3 us and 186.9 -> 172.2.
         if shared_bytes is not None and shared_bytes < FP8_WORDS_DEEP_SHARED:
             return DecodeBlocks(128, 3, FP8_DECODE_MAXNREG)
-        return DecodeBlocks(128, 5, FP8_DECODE_MAXNREG, v_pairs=True)
+        return DecodeBlocks(128, 5, v_pairs=True)
     return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 
 
