@@ -9,7 +9,8 @@ torch's varlen flash attention on the same tensors, in TFLOP/s of causal attenti
 `--kv-dtype fp8` sweeps decode over an fp8 (e4m3) pool (`kv_cache_dtype="fp8_e4m3"`); `--only decode`
 skips the extend sweep. `--maxnreg 168,128` also tries those register caps (a config's fifth field):
 compiled for sm_90, the fp8 stage 1 at 128-key blocks takes 255 registers a thread, so two programs of
-4 warps fit an SM where the bf16 one (168) fits three; capped at 168 it does not spill. `--v-pairs 0,1`
+4 warps fit an SM where the bf16 one (168) fits three; capped at 168 it does not spill (Triton 3.6;
+no default config is capped now, see `DecodeBlocks`). `--v-pairs 0,1`
 also reads fp8 values as int16 words (the sixth field, `DecodeBlocks.v_pairs`).
 """
 
@@ -117,7 +118,7 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
             res[(splits, block_n, warps, stages, maxnreg, pair)] = (t * 1e6, kv_bytes / t / bw, err)
         splits = tk.num_kv_splits(batch * hk, 128)
         cfg = tk.decode_block_config(splits, d, k.element_size(), hq // hk)
-        default = (splits, cfg.block_n, cfg.warps, cfg.stages, cfg.maxnreg, cfg.v_pairs)
+        default = (splits, cfg.block_n, cfg.warps, cfg.stages, None, cfg.v_pairs)
         if default not in res:
             res[default] = (float("nan"), float("nan"), 0.0)
         print(f"decode hq={hq} hk={hk} d={d} batch={batch} mean ctx {sum(lens) / batch:.0f}: default "

@@ -72,26 +72,6 @@ def test_sliding_decode_cost_does_not_grow_with_context():
     assert split_kv.decode_blocks_visited(1_000_000, None, splits, 128) > 100 * bound
 
 
-def test_decode_register_cap_only_where_measured():
-    """Only fp8 values read as bytes through 3 stages (the fallback of a device with less shared
-    memory) get the register cap, low enough that three programs of their warps fit an SM's 64k
-    registers. Words through 5 stages (two programs an SM by shared memory) measured faster
-    uncapped; other caches, dims and split counts keep the compiler's choice."""
-    words = split_kv.decode_block_config(1, 128, kv_bytes=1)
-    assert words.v_pairs and words.maxnreg is None and (words.block_n, words.stages) == (128, 5)
-    small = 99 * 1024
-    for splits, dim in ((1, 128), (2, 64), (4, 128)):
-        fallback = split_kv.decode_block_config(splits, dim, 1, shared_bytes=small)
-        assert fallback.maxnreg == split_kv.FP8_DECODE_MAXNREG and fallback.stages == 3
-        assert 3 * fallback.warps * 32 * fallback.maxnreg <= 65536
-    for splits, dim, kv_bytes in ((1, 128, 2), (1, 256, 1), (16, 128, 1), (1, 128, 4)):
-        assert split_kv.decode_block_config(splits, dim, kv_bytes).maxnreg is None
-    # More than 16 query heads a kv head: a taller tile than these configs were measured with.
-    assert split_kv.decode_block_config(1, 128, 1, group=16).v_pairs
-    tall = split_kv.decode_block_config(1, 128, 1, group=32)
-    assert tall.maxnreg is None and not tall.v_pairs
-
-
 def test_decode_values_as_words_only_where_measured():
     """fp8 K/V with few splits read their values as int16 words (measured faster at head dim 256
     in 64-key blocks, and at head dim 128 with a 5-stage pipeline); with many splits (32-key
@@ -99,9 +79,13 @@ def test_decode_values_as_words_only_where_measured():
     wide = split_kv.decode_block_config(1, 256, kv_bytes=1)
     assert wide.v_pairs and (wide.block_n, wide.stages) == (64, 2)
     for splits, dim in ((1, 128), (2, 64), (4, 128)):
-        assert split_kv.decode_block_config(splits, dim, 1).v_pairs
+        deep = split_kv.decode_block_config(splits, dim, 1)
+        assert deep.v_pairs and (deep.block_n, deep.stages) == (128, 5)
     for splits, dim, kv_bytes in ((16, 128, 1), (16, 256, 1), (1, 256, 2), (1, 128, 2), (1, 128, 4)):
         assert not split_kv.decode_block_config(splits, dim, kv_bytes).v_pairs
+    # Up to 16 query heads a kv head (one 16-row tile, as measured); a taller tile reads bytes.
+    assert split_kv.decode_block_config(1, 128, 1, group=16).v_pairs
+    assert not split_kv.decode_block_config(1, 128, 1, group=32).v_pairs
 
 
 def test_fp8_decode_fits_the_device_shared_memory():

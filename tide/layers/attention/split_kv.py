@@ -43,14 +43,6 @@ DECODE_BLOCK_N = 32
 # tokens): head dim 128 reads at 0.90 of copy bandwidth with 128-token blocks and 3 stages (0.80
 # with 32 and 2); head dim 256 at 0.90 with 32-token blocks and 3 stages (0.63 with 64 and 2).
 FEW_SPLITS = 4
-# Register cap of fp8 stage 1 at few splits, head dim <= 128 (sm_90: 255 -> 168, no spill). One H100,
-# `python -m benchmarks.attn_batch --only decode --kv-dtype fp8 --maxnreg 168,128`: 256 requests of
-# ~830 tokens 0.68 -> 0.75 of copy bandwidth (Qwen3 and Llama heads), 64 requests 0.52 -> 0.53.
-# It applies to values read as bytes through 3 stages (now the fallback for devices with less shared
-# memory). Words through 5 stages take no cap: their 107.5 KB of shared memory fits two programs an
-# SM whatever the registers, and uncapped (142 registers) they ran faster than at 168 (one H100,
-# 256 requests: 170.3 vs 173.9 us, Qwen3 heads; 172.2 vs 175.3, Llama heads).
-FP8_DECODE_MAXNREG = 168
 # Shared memory a program of fp8 stage 1 takes with values as words through 5 stages at head dim
 # <= 128 (sm_90, Triton 3.6: 107,520 bytes). Devices that opt in to less per block (sm_89 and
 # sm_120 allow ~99 KB) read bytes through 3 stages (41 KB) instead.
@@ -59,13 +51,17 @@ FP8_WORDS_DEEP_SHARED = 108 * 1024
 
 class DecodeBlocks(NamedTuple):
     """How stage 1 of split-KV decode walks a split: `block_n` keys per iteration through a
-    software pipeline of `stages`, in programs of `warps` warps compiled with at most `maxnreg`
-    registers a thread (None: the compiler's choice). `v_pairs`: an fp8 V is read as int16 words
-    (two values each) and widened in registers (`triton_kernels._widen_pairs`)."""
+    software pipeline of `stages`, in programs of `warps` warps. `v_pairs`: an fp8 V is read as
+    int16 words (two values each) and widened in registers (`triton_kernels._widen_pairs`).
+
+    No config caps registers. A cap of 168 (three 4-warp programs an SM) once helped fp8 bytes
+    through 3 stages on an H100 (0.68 -> 0.75 of copy bandwidth); words through 5 stages, which
+    replaced them there, fit two programs an SM by shared memory whatever the registers and ran
+    faster uncapped (142 registers; 170.3 vs 173.9 us, Qwen3 heads, 256 requests). The bytes that
+    remain are for devices with ~100 KB of shared memory, where two programs is also the limit."""
 
     block_n: int
     stages: int
-    maxnreg: int | None = None
     warps: int = 4
     v_pairs: bool = False
 
@@ -86,16 +82,18 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
         # fp8 K/V at head dim 256 (same sweep, `--kv-dtype fp8 --v-pairs 0,1`, one H100): values
         # as words, 64-token blocks and 2 stages, 256 requests 371 us (0.78 of copy bandwidth)
         # where bytes took 389 at best and 511 in 128-token blocks; 64 requests 116 vs 152 us.
+        # With `_sixteen_bit_operand`: 350 us (0.82).
         return DecodeBlocks(64, 2, v_pairs=True)
     if kv_bytes == 1 and group <= 16:
         # fp8 K/V at head dim <= 128: values as words (`v_pairs`) through a 5-stage pipeline. At 3
         # or 4 stages Triton gives the key/value loads one shared-memory buffer (the request-table
         # load takes a stage), at 5 two. One H100, 256 requests: 192.2 -> 187.8 us (Qwen3 heads),
         # 194.7 -> 187.7 (Llama heads); 64 requests 63.6 -> 62.9; bytes at 5 stages and words at 3
-        # gained little or lost. With the widened values behind `_sixteen_bit_operand` and no
-        # register cap (see FP8_DECODE_MAXNREG): 185.4 -> 170.3 us and 186.9 -> 172.2.
+        # gained little or lost (those figures with a 168-register cap). With the widened values
+        # behind `_sixteen_bit_operand` and no cap: Qwen3 heads 185.4 -> 170.3 us, Llama heads
+        # 186.9 -> 172.2 (the same build's default before and after, one H100).
         if shared_bytes is not None and shared_bytes < FP8_WORDS_DEEP_SHARED:
-            return DecodeBlocks(128, 3, FP8_DECODE_MAXNREG)
+            return DecodeBlocks(128, 3)
         return DecodeBlocks(128, 5, v_pairs=True)
     return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 

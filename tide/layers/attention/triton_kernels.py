@@ -109,15 +109,18 @@ def _widen_pairs(w, ASM: tl.constexpr):
 def _sixteen_bit_operand(x):
     """`x` (fp16) unchanged, behind a `mov` the compiler cannot see through (GPU only).
 
-    For an MMAv2 dot, Triton sizes the operands' register fragments (`kWidth`) by the narrowest
-    value the operands trace back to through loads and elementwise ops, halved once more if a
-    `join` lies on the way (`computeOrigBitWidth`). Widened fp8 words trace back to 16-bit loads
-    through a join, so the P @ V dot was laid out as for 8-bit operands (kWidth 4): its P operand
-    then came from shared memory in 64-bit loads assembled by register moves instead of by
-    `ldmatrix` (sm_90 key loop: 1,057 instructions, 863 with this boundary). An asm statement with
-    side effects ends that trace; ptxas drops the `mov` itself. One H100, 256 requests of ~830
-    tokens: fp8 stage 1 185.4 -> 173.9 us (Qwen3 heads), 186.9 -> 175.3 (Llama heads), both at the
-    old register cap; head dim 256: 371 -> 350."""
+    For an MMAv2 dot, Triton 3.6 (the GPU hosts' version) sizes the operands' register fragments
+    (`kWidth`) by the narrowest value the operands trace back to through loads and elementwise
+    ops, halved once more if a `join` lies on the way (`computeOrigBitWidth`). Widened fp8 words
+    trace back to 16-bit loads through a join, so the P @ V dot was laid out as for 8-bit operands
+    (kWidth 4): its P operand came from shared memory in 64-bit loads assembled by register moves
+    instead of by `ldmatrix` (sm_90 key loop: 1,057 instructions, 863 with this boundary). An asm
+    statement with side effects ends that trace; ptxas drops the `mov` itself. (Triton 3.9 already
+    gives this dot kWidth 2 and compiles the same code with or without the boundary.) One H100, 256
+    requests of ~830 tokens: fp8 stage 1 185.4 -> 173.9 us (Qwen3 heads), 186.9 -> 175.3 (Llama
+    heads), both at the old register cap; head dim 256: 371 -> 350. Triton's pipeliner cannot
+    predicate an asm with side effects, so it must stay in the loop's last stage, beside the
+    P @ V dot that uses it."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16,
                                      is_pure=False, pack=2)
 
@@ -417,7 +420,7 @@ def decode_attention(
         SLIDING=sliding, SOFT_CAP=logit_cap is not None, DOT_PRECISION=_dot_precision(q),
         USE_PDL=use_pdl, PREFETCH=prefetch, V_PAIRS=v_pairs, ASM=q.is_cuda and not INTERPRETED,
         num_warps=blocks.warps, num_stages=blocks.stages,
-        launch_pdl=use_pdl, **({} if blocks.maxnreg is None else {"maxnreg": blocks.maxnreg}),
+        launch_pdl=use_pdl,
     )
     if num_splits == 1:
         return  # stage 1 wrote the output
