@@ -57,8 +57,9 @@ class DecodeBlocks(NamedTuple):
     No config caps registers. A cap of 168 (three 4-warp programs an SM) once helped fp8 bytes
     through 3 stages on an H100 (0.68 -> 0.75 of copy bandwidth); words through 5 stages, which
     replaced them there, fit two programs an SM by shared memory whatever the registers and ran
-    faster uncapped (142 registers; 170.3 vs 173.9 us, Qwen3 heads, 256 requests). The bytes that
-    remain are for devices with ~100 KB of shared memory, where two programs is also the limit."""
+    faster uncapped (142 registers; 170.3 vs 173.9 us, Qwen3 heads, 256 requests). Bytes through
+    3 stages now serve devices with ~100 KB of shared memory, where two programs an SM is the limit
+    either way, and tiles taller than 16 query heads, which were never capped."""
 
     block_n: int
     stages: int
