@@ -4,8 +4,10 @@ Decode: 64 and 256 requests with contexts uniform in [100, 1600] (each request's
 contiguous run of pool slots, runs in random order), Qwen3-0.6B (16/8 heads) and Llama-3.1-8B (32/8)
 head shapes; times stage 1 + stage 2 in a CUDA graph for each (splits, tokens per block, warps,
 stages) and prints the fastest next to the current default, as a fraction of copy bandwidth (KV bytes
-read / time). Extend: one 8k-token prefill chunk of prompts uniform in [100, 1024], no prefix, against
-torch's varlen flash attention on the same tensors, in TFLOP/s of causal attention.
+read / time). Extend (`extend_sweep`): an 8k-token prefill chunk of prompts uniform in [100, 1024],
+one 8k prompt, 4k new tokens on a 4k prefix and one 32k prompt, tide's kernel (default and other
+tiles) against torch's varlen flash attention on the same K/V laid out contiguously, in TFLOP/s of
+causal attention; `--out FILE` writes those cases as JSON.
 `--kv-dtype fp8` sweeps decode over an fp8 (e4m3) pool (`kv_cache_dtype="fp8_e4m3"`); `--only decode`
 skips the extend sweep. `--maxnreg 168,128` also tries those register caps (a config's fifth field):
 compiled for sm_90, the fp8 stage 1 at 128-key blocks takes 255 registers a thread, so two programs of
@@ -20,10 +22,10 @@ import itertools
 import random
 
 import torch
-import triton
 
 from benchmarks.run import measure_copy_bandwidth
 from benchmarks.timing import capture, replay_seconds
+from tide.layers.attention import split_kv
 from tide.layers.attention import triton_kernels as tk
 
 D = 128
@@ -129,61 +131,100 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
     return everything
 
 
-def extend_sweep() -> None:
+def _varlen_causal() -> dict[str, object]:
+    """Keywords that make torch's `varlen_attn` causal, by its signature (torch 2.11 takes
+    `window_size`, (-1, 0) being causal; some versions take `is_causal`). It takes GQA K/V as
+    they are."""
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
-    hq, hk = 16, 8
+    params = inspect.signature(varlen_attn).parameters
+    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+
+def extend_case(name: str, lens: list[int], prefixes: list[int], hq: int, hk: int,
+                kv_dtype: torch.dtype, tiles: list[tuple[int, int, int, int]]) -> dict:
+    """Causal attention of each request's new tokens (lens[i] - prefixes[i] of them) over its
+    prefix and themselves: tide's `extend_attention` (default tiles), the same kernel with each of
+    `tiles` (block_m, block_n, warps, stages), and torch's varlen flash attention on the same K/V
+    laid out contiguously (bf16 only). TFLOP/s count the causal products only."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    ext = [n - p for n, p in zip(lens, prefixes)]
+    k, v, table = _pool(lens, hk, 0, dtype=kv_dtype)
+    q = torch.randn(sum(ext), hq, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    req = torch.arange(len(lens), device="cuda", dtype=torch.int64)
+    prefix = torch.tensor(prefixes, device="cuda", dtype=torch.int64)
+    ext_t = torch.tensor(ext, device="cuda", dtype=torch.int64)
+    starts = torch.tensor([0] + list(itertools.accumulate(ext))[:-1], device="cuda",
+                          dtype=torch.int64)
+    flops = sum(4 * hq * D * (e * p + e * (e + 1) / 2) for e, p in zip(ext, prefixes))
+    res: dict = {"case": name, "hq": hq, "hk": hk, "kv_dtype": str(kv_dtype), "tokens": sum(ext),
+                 "requests": len(lens), "default": tuple(tk.extend_block_config(D, k.element_size()))}
+
+    def ours() -> None:
+        tk.extend_attention(q, k, v, out, table, req, prefix, ext_t, starts, max(ext), D**-0.5)
+
+    t = replay_seconds(capture(ours), reps=10, warmup=2)
+    res["tide_us"], res["tide_tflops"] = t * 1e6, flops / t / 1e12
+    ours()
+    mine = out.clone()
+    if kv_dtype == torch.bfloat16:
+        flat = torch.cat([table[i, :n] for i, n in enumerate(lens)]).long()
+        kc, vc = k[flat].contiguous(), v[flat].contiguous()
+        cu_q = torch.tensor([0] + list(itertools.accumulate(ext)), device="cuda", dtype=torch.int32)
+        cu_k = torch.tensor([0] + list(itertools.accumulate(lens)), device="cuda", dtype=torch.int32)
+        kw = _varlen_causal()
+
+        def flash() -> torch.Tensor:
+            return varlen_attn(q, kc, vc, cu_q, cu_k, max(ext), max(lens), **kw)
+
+        try:
+            t = replay_seconds(capture(flash), reps=10, warmup=2)
+            res["flash_us"], res["flash_tflops"] = t * 1e6, flops / t / 1e12
+            res["max_diff_vs_flash"] = (mine.float() - flash().float()).abs().max().item()
+        except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+            res["flash_error"] = f"{type(e).__name__}: {e}"[:300]
+    res["tiles"] = {}
+    for tile in tiles:
+        cfg = split_kv.ExtendBlocks(*tile)
+        tk_config = tk.extend_block_config
+        tk.extend_block_config = lambda *a, c=cfg, **kw: c  # type: ignore[misc]
+        try:
+            t = replay_seconds(capture(ours), reps=10, warmup=2)
+            res["tiles"][str(tile)] = t * 1e6
+        except Exception as e:  # noqa: BLE001 - a tile may not fit shared memory
+            res["tiles"][str(tile)] = f"{type(e).__name__}"
+        finally:
+            tk.extend_block_config = tk_config
+    flash_txt = (f"flash {res['flash_us']:.0f} us ({res['flash_tflops']:.0f} TFLOP/s), "
+                 f"max diff {res['max_diff_vs_flash']:.1e}" if "flash_us" in res
+                 else res.get("flash_error", "flash: bf16 only"))
+    print(f"extend {name} hq={hq} hk={hk} {kv_dtype}: tide {res['default']} {res['tide_us']:.0f} us "
+          f"({res['tide_tflops']:.0f} TFLOP/s); {flash_txt}", flush=True)
+    for tile, us in sorted(res["tiles"].items(), key=lambda kv: kv[1] if isinstance(kv[1], float)
+                           else 1e12):
+        print(f"   {tile}: " + (f"{us:.0f} us, {flops / us / 1e6:.0f} TFLOP/s"
+                                if isinstance(us, float) else us), flush=True)
+    return res
+
+
+def extend_sweep(kv_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Prefill attention: an 8k-token chunk of prompts uniform in [100, 1024] (Qwen3 and Llama
+    heads), one 8k prompt, 4k new tokens on a 4k prefix, one 32k prompt."""
     rng = random.Random(0)
-    lens = []
+    lens: list[int] = []
     while sum(lens) < 8192:
         lens.append(rng.randint(100, 1024))
     lens[-1] -= sum(lens) - 8192
-    total = sum(lens)
-    k, v, table = _pool(lens, hk, 0)
-    q = torch.randn(total, hq, D, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
-    b = len(lens)
-    req = torch.arange(b, device="cuda", dtype=torch.int64)
-    prefix = torch.zeros(b, device="cuda", dtype=torch.int64)
-    ext = torch.tensor(lens, device="cuda", dtype=torch.int64)
-    starts = torch.tensor([0] + list(itertools.accumulate(lens))[:-1], device="cuda",
-                          dtype=torch.int64)
-    flops = sum(2 * 2 * hq * D * n * (n + 1) / 2 for n in lens)
-    res = {}
-    for bm, bn, warps, stages in itertools.product((64, 128), (32, 64), (4, 8), (2, 3)):
-        def run() -> None:
-            tk._extend_kernel[(b, hq, triton.cdiv(max(lens), bm))](
-                q, k, v, out, table, req, prefix, ext, starts, q.stride(0), q.stride(1),
-                k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                table.stride(0), D**-0.5, 0, 1.0, GROUP=hq // hk, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_D=D, HEAD_DIM=D, SLIDING=False, SOFT_CAP=False, DOT_PRECISION="tf32",
-                USE_PDL=False, num_warps=warps, num_stages=stages)
-
-        try:
-            t = replay_seconds(capture(run), reps=10, warmup=2)
-        except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
-            print(f"extend {(bm, bn, warps, stages)}: {type(e).__name__}")
-            continue
-        res[(bm, bn, warps, stages)] = t
-    # The same attention through flash varlen on contiguous K/V in token order.
-    flat = torch.cat([table[i, :n] for i, n in enumerate(lens)]).long()
-    kc, vc = k[flat].contiguous(), v[flat].contiguous()
-    cu = torch.tensor([0] + list(itertools.accumulate(lens)), device="cuda", dtype=torch.int32)
-
-    def flash() -> None:
-        varlen_attn(q, kc, vc, cu, cu, max(lens), max(lens), enable_gqa=True)
-
-    try:
-        tf = replay_seconds(capture(flash), reps=10, warmup=2)
-        print(f"extend varlen flash: {tf * 1e6:.0f} us, {flops / tf / 1e12:.0f} TFLOP/s", flush=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"extend varlen flash unavailable: {type(e).__name__}: {e}"[:300], flush=True)
-    default = (tk.EXTEND_BLOCK_M, tk.EXTEND_BLOCK_N, 4, 2)
-    if default in res:
-        print(f"extend default {default}: {res[default] * 1e6:.0f} us, "
-              f"{flops / res[default] / 1e12:.0f} TFLOP/s", flush=True)
-    for cfg, t in sorted(res.items(), key=lambda kv: kv[1])[:5]:
-        print(f"   {cfg}: {t * 1e6:.0f} us, {flops / t / 1e12:.0f} TFLOP/s", flush=True)
+    tiles = [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+             (128, 32, 4, 2), (128, 64, 4, 3)]
+    cases = [("chunk8k", lens, [0] * len(lens), 16, 8), ("chunk8k", lens, [0] * len(lens), 32, 8),
+             ("one8k", [8192], [0], 32, 8), ("prefix4k+4k", [8192], [4096], 32, 8),
+             ("one32k", [32768], [0], 32, 8)]
+    return [extend_case(name, ln, pf, hq, hk, kv_dtype, tiles) for name, ln, pf, hq, hk in cases]
 
 
 def main() -> None:
@@ -199,14 +240,21 @@ def main() -> None:
                     help="pipeline depths tried in the decode sweep (one key/value buffer at 3 and "
                          "4 stages, two at 5)")
     ap.add_argument("--v-pairs", default="0", help="fp8 values as bytes (0) and/or int16 words (1)")
+    ap.add_argument("--out", default="", help="a JSON file for the extend cases")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     if args.only != "decode":
-        extend_sweep()
+        found = extend_sweep(kv_dtype)
+        if args.out:
+            import json
+
+            with open(args.out, "w") as f:
+                json.dump(found, f, indent=1)
     if args.only != "extend":
-        decode_sweep(bw, torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16,
+        decode_sweep(bw, kv_dtype,
                      tuple(int(r) for r in args.maxnreg.split(",") if r),
                      tuple(int(n) for n in args.splits.split(",")),
                      tuple(int(n) for n in args.stages.split(",")),

@@ -119,11 +119,11 @@ def test_decode_batch_fits_the_grid_axis():
         EngineConfig(model_path=DEMO_MODEL_PATH, max_running_requests=MAX_RUNNING_REQUESTS + 1)
 
 
-def test_extend_reads_only_keys_some_query_of_the_block_sees():
-    block = split_kv.EXTEND_BLOCK_M
+@pytest.mark.parametrize("block", [64, 128])
+def test_extend_reads_only_keys_some_query_of_the_block_sees(block):
     for window in (None, 1, 8, 100, 5000):
         for prefix, n in ((0, 1), (0, 200), (37, 5), (1000, 130), (5000, 64)):
-            bounds = split_kv.extend_kv_bounds(prefix, n, window)
+            bounds = split_kv.extend_kv_bounds(prefix, n, window, block)
             assert len(bounds) == -(-n // block)
             for i, (start, end) in enumerate(bounds):
                 q_first, q_last = prefix + i * block, prefix + min((i + 1) * block, n) - 1
@@ -303,11 +303,29 @@ def test_interpreted_fp8_decode_values_as_words_equal_bytes(kernels, monkeypatch
         torch.testing.assert_close(outs[1], ref, atol=2e-2, rtol=2e-2)
 
 
+def test_extend_tiles_by_head_dim_and_cache():
+    """Narrow heads in 2-byte caches take the tall tiles (measured faster there); fp8 caches, wide
+    heads and fp32 the square ones."""
+    tall, square = split_kv.ExtendBlocks(128, 32, 4, 3), split_kv.ExtendBlocks(64, 64, 4, 2)
+    for head_dim in (64, 96, 128):
+        assert split_kv.extend_block_config(head_dim, 2) == tall
+        assert split_kv.extend_block_config(head_dim, 1) == square
+        assert split_kv.extend_block_config(head_dim, 4) == square
+    assert split_kv.extend_block_config(256, 2) == square
+    assert split_kv.extend_block_config(256, 1) == square
+
+
 @needs_triton
+@pytest.mark.parametrize("tiles", [None, (128, 32, 4, 3), (32, 16, 4, 2)])
 @pytest.mark.parametrize("window,cap", CASES)
-def test_interpreted_extend_with_prefix_and_chunks_matches_torch_native(kernels, window, cap):
+def test_interpreted_extend_with_prefix_and_chunks_matches_torch_native(kernels, window, cap, tiles,
+                                                                        monkeypatch):
     """Each request's prompt arrives in chunks (chunked prefill, or new tokens on a cached prefix);
-    every chunk's attention over prefix + itself equals the reference."""
+    every chunk's attention over prefix + itself equals the reference, with the default tiles of
+    the fp32 test pool and with tiles whose diagonal blocks start off the key-block grid."""
+    if tiles is not None:
+        fixed = split_kv.ExtendBlocks(*tiles)
+        monkeypatch.setattr(kernels, "extend_block_config", lambda *a, **kw: fixed)
     chunks = [[9], [3, 30], [20, 70, 5], [130, 1], [64, 64, 65]]
     lens = [sum(c) for c in chunks]
     pool = _Pool(lens, seed=100 + (window or 0))
@@ -400,9 +418,12 @@ def test_interpreted_extend_visits_only_the_window(kernels, monkeypatch):
     out = torch.empty_like(q)
     kernels.extend_attention(q, pool.k, pool.v, out, pool.table, torch.tensor([0]), torch.tensor([0]),
                              torch.tensor([n]), torch.tensor([0]), n, DIM**-0.5, window, None)
-    blocks = sum(-(-(e - s) // split_kv.EXTEND_BLOCK_N) for s, e in split_kv.extend_kv_bounds(0, n, window))
+    tiles = split_kv.extend_block_config(DIM, pool.k.element_size())
+    blocks = sum(-(-(e - s) // tiles.block_n)
+                 for s, e in split_kv.extend_kv_bounds(0, n, window, tiles.block_m))
     assert len(probe.loads) == HEADS * blocks
-    full = sum(-(-(e - s) // split_kv.EXTEND_BLOCK_N) for s, e in split_kv.extend_kv_bounds(0, n, None))
+    full = sum(-(-(e - s) // tiles.block_n)
+               for s, e in split_kv.extend_kv_bounds(0, n, None, tiles.block_m))
     assert blocks < full
 
 

@@ -99,9 +99,28 @@ def decode_block_config(num_splits: int, head_dim: int, kv_bytes: int = 2,
     return DecodeBlocks(128 if block_d <= 128 else DECODE_BLOCK_N, 3)
 
 
-# Extend: new tokens (query rows) per program, keys per iteration.
-EXTEND_BLOCK_M = 64
-EXTEND_BLOCK_N = 64
+class ExtendBlocks(NamedTuple):
+    """Tiles of the extend kernel: `block_m` new tokens (query rows) a program, `block_n` keys an
+    iteration through a software pipeline of `stages`, in programs of `warps` warps."""
+
+    block_m: int
+    block_n: int
+    warps: int = 4
+    stages: int = 2
+
+
+def extend_block_config(head_dim: int, kv_bytes: int = 2) -> ExtendBlocks:
+    """The extend kernel's tiles for a head dim and KV element size. bf16/fp16 caches at head dims
+    up to 128 take 128 query rows against 32-key blocks through 3 stages; fp8 caches, wider heads
+    and fp32 keep 64 x 64 through 2. One H100, Llama heads (32/8), this kernel (base-2 scores, the
+    causal mask on diagonal blocks only), against those 64 x 64 tiles: an 8k-token chunk of
+    prompts in [100, 1024] 419 -> 303 us, one 32k prompt 59.2 -> 27.4 ms (torch's varlen flash
+    attention in the same run: 312 us, 25.5 ms). With an fp8 cache the tall tiles were slower at
+    the chunk (354 against 286 us); the best tiles for its long prompts (128 x 128, 8 warps, 2
+    stages: 8% faster at 32k) are not used (benchmarks/RESULTS.md)."""
+    if head_dim <= 128 and kv_bytes == 2:
+        return ExtendBlocks(128, 32, 4, 3)
+    return ExtendBlocks(64, 64, 4, 2)
 
 
 def num_kv_splits(parallel_rows: int, max_splits: int) -> int:
@@ -148,15 +167,15 @@ def decode_blocks_visited(seq_len: int, sliding_window: int | None, num_splits: 
 
 
 def extend_kv_bounds(
-    prefix_len: int, extend_len: int, sliding_window: int | None
+    prefix_len: int, extend_len: int, sliding_window: int | None, block_m: int
 ) -> list[tuple[int, int]]:
-    """[start, end) key positions the extend kernel reads for each block of EXTEND_BLOCK_M new tokens
+    """[start, end) key positions the extend kernel reads for each block of `block_m` new tokens
     of one request (queries at positions prefix_len .. prefix_len + extend_len - 1): from the first
     key the block's first query sees to the block's last query. Every key in the range is seen by
     some query of the block."""
     bounds = []
-    for m0 in range(0, extend_len, EXTEND_BLOCK_M):
+    for m0 in range(0, extend_len, block_m):
         q_first = prefix_len + m0
         start = 0 if sliding_window is None else max(q_first - sliding_window + 1, 0)
-        bounds.append((start, prefix_len + min(m0 + EXTEND_BLOCK_M, extend_len)))
+        bounds.append((start, prefix_len + min(m0 + block_m, extend_len)))
     return bounds
