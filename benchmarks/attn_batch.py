@@ -22,11 +22,11 @@ import itertools
 import random
 
 import torch
+from tide.layers.attention import split_kv
+from tide.layers.attention import triton_kernels as tk
 
 from benchmarks.run import measure_copy_bandwidth
 from benchmarks.timing import capture, replay_seconds
-from tide.layers.attention import split_kv
-from tide.layers.attention import triton_kernels as tk
 
 D = 128
 
@@ -144,7 +144,7 @@ def _varlen_causal() -> dict[str, object]:
 
 
 def extend_case(name: str, lens: list[int], prefixes: list[int], hq: int, hk: int,
-                kv_dtype: torch.dtype, tiles: list[tuple[int, int, int, int]]) -> dict:
+                kv_dtype: torch.dtype, tiles: list[tuple[int, int, int, int]], d: int = D) -> dict:
     """Causal attention of each request's new tokens (lens[i] - prefixes[i] of them) over its
     prefix and themselves: tide's `extend_attention` (default tiles), the same kernel with each of
     `tiles` (block_m, block_n, warps, stages), and torch's varlen flash attention on the same K/V
@@ -152,20 +152,21 @@ def extend_case(name: str, lens: list[int], prefixes: list[int], hq: int, hk: in
     from torch.nn.attention.varlen import varlen_attn
 
     ext = [n - p for n, p in zip(lens, prefixes)]
-    k, v, table = _pool(lens, hk, 0, dtype=kv_dtype)
-    q = torch.randn(sum(ext), hq, D, device="cuda", dtype=torch.bfloat16)
+    k, v, table = _pool(lens, hk, 0, d, dtype=kv_dtype)
+    q = torch.randn(sum(ext), hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     req = torch.arange(len(lens), device="cuda", dtype=torch.int64)
     prefix = torch.tensor(prefixes, device="cuda", dtype=torch.int64)
     ext_t = torch.tensor(ext, device="cuda", dtype=torch.int64)
     starts = torch.tensor([0] + list(itertools.accumulate(ext))[:-1], device="cuda",
                           dtype=torch.int64)
-    flops = sum(4 * hq * D * (e * p + e * (e + 1) / 2) for e, p in zip(ext, prefixes))
-    res: dict = {"case": name, "hq": hq, "hk": hk, "kv_dtype": str(kv_dtype), "tokens": sum(ext),
-                 "requests": len(lens), "default": tuple(tk.extend_block_config(D, k.element_size()))}
+    flops = sum(4 * hq * d * (e * p + e * (e + 1) / 2) for e, p in zip(ext, prefixes))
+    res: dict = {"case": name, "hq": hq, "hk": hk, "d": d, "kv_dtype": str(kv_dtype),
+                 "tokens": sum(ext), "requests": len(lens),
+                 "default": tuple(tk.extend_block_config(d, k.element_size()))}
 
     def ours() -> None:
-        tk.extend_attention(q, k, v, out, table, req, prefix, ext_t, starts, max(ext), D**-0.5)
+        tk.extend_attention(q, k, v, out, table, req, prefix, ext_t, starts, max(ext), d**-0.5)
 
     t = replay_seconds(capture(ours), reps=10, warmup=2)
     res["tide_us"], res["tide_tflops"] = t * 1e6, flops / t / 1e12
@@ -195,6 +196,10 @@ def extend_case(name: str, lens: list[int], prefixes: list[int], hq: int, hk: in
         try:
             t = replay_seconds(capture(ours), reps=10, warmup=2)
             res["tiles"][str(tile)] = t * 1e6
+            out.zero_()
+            ours()
+            res.setdefault("tile_max_diff_vs_default", {})[str(tile)] = (
+                (out.float() - mine.float()).abs().max().item())
         except Exception as e:  # noqa: BLE001 - a tile may not fit shared memory
             res["tiles"][str(tile)] = f"{type(e).__name__}"
         finally:
@@ -202,11 +207,12 @@ def extend_case(name: str, lens: list[int], prefixes: list[int], hq: int, hk: in
     flash_txt = (f"flash {res['flash_us']:.0f} us ({res['flash_tflops']:.0f} TFLOP/s), "
                  f"max diff {res['max_diff_vs_flash']:.1e}" if "flash_us" in res
                  else res.get("flash_error", "flash: bf16 only"))
-    print(f"extend {name} hq={hq} hk={hk} {kv_dtype}: tide {res['default']} {res['tide_us']:.0f} us "
+    print(f"extend {name} hq={hq} hk={hk} d={d} {kv_dtype}: tide {res['default']} {res['tide_us']:.0f} us "
           f"({res['tide_tflops']:.0f} TFLOP/s); {flash_txt}", flush=True)
     for tile, us in sorted(res["tiles"].items(), key=lambda kv: kv[1] if isinstance(kv[1], float)
                            else 1e12):
-        print(f"   {tile}: " + (f"{us:.0f} us, {flops / us / 1e6:.0f} TFLOP/s"
+        diff = res.get("tile_max_diff_vs_default", {}).get(tile)
+        print(f"   {tile}: " + (f"{us:.0f} us, {flops / us / 1e6:.0f} TFLOP/s, max diff {diff:.1e}"
                                 if isinstance(us, float) else us), flush=True)
     return res
 

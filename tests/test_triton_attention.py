@@ -304,15 +304,21 @@ def test_interpreted_fp8_decode_values_as_words_equal_bytes(kernels, monkeypatch
 
 
 def test_extend_tiles_by_head_dim_and_cache():
-    """Narrow heads in 2-byte caches take the tall tiles (measured faster there); fp8 caches, wide
-    heads and fp32 the square ones."""
+    """2-byte caches take tall tiles (measured faster there): 128 rows against 32-key blocks at
+    head dims up to 128, against 64-key blocks on 8 warps at 256 where the device has the shared
+    memory (not on ~99 KB or ~163 KB devices); fp8 caches and fp32 keep 64 x 64."""
     tall, square = split_kv.ExtendBlocks(128, 32, 4, 3), split_kv.ExtendBlocks(64, 64, 4, 2)
     for head_dim in (64, 96, 128):
         assert split_kv.extend_block_config(head_dim, 2) == tall
+        assert split_kv.extend_block_config(head_dim, 2, 99 * 1024) == tall  # 65,792 bytes
         assert split_kv.extend_block_config(head_dim, 1) == square
         assert split_kv.extend_block_config(head_dim, 4) == square
-    assert split_kv.extend_block_config(256, 2) == square
+    wide = split_kv.ExtendBlocks(128, 64, 8, 2)
+    assert split_kv.extend_block_config(256, 2) == wide
+    assert split_kv.extend_block_config(256, 2, 227 * 1024) == wide
+    assert split_kv.extend_block_config(256, 2, 163 * 1024) == square
     assert split_kv.extend_block_config(256, 1) == square
+    assert split_kv.extend_block_config(256, 4) == square
 
 
 @needs_triton
@@ -355,6 +361,42 @@ def test_interpreted_extend_with_prefix_and_chunks_matches_torch_native(kernels,
                                  window, cap)
         assert not out.isnan().any(), f"chunk {step}: a hidden slot was read"
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("window,cap", [(None, None), (8, 2.0)])
+def test_interpreted_extend_in_fp16_takes_the_tall_tiles(kernels, window, cap, monkeypatch):
+    """A 2-byte cache runs the default tall tiles (128 rows, 32-key blocks) through base-2 scores:
+    chunks on cached prefixes equal fp32 attention over the same fp16 values."""
+    launched = []
+    real = kernels.extend_block_config
+
+    def spy(*a, **kw):
+        launched.append(real(*a, **kw))
+        return launched[-1]
+
+    monkeypatch.setattr(kernels, "extend_block_config", spy)
+    lens, prefix = [200, 90], [37, 0]
+    pool = _Pool(lens, seed=11)
+    layer = _layer(window, cap)
+    ext = [n - p for n, p in zip(lens, prefix)]
+    starts = [0, ext[0]]
+    q = torch.randn(sum(ext), HEADS, DIM, generator=torch.Generator().manual_seed(3)).half()
+    k, v = pool.k.half(), pool.v.half()
+    ref = torch.empty(q.shape)
+    for j in range(2):
+        for r in range(ext[j]):
+            pos = prefix[j] + r
+            kv0 = 0 if window is None else max(pos - window + 1, 0)
+            slots = pool.table[j, kv0 : pos + 1].long()
+            row = starts[j] + r
+            ref[row] = torch_native.attend(q[row : row + 1].float(), k[slots].float(), v[slots].float(),
+                                           pos, kv0, layer)[0]
+    out = torch.empty_like(q)
+    kernels.extend_attention(q, k, v, out, pool.table, torch.tensor([0, 1]), torch.tensor(prefix),
+                             torch.tensor(ext), torch.tensor(starts), max(ext), layer.scaling, window, cap)
+    assert launched == [split_kv.ExtendBlocks(128, 32, 4, 3)]
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
 
 
 class _LoadProbe:
@@ -425,6 +467,33 @@ def test_interpreted_extend_visits_only_the_window(kernels, monkeypatch):
     full = sum(-(-(e - s) // tiles.block_n)
                for s, e in split_kv.extend_kv_bounds(0, n, None, tiles.block_m))
     assert blocks < full
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles", [(64, 64, 4, 2), (32, 16, 4, 2)])
+def test_interpreted_extend_masks_only_diagonal_blocks_and_reads_visible_keys(kernels, monkeypatch,
+                                                                           tiles):
+    """Without a window, each block of new tokens reads the prefix keys before its first token in
+    one loop (no causal mask) and its diagonal in a second: `ceil(d / n) + ceil((end - d) / n)`
+    key blocks for d = the block's first position, n keys a block, off the key-block grid too
+    (a 37-token prefix); every key read is one some query of the block sees."""
+    fixed = split_kv.ExtendBlocks(*tiles)
+    monkeypatch.setattr(kernels, "extend_block_config", lambda *a, **kw: fixed)
+    prefix, n = 37, 150
+    pool = _Pool([prefix + n], seed=7)
+    probe = _LoadProbe(pool.k)
+    probe.install(monkeypatch)
+    q = torch.randn(n, HEADS, DIM)
+    out = torch.empty_like(q)
+    kernels.extend_attention(q, pool.k, pool.v, out, pool.table, torch.tensor([0]),
+                             torch.tensor([prefix]), torch.tensor([n]), torch.tensor([0]), n, DIM**-0.5)
+    expected = 0
+    for m0 in range(0, n, fixed.block_m):
+        diag, end = prefix + m0, prefix + min(m0 + fixed.block_m, n)
+        expected += -(-diag // fixed.block_n) + -(-(end - diag) // fixed.block_n)
+    assert len(probe.loads) == HEADS * expected
+    assert set().union(*probe.loads) == set(pool.table[0, : prefix + n].tolist())
+    assert out.isfinite().all()
 
 
 # ---- whole models through the triton backend in the interpreter (a subprocess with the flag set)

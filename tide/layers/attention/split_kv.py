@@ -109,17 +109,30 @@ class ExtendBlocks(NamedTuple):
     stages: int = 2
 
 
-def extend_block_config(head_dim: int, kv_bytes: int = 2) -> ExtendBlocks:
-    """The extend kernel's tiles for a head dim and KV element size. bf16/fp16 caches at head dims
-    up to 128 take 128 query rows against 32-key blocks through 3 stages; fp8 caches, wider heads
-    and fp32 keep 64 x 64 through 2. One H100, Llama heads (32/8), this kernel (base-2 scores, the
-    causal mask on diagonal blocks only), against those 64 x 64 tiles: an 8k-token chunk of
-    prompts in [100, 1024] 419 -> 303 us, one 32k prompt 59.2 -> 27.4 ms (torch's varlen flash
-    attention in the same run: 312 us, 25.5 ms). With an fp8 cache the tall tiles were slower at
-    the chunk (354 against 286 us); the best tiles for its long prompts (128 x 128, 8 warps, 2
-    stages: 8% faster at 32k) are not used (benchmarks/RESULTS.md)."""
-    if head_dim <= 128 and kv_bytes == 2:
+# Shared memory a program of extend takes with 128 query rows against 64-key blocks through 2 stages,
+# 8 warps, at head dim 256 in bf16 (sm_90, Triton 3.6: 196,608 bytes).
+EXTEND_WIDE_TALL_SHARED = 192 * 1024
+
+
+def extend_block_config(head_dim: int, kv_bytes: int = 2,
+                        shared_bytes: int | None = None) -> ExtendBlocks:
+    """The extend kernel's tiles for a head dim and KV element size; `shared_bytes`: the shared
+    memory a block may opt in to on the device (None: enough for every config here). Measured on
+    one H100 against 64 x 64 tiles through 2 stages (HEAD's extend kernel used those), this kernel
+    (base-2 scores, the causal mask on diagonal blocks only), benchmarks/RESULTS.md:
+    - bf16/fp16 at head dim <= 128: 128 query rows against 32-key blocks through 3 stages. Llama
+      heads, an 8k-token chunk of prompts in [100, 1024] 419 -> 303 us, one 32k prompt 59.2 ->
+      27.4 ms (torch's varlen flash attention in the same run: 312 us, 25.5 ms).
+    - bf16/fp16 at head dim 256: 128 rows against 64-key blocks, 8 warps, 2 stages, where the
+      device has the shared memory for it. Gemma heads (16/8): the chunk 498 -> 294 us, one 8k
+      prompt 2,951 -> 1,586 us (flash 241 us, 1,860 us).
+    - fp8 caches keep 64 x 64: the tall tiles lost at the chunk (354 against 286 us); 128 x 128 on
+      8 warps would be 9-12% faster for long prompts and 8% slower at the chunk.
+    - fp32 keeps 64 x 64 (a 128-row fp32 query tile would not fit the registers)."""
+    if kv_bytes == 2 and head_dim <= 128:
         return ExtendBlocks(128, 32, 4, 3)
+    if kv_bytes == 2 and (shared_bytes is None or shared_bytes >= EXTEND_WIDE_TALL_SHARED):
+        return ExtendBlocks(128, 64, 8, 2)
     return ExtendBlocks(64, 64, 4, 2)
 
 

@@ -512,7 +512,8 @@ def _extend_kernel(
         m_i, l_i, acc = _attend_block(q, K, V, slots, mask_n, keep, kvh, stride_kt, stride_kh,
                                       stride_vt, stride_vh, offs_d, mask_d, sm_scale, logit_cap,
                                       m_i, l_i, acc, SOFT_CAP, DOT_PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows past ext_len keep nothing
+    # Rows past ext_len are not stored; a row with no kept key (none here) would divide 0 by 1.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -541,7 +542,8 @@ def extend_attention(
     group = num_heads // k_buffer.shape[1]
     sliding = sliding_window is not None
     use_pdl = pdl.enabled(q)
-    blocks = extend_block_config(head_dim, k_buffer.element_size())
+    blocks = extend_block_config(head_dim, k_buffer.element_size(),
+                                 _opt_in_shared_bytes(q.device) if q.is_cuda else None)
     grid = (req_pool_indices.shape[0], num_heads, triton.cdiv(max_extend_len, blocks.block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
