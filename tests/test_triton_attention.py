@@ -168,8 +168,10 @@ def test_kernels_in_the_interpreter():
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert "skipped" not in summary and "deselected" in summary, tail
-    # decode and extend per case, the two visit counts, two models, fp8 values as words (2)
-    assert int(summary.split(" passed")[0].split()[-1]) == 2 * len(CASES) + 3 + 2 + 2, tail
+    # decode per case, extend per case in three tilings, the two visit counts, two models, fp8
+    # values as words (2), extend in fp16 (2), extend's diagonal-block count (2)
+    expected = len(CASES) + 3 * len(CASES) + 3 + 2 + 2 + 2 + 2
+    assert int(summary.split(" passed")[0].split()[-1]) == expected, tail
 
 
 @pytest.fixture(scope="module")
