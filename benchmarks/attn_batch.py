@@ -56,20 +56,21 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
                  warp_counts: tuple[int, ...] = (4, 8),
                  cases: tuple[tuple[int, int, int, int], ...] | None = None,
                  v_pairs: tuple[bool, ...] = (False,),
+                 ctx: tuple[int, int] = (100, 1600),
                  ) -> dict[tuple[int, int, int, int], dict[tuple, tuple[float, float, float]]]:
     """`maxnregs`: register caps (Triton's `maxnreg`) tried beside the compiler's own choice, at
     blocks of 64 or more keys: a cap of 168 fits 3 programs of 4 warps on an SM, 128 fits 2 of 8.
     `split_counts`, `stage_counts`, `block_counts`, `warp_counts`: the splits, pipeline depths, keys
     a block and warps tried; `v_pairs`: fp8 values read as bytes (False) and/or as int16 words
     (True, `DecodeBlocks.v_pairs`); `cases`: (query heads, kv heads, head dim, batch) shapes
-    (default: all). Returns each case's {(splits, keys a block, warps, stages, register cap,
-    v_pairs): (us, fraction of copy bandwidth, max difference)}."""
+    (default: all); contexts are uniform in `ctx`. Returns each case's {(splits, keys a block,
+    warps, stages, register cap, v_pairs): (us, fraction of copy bandwidth, max difference)}."""
     everything = {}
     cases = cases or [(16, 8, 128, 64), (16, 8, 128, 256), (32, 8, 128, 64), (32, 8, 128, 256),
              (16, 8, 256, 64), (16, 8, 256, 256)]
     for hq, hk, d, batch in cases:
         rng = random.Random(batch)
-        lens = [rng.randint(100, 1600) for _ in range(batch)]
+        lens = [rng.randint(*ctx) for _ in range(batch)]
         k, v, table = _pool(lens, hk, batch, d, kv_dtype)
         q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
@@ -111,13 +112,14 @@ def decode_sweep(bw: float, kv_dtype: torch.dtype = torch.bfloat16,
             try:
                 t = replay_seconds(capture(run), reps=20, warmup=2)
             except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
-                print(f"   {(splits, block_n, warps, stages, maxnreg, pair)}: {type(e).__name__}",
-                      flush=True)
+                print(f"   {(splits, block_n, warps, stages, maxnreg, pair)}: "
+                      f"{type(e).__name__}", flush=True)
                 continue
             if ref is None:
                 ref = out.clone()
             err = (out.float() - ref.float()).abs().max().item()
-            res[(splits, block_n, warps, stages, maxnreg, pair)] = (t * 1e6, kv_bytes / t / bw, err)
+            res[(splits, block_n, warps, stages, maxnreg, pair)] = (
+                t * 1e6, kv_bytes / t / bw, err)
         splits = tk.num_kv_splits(batch * hk, 128)
         cfg = tk.decode_block_config(splits, d, k.element_size(), hq // hk)
         default = (splits, cfg.block_n, cfg.warps, cfg.stages, None, cfg.v_pairs)

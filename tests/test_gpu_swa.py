@@ -145,8 +145,8 @@ def _poisoned_pool(lens, visible_ranges, heads_kv, dim, dtype):
     """A shuffled pool (slot of request i's position p: table[i, p]) with NaN in every slot outside
     `visible_ranges` [(req, lo, hi)]."""
     total = sum(lens)
-    k = torch.randn(total + 8, heads_kv, dim, device="cuda", dtype=dtype)
-    v = torch.randn(total + 8, heads_kv, dim, device="cuda", dtype=dtype)
+    k = torch.randn(total + 8, heads_kv, dim, device="cuda").to(dtype)
+    v = torch.randn(total + 8, heads_kv, dim, device="cuda").to(dtype)
     perm = torch.randperm(total, device="cuda") + 4
     table = torch.zeros(len(lens), max(lens) + 5, dtype=torch.int32, device="cuda")
     off = 0
@@ -157,8 +157,12 @@ def _poisoned_pool(lens, visible_ranges, heads_kv, dim, dtype):
     for i, lo, hi in visible_ranges:
         hidden[table[i, lo:hi].long()] = False
     clean = (k.clone(), v.clone())
-    k[hidden] = float("nan")
-    v[hidden] = float("nan")
+    if dtype == torch.float8_e4m3fn:  # e4m3's NaN, written as bytes
+        k.view(torch.uint8)[hidden] = 0x7F
+        v.view(torch.uint8)[hidden] = 0x7F
+    else:
+        k[hidden] = float("nan")
+        v[hidden] = float("nan")
     return table, k, v, clean
 
 
@@ -209,6 +213,45 @@ def test_kernels_never_read_hidden_slots(window, cap):
                                        v0[slots].float(), pos, lo, layer)
             torch.testing.assert_close(out[starts[i] + r : starts[i] + r + 1].float(), want,
                                        atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window,cap", [(None, None), (100, 50.0), (700, None)])
+def test_extend_tiles_match_torch_native(head_dim, kv_dtype, window, cap):
+    """The extend kernel on the tiles `split_kv.extend_block_config` picks for real heads (Llama's
+    32/8 at 128, Gemma's 16/8 at 256: 128 x 32, 128 x 64 on 8 warps, and 64 x 64 for fp8), every
+    query row of prompts, a cached prefix and a 1,500-token prompt (many diagonal and off-diagonal
+    key blocks, windows across them) against torch_native over the same cache, NaN in every slot
+    no query may see. fp8 caches are widened for the reference; queries are in the model dtype."""
+    from tide.layers.attention import torch_native, triton_kernels
+    from tide.layers.attention.layer import Attention
+
+    torch.manual_seed(head_dim)
+    hq, hk = (32, 8) if head_dim == 128 else (16, 8)
+    q_dtype = torch.float16 if kv_dtype == torch.float16 else torch.bfloat16
+    layer = Attention(hq, hk, head_dim, head_dim**-0.5, 0, sliding_window=window, logit_cap=cap)
+    prefix, ext = [0, 37, 1000, 0], [300, 64, 129, 1500]
+    lens = [p + e for p, e in zip(prefix, ext)]
+    vis = [(i, 0 if window is None else max(prefix[i] - window + 1, 0), lens[i])
+           for i in range(len(lens))]
+    table, k, v, (k0, v0) = _poisoned_pool(lens, vis, hk, head_dim, kv_dtype)
+    q = torch.randn(sum(ext), hq, head_dim, device="cuda", dtype=q_dtype)
+    out = torch.empty_like(q)
+    starts = [sum(ext[:i]) for i in range(len(ext))]
+    triton_kernels.extend_attention(
+        q, k, v, out, table, torch.arange(len(lens), device="cuda"),
+        torch.tensor(prefix, device="cuda"), torch.tensor(ext, device="cuda"),
+        torch.tensor(starts, device="cuda"), max(ext), layer.scaling, window, cap)
+    assert out.isfinite().all(), "a hidden slot was read"
+    # fp8 rounds the query and the weights to fp16 for the dots, as decode does.
+    tol = 3e-2 if kv_dtype == torch.float8_e4m3fn else 2e-2
+    for i in range(len(lens)):
+        slots = table[i, : lens[i]].long()
+        want = torch_native.attend(q[starts[i] : starts[i] + ext[i]].float(), k0[slots].float(),
+                                   v0[slots].float(), prefix[i], 0, layer)
+        torch.testing.assert_close(out[starts[i] : starts[i] + ext[i]].float(), want,
+                                   atol=tol, rtol=tol)
 
 
 def test_sliding_decode_time_does_not_grow_with_context():
