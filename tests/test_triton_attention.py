@@ -308,12 +308,16 @@ def test_interpreted_fp8_decode_values_as_words_equal_bytes(kernels, monkeypatch
 def test_extend_tiles_by_head_dim_and_cache():
     """2-byte caches take tall tiles (measured faster there): 128 rows against 32-key blocks at
     head dims up to 128, against 64-key blocks on 8 warps at 256 where the device has the shared
-    memory (not on ~99 KB or ~163 KB devices); fp8 caches and fp32 keep 64 x 64."""
+    memory (not on ~99 KB or ~163 KB devices); fp8 caches take 128 x 128 on 8 warps at head dims
+    up to 128 where 96 KB fit; fp32, and fp8 at 256, keep 64 x 64."""
     tall, square = split_kv.ExtendBlocks(128, 32, 4, 3), split_kv.ExtendBlocks(64, 64, 4, 2)
+    fp8_tall = split_kv.ExtendBlocks(128, 128, 8, 2)
     for head_dim in (64, 96, 128):
         assert split_kv.extend_block_config(head_dim, 2) == tall
         assert split_kv.extend_block_config(head_dim, 2, 99 * 1024) == tall  # 65,792 bytes
-        assert split_kv.extend_block_config(head_dim, 1) == square
+        assert split_kv.extend_block_config(head_dim, 1) == fp8_tall
+        assert split_kv.extend_block_config(head_dim, 1, 99 * 1024) == fp8_tall  # 98,304 bytes
+        assert split_kv.extend_block_config(head_dim, 1, 64 * 1024) == square
         assert split_kv.extend_block_config(head_dim, 4) == square
     wide = split_kv.ExtendBlocks(128, 64, 8, 2)
     assert split_kv.extend_block_config(256, 2) == wide
