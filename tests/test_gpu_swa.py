@@ -221,10 +221,11 @@ def test_kernels_never_read_hidden_slots(window, cap):
 @pytest.mark.parametrize("window,cap", [(None, None), (100, 50.0), (700, None)])
 def test_extend_tiles_match_torch_native(head_dim, kv_dtype, window, cap):
     """The extend kernel on the tiles `split_kv.extend_block_config` picks for real heads (Llama's
-    32/8 at 128, Gemma's 16/8 at 256: 128 x 32, 128 x 64 on 8 warps, and 64 x 64 for fp8), every
-    query row of prompts, a cached prefix and a 1,500-token prompt (many diagonal and off-diagonal
-    key blocks, windows across them) against torch_native over the same cache, NaN in every slot
-    no query may see. fp8 caches are widened for the reference; queries are in the model dtype."""
+    32/8 at 128, Gemma's 16/8 at 256: 128 x 32 and 128 x 64 on 8 warps; with fp8 128 x 128 on 8
+    warps and 64 x 64), every query row of prompts, a cached prefix and a 1,500-token prompt (many
+    diagonal and off-diagonal key blocks, windows across them) against torch_native over the same
+    cache, NaN in every slot no query may see. fp8 caches are widened for the reference; queries
+    are in the model dtype."""
     from tide.layers.attention import torch_native, triton_kernels
     from tide.layers.attention.layer import Attention
 

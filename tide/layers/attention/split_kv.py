@@ -135,13 +135,14 @@ def extend_block_config(head_dim: int, kv_bytes: int = 2,
       286 -> 312 us (9% slower; prefill attention of such chunks is ~2% of the standard workload).
     - fp8 at head dim 256, fp32, and smaller devices keep 64 x 64 (a 128-row fp32 query tile would
       not fit the registers)."""
-    fits = shared_bytes is None or shared_bytes >= EXTEND_WIDE_TALL_SHARED
+    def fits(need: int) -> bool:
+        return shared_bytes is None or shared_bytes >= need
+
     if kv_bytes == 2 and head_dim <= 128:
         return ExtendBlocks(128, 32, 4, 3)
-    if kv_bytes == 2 and fits:
+    if kv_bytes == 2 and fits(EXTEND_WIDE_TALL_SHARED):
         return ExtendBlocks(128, 64, 8, 2)
-    if kv_bytes == 1 and head_dim <= 128 and (shared_bytes is None
-                                               or shared_bytes >= EXTEND_FP8_TALL_SHARED):
+    if kv_bytes == 1 and head_dim <= 128 and fits(EXTEND_FP8_TALL_SHARED):
         return ExtendBlocks(128, 128, 8, 2)
     return ExtendBlocks(64, 64, 4, 2)
 
