@@ -121,8 +121,8 @@ def extend_block_config(head_dim: int, kv_bytes: int = 2,
                         shared_bytes: int | None = None) -> ExtendBlocks:
     """The extend kernel's tiles for a head dim and KV element size; `shared_bytes`: the shared
     memory a block may opt in to on the device (None: enough for every config here). Measured on
-    one H100 against 64 x 64 tiles through 2 stages (HEAD's extend kernel used those), this kernel
-    (base-2 scores, the causal mask on diagonal blocks only), benchmarks/RESULTS.md:
+    one H100 against 64 x 64 tiles through 2 stages (the extend kernel's tiles before these), this
+    kernel (base-2 scores, the causal mask on diagonal blocks only), benchmarks/RESULTS.md:
     - bf16/fp16 at head dim <= 128: 128 query rows against 32-key blocks through 3 stages. Llama
       heads, an 8k-token chunk of prompts in [100, 1024] 419 -> 303 us, one 32k prompt 59.2 ->
       27.4 ms (torch's varlen flash attention in the same run: 312 us, 25.5 ms).
@@ -133,8 +133,8 @@ def extend_block_config(head_dim: int, kv_bytes: int = 2,
       the device has it. Llama heads: one 8k prompt 2,045 -> 1,845 us, 4k new tokens on a 4k prefix
       1,516 -> 1,364, one 32k prompt 32.0 -> 28.0 ms; an 8k-token chunk of prompts in [100, 1024]
       286 -> 312 us (9% slower; prefill attention of such chunks is ~2% of the standard workload).
-    - fp8 at head dim 256, fp32, and smaller devices keep 64 x 64 (a 128-row fp32 query tile would
-      not fit the registers)."""
+    - 64 x 64 elsewhere: fp8 at head dim 256 (taller tiles not measured), fp32 (a 128-row fp32
+      query tile would not fit the registers), and devices without the shared memory."""
     def fits(need: int) -> bool:
         return shared_bytes is None or shared_bytes >= need
 
