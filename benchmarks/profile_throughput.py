@@ -215,7 +215,9 @@ class Instrument:
         kinds = ("prefill", "mixed", "decode")
         device: dict[str, Any] = {k: {"steps": 0, "forward_s": 0.0, "sampling_s": 0.0} for k in kinds}
         gaps: list[float] = []
+        by_transition: dict[str, float] = defaultdict(float)
         prev_end = None
+        prev_kind = ""
         busy = 0.0
         for s in steps:
             if s.kind == "none":
@@ -225,7 +227,9 @@ class Instrument:
                 fwd, smp = a.elapsed_time(m) / 1e3, m.elapsed_time(b) / 1e3
                 if prev_end is not None:
                     gaps.append(max(0.0, prev_end.elapsed_time(a) / 1e3))
+                    by_transition[f"{prev_kind} -> {s.kind}"] += gaps[-1]
                 prev_end = b
+                prev_kind = s.kind
             elif s.device_s is not None:
                 fwd, smp = s.device_s
             else:
@@ -256,6 +260,7 @@ class Instrument:
             "steps": {k: device[k]["steps"] for k in kinds},
             "device_idle_between_steps_s": sum(gaps),
             "device_idle_gap_ms_mean": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
+            "device_idle_by_transition_s": dict(by_transition),
             "host_between_steps_s": sum(host_gaps),
             "host_between_steps_ms_mean": 1e3 * sum(host_gaps) / len(host_gaps) if host_gaps else 0.0,
             "host": host,
@@ -446,6 +451,9 @@ def table(res: dict[str, Any]) -> str:
               f"| device busy (forward + sampling ÷ wall) | {res['device_busy_fraction']:.1%} |",
               f"| device idle between steps | {res['device_idle_between_steps_s']:.2f} s "
               f"({res['device_idle_gap_ms_mean']:.3f} ms mean gap) |",
+              "| device idle between steps, by the kinds of the steps on either side | "
+              + ", ".join(f"{k} {v:.3f} s" for k, v in res["device_idle_by_transition_s"].items())
+              + " |",
               f"| host between steps (caller's loop) | {res['host_between_steps_s']:.2f} s |",
               f"| sampling on device | {res['sampling_s']:.2f} s |"]
     stats = res["scheduler_stats"]
