@@ -131,6 +131,9 @@ def test_empty_or_bad_input_ids(llama_engine, baseline):
         llama_engine.generate(input_ids=[1, 512], sampling_params=OK)  # vocab is 512
     with pytest.raises(ValueError, match="input_ids"):
         llama_engine.generate(input_ids=[1, -1], sampling_params=OK)
+    for bad in ([1, True], [1, 2.0], [1, "3"], [[1, 2], [3, None]], [1, 2**70]):
+        with pytest.raises(ValueError, match=r"input_ids must be integers in \[0, 512\)"):
+            llama_engine.generate(input_ids=bad, sampling_params=OK)
     with pytest.raises(ValueError, match="prompt|input_ids"):
         llama_engine.generate(sampling_params=OK)
     with pytest.raises(ValueError, match="prompt|input_ids"):

@@ -195,6 +195,33 @@ def test_evict_zero_and_empty(cache, alloc):
     assert cache.total_size() == 2
 
 
+def test_common_len_matches_a_token_by_token_walk():
+    """`_common_len` (slice comparisons and a bisection) against the plain definition, for equal
+    keys, one key a prefix of the other, and a first difference at every position of long keys."""
+    from tide.memory.radix_cache import _common_len
+
+    def walk(a: list[int], b: list[int]) -> int:
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    base = [rng.randrange(50) for _ in range(300)]
+    cases = [([], []), ([], [1]), ([1], []), (base, base), (base, base[:17]), (base[:200], base)]
+    for pos in range(300):
+        other = list(base)
+        other[pos] = -1
+        cases.append((base, other))
+        cases.append((other[: pos + 5], base))
+    for _ in range(200):
+        n = rng.randrange(80)
+        a = [rng.randrange(3) for _ in range(n)]
+        cases.append((a, [rng.randrange(3) for _ in range(rng.randrange(80))]))
+    for a, b in cases:
+        assert _common_len(a, b) == walk(a, b), (a, b)
+
+
 def test_disabled_cache(alloc):
     cache = RadixCache(ReqToTokenPool(2, 8, "cpu"), alloc, disable=True)
     value = alloc.alloc(3)

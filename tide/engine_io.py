@@ -156,7 +156,9 @@ def _token_lists(prompt: Prompt, input_ids: InputIds, tokenizer: Tokenizer | Non
         if not ids:
             raise ValueError("input_ids must not be empty" if single else
                              f"input_ids.{k} must not be empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+        # By the set of the ids' types, then min and max (C loops; half the time of a per-id check).
+        if (not all(issubclass(kind, int) and kind is not bool for kind in set(map(type, ids)))
+                or min(ids) < 0 or max(ids) >= vocab):
             raise ValueError(f"input_ids must be integers in [0, {vocab})")
         lists.append(ids)
     return single, lists

@@ -413,8 +413,19 @@ class RadixCache:
 
 
 def _common_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of `a` and `b`. List slices compare in C: a whole-key match (the
+    common case: a request walking the nodes of its own prompt) costs one comparison, a mismatch
+    a bisection over slices and at most 32 single steps."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference lies before hi
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
