@@ -218,6 +218,36 @@ def test_backend_selection_never_runs_windows_on_a_backend_without_them(monkeypa
     assert select_attention_backend("auto", "cuda", gemma2) is _WindowBackend
 
 
+class _Fp8NewGpuBackend(attn_base.AttentionBackend):
+    supports_cuda_graph = True
+    fp8_kv_min_capability = (8, 9)
+
+
+def test_backend_selection_keeps_an_fp8_cache_off_gpus_too_old_for_the_kernels(monkeypatch):
+    """An fp8 KV cache on a GPU older than the triton kernels' fp8 needs (an A100 is 8.0): auto
+    takes torch_native, triton by name is refused naming kv_cache_dtype; on 8.9 and 9.0, and
+    without an fp8 cache, triton stays."""
+    monkeypatch.setitem(attn_base._REGISTRY, "triton", _Fp8NewGpuBackend)
+    llama = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **_TINY,
+                                      "num_hidden_layers": 2})
+    assert select_attention_backend("auto", "cuda", llama, (8, 0)) is TorchNativeAttnBackend
+    assert select_attention_backend("torch_native", "cuda", llama, (8, 0)) is TorchNativeAttnBackend
+    with pytest.raises(ValueError, match=r"kv_cache_dtype.*compute capability 8\.9.*this one is 8\.0"):
+        select_attention_backend("triton", "cuda", llama, (8, 0))
+    for capability in ((8, 9), (9, 0), (10, 0)):
+        assert select_attention_backend("auto", "cuda", llama, capability) is _Fp8NewGpuBackend
+        assert select_attention_backend("triton", "cuda", llama, capability) is _Fp8NewGpuBackend
+    assert select_attention_backend("auto", "cuda", llama, None) is _Fp8NewGpuBackend
+    assert select_attention_backend("triton", "cuda", llama) is _Fp8NewGpuBackend
+
+
+def test_triton_backend_states_its_fp8_capability():
+    pytest.importorskip("triton")
+    from tide.layers.attention.triton_backend import TritonAttnBackend
+
+    assert TritonAttnBackend.fp8_kv_min_capability == (8, 9)
+
+
 # ---- weight names at real shapes
 
 

@@ -82,7 +82,8 @@ class EngineConfig:
     kv_cache_dtype: str = _option(
         "auto", "KV cache element type: auto (the model dtype) or fp8_e4m3 (one byte per value, "
                 "saturated to +-448, no scales: twice the tokens in the same memory and half the "
-                "bytes each decode step reads; logprobs move by the rounding)")
+                "bytes each decode step reads; logprobs move by the rounding). The triton "
+                "attention kernels read fp8 on compute capability 8.9+; older GPUs run torch_native")
     # Scheduling.
     chunked_prefill_size: int = _option(8192, "longest prefill chunk in tokens; longer prompts "
                                               "are prefilled over several steps")

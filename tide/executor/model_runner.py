@@ -117,8 +117,11 @@ class ModelRunner:
                 self.weights_region = self._move_weights_to_vmm()
         # The backend first: its own device memory (the deterministic decode's split partials)
         # then counts as used when the KV pools are sized.
+        fp8_capability = (torch.cuda.get_device_capability(self.device)
+                          if self.device.type == "cuda" and self.kv_dtype == torch.float8_e4m3fn
+                          else None)
         backend_cls = select_attention_backend(
-            config.attention_backend, self.device.type, model_config
+            config.attention_backend, self.device.type, model_config, fp8_capability
         )
         self.attn_backend = backend_cls.create(self)
         self._init_pools()

@@ -29,6 +29,9 @@ class AttentionBackend:
     # (`select_attention_backend` checks): per-layer sliding windows and attention soft-capping.
     supports_sliding_window = False
     supports_logit_cap = False
+    # The oldest CUDA compute capability whose fp8 (e4m3) K/V this backend's kernels can read
+    # (None: any). `select_attention_backend` keeps an fp8 cache off backends that need newer GPUs.
+    fp8_kv_min_capability: tuple[int, int] | None = None
 
     @classmethod
     def create(cls, runner: "ModelRunner") -> "AttentionBackend":
@@ -111,26 +114,28 @@ def register(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBack
 
 
 def select_attention_backend(
-    name: str, device_type: str, model_config: "ModelConfig"
+    name: str, device_type: str, model_config: "ModelConfig",
+    fp8_kv_capability: tuple[int, int] | None = None,
 ) -> type[AttentionBackend]:
     """The backend class for option `attention_backend=name` and this model.
 
     "auto" picks triton on CUDA unless the model uses a feature the triton backend does not
-    implement yet (sliding windows, attention soft-capping): then torch_native, which does the exact
-    math everywhere. A backend named explicitly that lacks a feature the model needs is refused with
-    a ValueError rather than run with the wrong math.
+    implement yet (sliding windows, attention soft-capping), or the KV cache is fp8 on a GPU older
+    than its fp8 kernels need: then torch_native, which does the exact math everywhere. A backend
+    named explicitly that cannot run the model is refused with a ValueError rather than run with the
+    wrong math or fail in its kernels. `fp8_kv_capability`: the CUDA device's compute capability when
+    the KV cache is fp8 (None otherwise).
     """
     needs = _needed_features(model_config)
     if name == "auto":
         if device_type == "cuda":
             cls = get_attention_backend_class("triton")
             missing = _missing(cls, needs)
-            if not missing:
+            too_old = _fp8_too_old(cls, fp8_kv_capability)
+            if not missing and too_old is None:
                 return cls
-            logger.info(
-                "attention_backend auto: torch_native, since triton does not support %s yet",
-                " or ".join(missing),
-            )
+            logger.info("attention_backend auto: torch_native, since triton %s",
+                        too_old or f"does not support {' or '.join(missing)} yet")
         return get_attention_backend_class("torch_native")
     cls = get_attention_backend_class(name)
     missing = _missing(cls, needs)
@@ -139,7 +144,20 @@ def select_attention_backend(
             f"attention_backend {name!r} does not support {' or '.join(missing)} yet, which "
             f"{model_config.architecture} uses; use attention_backend='torch_native' or 'auto'"
         )
+    too_old = _fp8_too_old(cls, fp8_kv_capability)
+    if too_old is not None:
+        raise ValueError(f"kv_cache_dtype 'fp8_e4m3' with attention_backend {name!r}: {name} "
+                         f"{too_old}; use kv_cache_dtype='auto' or attention_backend='torch_native'")
     return cls
+
+
+def _fp8_too_old(cls: type[AttentionBackend], capability: tuple[int, int] | None) -> str | None:
+    """Why `cls` cannot read an fp8 KV cache on a GPU of `capability` (None: it can)."""
+    need = cls.fp8_kv_min_capability
+    if capability is None or need is None or tuple(capability) >= need:
+        return None
+    return (f"reads fp8 K/V only on GPUs of compute capability {need[0]}.{need[1]} or newer "
+            f"(this one is {capability[0]}.{capability[1]})")
 
 
 def _needed_features(model_config: "ModelConfig") -> list[str]:

@@ -27,6 +27,8 @@ class TritonAttnBackend(AttentionBackend):
     # loops starting at the first visible block); scores are soft-capped in the kernels.
     supports_sliding_window = True
     supports_logit_cap = True
+    # Triton's e4m3 type and the kernels' `cvt.*.e4m3x2` widening need sm_89 (Ada, Hopper) or newer.
+    fp8_kv_min_capability = (8, 9)
 
     @classmethod
     def create(cls, runner: "ModelRunner") -> "TritonAttnBackend":
