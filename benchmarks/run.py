@@ -106,14 +106,18 @@ def workload(n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0, vocab: 
     return reqs
 
 
-def tide_throughput(engine, reqs) -> dict[str, float]:
+def tide_throughput(engine, reqs, temperature: float = 0.0,
+                    return_logprob: bool = False) -> dict[str, float]:
+    """The workload `reqs` through `engine.generate` (greedy by default; `temperature` > 0 with
+    `return_logprob` is an RL rollout's sampling)."""
     ids = [r[0] for r in reqs]
-    params = [{"max_new_tokens": o, "temperature": 0, "ignore_eos": True} for _, o in reqs]
-    engine.generate(input_ids=ids[:4], sampling_params=params[:4])  # warm-up
+    params = [{"max_new_tokens": o, "temperature": temperature, "ignore_eos": True} for _, o in reqs]
+    engine.generate(input_ids=ids[:4], sampling_params=params[:4],
+                    return_logprob=return_logprob)  # warm-up
     engine.flush_cache()
     torch.cuda.synchronize()
     t = time.perf_counter()
-    outs = engine.generate(input_ids=ids, sampling_params=params)
+    outs = engine.generate(input_ids=ids, sampling_params=params, return_logprob=return_logprob)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -166,6 +170,9 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for every tide engine, e.g. disable_overlap_schedule=true")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="(b): sample at this temperature instead of greedy")
+    ap.add_argument("--logprobs", action="store_true", help="(b): return every token's logprob")
     args = ap.parse_args()
     options = engine_options(args.engine)
     parts = set(args.only.split(","))
@@ -205,7 +212,8 @@ def main() -> None:
                 print(f"(d) bs1 decode @ {ctx}: {res['d'][ctx]:.1f} tok/s", flush=True)
             save()
         if "b" in parts:
-            r = tide_throughput(engine, reqs)
+            r = tide_throughput(engine, reqs, args.temperature, args.logprobs)
+            r.update(temperature=args.temperature, logprobs=args.logprobs)
             res.setdefault("b", {})[shape] = r
             print(f"(b) tide throughput {shape}: {r['output_tok_s']:.0f} out tok/s ({r['seconds']:.1f}s)", flush=True)
             save()

@@ -5,12 +5,22 @@ is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes fro
 logits' device seeded by (seed, output position), so its tokens do not depend on what else is in the
 batch. Every step runs on that device; results leave it through `DeviceSample`.
 
+On CUDA, a row with no penalties, no truncation and no top logprobs (plain temperature sampling, as an
+RL rollout draws, or greedy) takes `triton_ops.sample_rows` instead: one pass over its logits that
+draws by the Gumbel-max rule (the same distribution, argmax(log p - log E)) with E from Philox keyed
+by (seed, output position), or by a per-step seed from the sampler's own generator when the request
+has none, and computes the token's logprob on the way. The other path reads and writes the
+vocabulary-wide rows about ten times (cast, scale, softmax, noise, divide, argmax, log_softmax); this
+one reads them once. Which path a row takes depends on its own parameters only, so a seeded row's
+tokens still do not depend on its batch; the two paths draw from different random streams.
+
 Returned logprobs are `log_softmax` of the logits after penalties and temperature (temperature 0 counts
 as 1) and before any truncation: the distribution the model proposed at that temperature.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +62,14 @@ class SamplingBatchInfo:
 
     def row(self, i: int) -> SamplingBatchInfo:
         """Row i alone."""
-        return SamplingBatchInfo([self.params[i]], [self.output_ids[i]], [self.prompt_ids[i]],
-                                 [self.return_logprob[i]], [self.top_logprobs_num[i]],
+        return self.select([i])
+
+    def select(self, rows: list[int]) -> SamplingBatchInfo:
+        """The rows `rows`, in that order."""
+        return SamplingBatchInfo([self.params[i] for i in rows], [self.output_ids[i] for i in rows],
+                                 [self.prompt_ids[i] for i in rows],
+                                 [self.return_logprob[i] for i in rows],
+                                 [self.top_logprobs_num[i] for i in rows],
                                  output_offset=self.output_offset)
 
 
@@ -124,13 +140,20 @@ class DeviceSample:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, deterministic: bool = False) -> None:
+    def __init__(self, seed: int = 0, deterministic: bool = False,
+                 one_pass: bool | None = None) -> None:
         """`deterministic` (`enable_deterministic_inference`): on CUDA, log_softmax and the draw's
         probabilities come from the one-program-per-row kernel and top-k/top-p/min-p truncation runs
-        row by row, so a row's logprob and (seeded) draw do not depend on the batch."""
+        row by row, so a row's logprob and (seeded) draw do not depend on the batch; its logprobs
+        are the bits `tide.rl.logprobs` computes, so it keeps the general path. `one_pass`: whether
+        rows that can take `triton_ops.sample_rows` do (None: on CUDA outside deterministic mode;
+        True elsewhere needs triton's CPU interpreter, for tests)."""
         self.seed = seed
         self.deterministic = deterministic
+        self.one_pass = one_pass
         self._generators: dict[torch.device, torch.Generator] = {}
+        # Per-step Philox keys of the one-pass path's unseeded rows.
+        self._keys = random.Random(seed)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -156,6 +179,46 @@ class Sampler:
             # copy, the next step's inputs) is queued before the next replay overwrites it.
             ids = greedy_ids if greedy_ids is not None else logits.float().argmax(dim=-1)
             return DeviceSample(ids)
+        if not (logits.is_cuda and not self.deterministic if self.one_pass is None
+                else self.one_pass):
+            return self._sample_rows(logits, info)
+        one_pass = [i for i in range(info.size) if _one_pass(info.params[i], info.top_logprobs_num[i])]
+        if len(one_pass) == info.size:
+            return self._one_pass(logits, info, None)
+        if not one_pass:
+            return self._sample_rows(logits, info)
+        chosen = set(one_pass)
+        rest = [i for i in range(info.size) if i not in chosen]
+        a = self._one_pass(logits, info.select(one_pass), one_pass)
+        b = self._sample_rows(logits.index_select(0, device_tensor(rest, torch.int64, logits.device)),
+                              info.select(rest))
+        return _merge(info, (one_pass, a), (rest, b))
+
+    def _one_pass(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                  rows: list[int] | None) -> DeviceSample:
+        """`triton_ops.sample_rows` over rows `rows` of `logits` (None: all), described by `info`."""
+        from tide.layers import triton_ops
+
+        temps: list[float] = []
+        keys: list[int] = []
+        for i, p in enumerate(info.params):
+            temps.append(p.temperature or 1.0)
+            if p.is_greedy:
+                keys.append(-1)
+            elif p.seed is None:
+                keys.append(self._keys.getrandbits(63))
+            else:
+                keys.append((p.seed * _SEED_MIX + info.output_position(i)) % (2**63))
+        device = logits.device
+        index = (device_tensor(rows, torch.int64, device) if rows is not None
+                 else torch.arange(info.size, device=device))
+        ids, logp = triton_ops.sample_rows(
+            logits, index, device_tensor(temps, torch.float32, device),
+            device_tensor(keys, torch.int64, device), any(info.return_logprob))
+        return DeviceSample(ids, logp)
+
+    def _sample_rows(self, logits: torch.Tensor, info: SamplingBatchInfo) -> DeviceSample:
+        """Every row of `logits` through the general path (penalties, truncation, top logprobs)."""
         logits = logits.float()
         params = info.params
         if any(p.has_penalties for p in params):
@@ -213,6 +276,39 @@ class Sampler:
         if self.deterministic:
             return batch_invariant.log_softmax(scaled)
         return torch.log_softmax(scaled, dim=-1)
+
+
+def _one_pass(p: SamplingParams, top_logprobs_num: int) -> bool:
+    """Whether a row may take `triton_ops.sample_rows`: greedy, or plain temperature sampling, with
+    no penalties and no top logprobs."""
+    if p.has_penalties or top_logprobs_num > 0:
+        return False
+    return p.is_greedy or (p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0)
+
+
+def _merge(info: SamplingBatchInfo, *parts: tuple[list[int], DeviceSample]) -> DeviceSample:
+    """One batch's sample from samples of disjoint row subsets (rows given in batch order)."""
+    first = parts[0][1].next_ids
+    device = first.device
+    ids = torch.empty(info.size, dtype=torch.int64, device=device)
+    logp = (torch.zeros(info.size, dtype=torch.float32, device=device)
+            if any(info.return_logprob) else None)
+    k = max(info.top_logprobs_num, default=0)
+    top_vals = torch.zeros(info.size, k, dtype=torch.float32, device=device) if k else None
+    top_ids = torch.zeros(info.size, k, dtype=torch.int64, device=device) if k else None
+    for rows, part in parts:
+        index = device_tensor(rows, torch.int64, device)
+        ids.index_copy_(0, index, part.next_ids)
+        if logp is not None and part.logprobs is not None:
+            logp.index_copy_(0, index, part.logprobs)
+        if top_vals is not None and top_ids is not None and part.top_vals is not None \
+                and part.top_ids is not None:
+            top_vals[:, : part.top_vals.shape[1]].index_copy_(0, index, part.top_vals)
+            top_ids[:, : part.top_ids.shape[1]].index_copy_(0, index, part.top_ids)
+    out = DeviceSample(ids, logp, top_vals, top_ids)
+    if k:
+        out.top_logprobs_num = list(info.top_logprobs_num)
+    return out
 
 
 def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

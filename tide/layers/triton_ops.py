@@ -1,5 +1,5 @@
 """Fused Triton kernels for the GPU path: add+RMSNorm, Gemma's RMSNorm (+ residual add + the next
-norm), RoPE+KV store, SiLU-and-mul, GELU(tanh)-and-mul, row argmax.
+norm), RoPE+KV store, SiLU-and-mul, GELU(tanh)-and-mul, row argmax, one-pass sampling (`sample_rows`).
 
 Each op has the torch reference in `tide.layers` (norm.py, rotary.py, activation.py); these compute the
 same function with one launch instead of several, rounding like the reference where the reference
@@ -8,11 +8,15 @@ rounds to the model dtype (residual sum, normalized activations before the weigh
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from tide.layers import pdl
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 # Per-request and per-token index arguments (the batch's metadata, read one element a program).
 # Their addresses are views into packed or freshly allocated buffers whose 16-byte alignment
@@ -336,3 +340,140 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     _argmax_final_kernel[(rows,)](vals, idx, nan_idx, out, n_cols, NUM_CHUNKS=chunks,
                                   USE_PDL=use_pdl, num_warps=1, launch_pdl=use_pdl)
     return out
+
+
+# Columns a program of `sample_rows` covers: fixed, so a row's result never depends on its batch.
+# 2,048 in one block of 4 warps was the fastest of chunks 2k-16k, blocks 512-4k, 4/8 warps (H100,
+# Qwen3's vocabulary, 1-256 rows).
+SAMPLE_CHUNK = 2048
+_SAMPLE_BLOCK = 2048
+
+
+@triton.jit
+def _ln(x, ASM: tl.constexpr):
+    """Natural log; on the GPU by `lg2.approx` (relative error ~2^-22), which halved the sampling
+    kernel's time against `tl.log`: its noise needs two logs an element."""
+    if ASM:
+        lg = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                       is_pure=True, pack=1)
+        return lg * 0.6931471805599453
+    else:
+        return tl.log(x)
+
+
+# Row counts change every step: a kernel specialised on them (==1, multiple of 16) would compile again
+# in the middle of serving (measured: the first sampled run of a process on a new host took 1.3 s
+# longer). Nor on the alignment of the per-row arguments (fresh small tensors).
+_SAMPLE_ARGS = ("n_cols", "stride_x", "rows_total")
+_SAMPLE_ROW_ARGS = ("Rows", "Temps", "Seeds")
+
+
+@triton.jit(do_not_specialize=_SAMPLE_ARGS, do_not_specialize_on_alignment=_SAMPLE_ROW_ARGS)
+def _sample_partial_kernel(X, Rows, Temps, Seeds, Part, Idx, n_cols, stride_x, rows_total,
+                           CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                           LOGPROB: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    i = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row = tl.load(Rows + i).to(tl.int64)
+    inv_t = 1.0 / tl.load(Temps + i)
+    seed = tl.load(Seeds + i)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int32) + n_cols
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    # Tiles of [BLOCK // 4, 4] columns: one Philox evaluation (counter = column // 4) gives the four
+    # uniforms of a tile row, column 4c + l taking output l.
+    quad = tl.arange(0, BLOCK // 4)
+    lane = tl.arange(0, 4)[None, :]
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        cols = start + 4 * quad[:, None] + lane
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        x = tl.where(x != x, float("-inf"), x)  # a NaN logit is never drawn
+        if seed >= 0:  # Gumbel-max: argmax(x - log E), E = -log U ~ Exp(1)
+            u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + quad)
+            u = tl.where(lane == 0, u0[:, None], tl.where(lane == 1, u1[:, None],
+                         tl.where(lane == 2, u2[:, None], u3[:, None])))
+            key = x - _ln(-_ln(u, ASM), ASM)
+        else:
+            key = x
+        key = tl.where(mask, key, float("-inf"))
+        kmax = tl.max(tl.max(key, 1), 0)
+        kidx = tl.min(tl.min(tl.where(key == kmax, cols, n_cols), 1), 0)
+        best_idx = tl.where(kmax > best, kidx, best_idx)
+        best = tl.maximum(best, kmax)
+        if LOGPROB:
+            m_new = tl.maximum(m, tl.max(tl.max(x, 1), 0))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.sum(tl.sum(tl.exp(x - shift), 1), 0)
+            m = m_new
+    out = i * CHUNKS + chunk
+    tl.store(Part + out, best)
+    tl.store(Idx + out, best_idx)
+    if LOGPROB:
+        tl.store(Part + rows_total * CHUNKS + out, m)
+        tl.store(Part + 2 * rows_total * CHUNKS + out, s)
+
+
+@triton.jit(do_not_specialize=_SAMPLE_ARGS, do_not_specialize_on_alignment=_SAMPLE_ROW_ARGS)
+def _sample_final_kernel(X, Rows, Temps, Part, Idx, Out, LogP, n_cols, stride_x, rows_total,
+                         CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, LOGPROB: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    i = tl.program_id(0)
+    offs = tl.arange(0, CHUNKS_P2)
+    mask = offs < CHUNKS
+    at = i * CHUNKS + offs
+    best = tl.load(Part + at, mask=mask, other=float("-inf"))
+    idx = tl.load(Idx + at, mask=mask, other=n_cols)
+    top = tl.max(best, 0)
+    # The first column holding the maximum (chunks in column order); a row of nothing but -inf or
+    # NaN takes its last column rather than one outside the vocabulary.
+    first = tl.minimum(tl.min(tl.where(best == top, idx, n_cols), 0), n_cols - 1)
+    tl.store(Out + i, first.to(tl.int64))
+    if LOGPROB:
+        m = tl.load(Part + rows_total * CHUNKS + at, mask=mask, other=float("-inf"))
+        s = tl.load(Part + 2 * rows_total * CHUNKS + at, mask=mask, other=0.0)
+        big = tl.max(m, 0)
+        shift = tl.where(big == float("-inf"), 0.0, big)
+        total = tl.sum(s * tl.exp(m - shift), 0)
+        row = tl.load(Rows + i).to(tl.int64)
+        x = tl.load(X + row * stride_x + first).to(tl.float32) * (1.0 / tl.load(Temps + i))
+        tl.store(LogP + i, x - shift - tl.log(total))
+
+
+def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
+                logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token for each row `rows[i]` of `logits` [B, vocab] (bf16, fp16 or fp32), reading it once.
+
+    Row i's scores are `logits[rows[i]] * (1 / temps[i])` in fp32 (`temps` > 0). Where `seeds[i]` >= 0
+    the token is a draw from their softmax by the Gumbel-max rule: argmax(score - log E) with
+    E ~ Exp(1) made from Philox(key=seeds[i], counter=column // 4), so it depends on the seed and the
+    row's logits only; where `seeds[i]` < 0 it is the first argmax of the scores. With `logprobs`, also each
+    token's log-softmax of the scores. Returns int64 ids [len(rows)] and fp32 logprobs or None.
+    Programs cover `SAMPLE_CHUNK` columns each and the combine runs in column order, so a row's
+    results do not depend on the batch it is in."""
+    n = rows.shape[0]
+    n_cols = logits.shape[1]
+    chunks = triton.cdiv(n_cols, SAMPLE_CHUNK)
+    part = torch.empty(3 if logprobs else 1, n, chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device) if logprobs else out
+    if n == 0:
+        return out, (logp if logprobs else None)
+    use_pdl = pdl.enabled(logits)
+    _sample_partial_kernel[(n, chunks)](logits, rows, temps, seeds, part, idx, n_cols,
+                                        logits.stride(0), n, CHUNKS=chunks, CHUNK=SAMPLE_CHUNK,
+                                        BLOCK=_SAMPLE_BLOCK, LOGPROB=logprobs,
+                                        ASM=logits.is_cuda and not _INTERPRETED, USE_PDL=use_pdl,
+                                        num_warps=4, launch_pdl=use_pdl)
+    _sample_final_kernel[(n,)](logits, rows, temps, part, idx, out, logp, n_cols, logits.stride(0), n,
+                               CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks),
+                               LOGPROB=logprobs, USE_PDL=use_pdl, num_warps=1, launch_pdl=use_pdl)
+    return out, (logp if logprobs else None)
