@@ -19,7 +19,8 @@ engine has no profiling code), reports:
 
 Writes profile-<shape>.json into --out and prints a table. `--quick` runs the built-in demo model with
 a few short requests (CPU-friendly; the CPU test uses it). `--engine k=v` passes engine options
-(e.g. `--engine disable_overlap_schedule=true --engine enable_mixed_chunk=true`).
+(e.g. `--engine disable_overlap_schedule=true --engine enable_mixed_chunk=true`). `--temperature 1
+--logprobs` samples as an RL rollout does instead of greedy.
 """
 
 from __future__ import annotations
@@ -316,7 +317,8 @@ def attribute_kernels(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str, Any]:
+def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]],
+                     sampling: Sampling | None = None) -> dict[str, Any]:
     """Attention / GEMM / other time within prefill, mixed and decode forwards (a profiled run):
     device kernels on CUDA, operators' self CPU time elsewhere."""
     from torch.profiler import ProfilerActivity, profile
@@ -325,7 +327,7 @@ def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     engine.flush_cache()
     with _kernel_ranges(engine), profile(activities=activities) as prof:
-        _generate(engine, reqs)
+        _generate(engine, reqs, sampling)
         if cuda:
             torch.cuda.synchronize()
     out: dict[str, dict[str, float]] = {k: dict.fromkeys(KERNEL_CLASSES, 0.0)
@@ -374,14 +376,26 @@ def kernel_breakdown(engine: Any, reqs: list[tuple[list[int], int]]) -> dict[str
     return result
 
 
-def _generate(engine: Any, reqs: list[tuple[list[int], int]]) -> list[dict]:
+@dataclass(frozen=True)
+class Sampling:
+    """How the workload samples: greedy by default; temperature 1 with logprobs is an RL rollout."""
+
+    temperature: float = 0.0
+    return_logprob: bool = False
+
+
+def _generate(engine: Any, reqs: list[tuple[list[int], int]],
+              sampling: Sampling | None = None) -> list[dict]:
+    s = sampling or Sampling()
     ids = [r[0] for r in reqs]
-    params = [{"max_new_tokens": o, "temperature": 0, "ignore_eos": True} for _, o in reqs]
-    return engine.generate(input_ids=ids, sampling_params=params)
+    params = [{"max_new_tokens": o, "temperature": s.temperature, "ignore_eos": True}
+              for _, o in reqs]
+    return engine.generate(input_ids=ids, sampling_params=params, return_logprob=s.return_logprob)
 
 
 def profile_throughput(shape: str, num_requests: int, lo: int, hi: int, kernels: bool,
-                       kernel_requests: int | None, options: dict[str, Any]) -> dict[str, Any]:
+                       kernel_requests: int | None, options: dict[str, Any],
+                       sampling: Sampling | None = None) -> dict[str, Any]:
     import tide
 
     if shape == "demo":
@@ -398,14 +412,14 @@ def profile_throughput(shape: str, num_requests: int, lo: int, hi: int, kernels:
             reqs = [([2 + (i * 7919 + j) % (vocab - 2) for j in range(len(p))], o)
                     for i, (p, o) in enumerate(workload(num_requests, lo, hi))]
         cuda = engine.scheduler.worker.model_runner.device.type == "cuda"
-        _generate(engine, reqs[:4])  # warm-up
+        _generate(engine, reqs[:4], sampling)  # warm-up
         engine.flush_cache()
         stats0 = dict(vars(sched.stats))
         if cuda:
             torch.cuda.synchronize()
         with Instrument(engine) as inst:
             t = time.perf_counter()
-            outs = _generate(engine, reqs)
+            outs = _generate(engine, reqs, sampling)
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
@@ -421,6 +435,7 @@ def profile_throughput(shape: str, num_requests: int, lo: int, hi: int, kernels:
             "mixed_chunk": sched.config.enable_mixed_chunk,
             "num_requests": num_requests,
             "lengths": [lo, hi],
+            "sampling": vars(sampling or Sampling()),
             "wall_s": wall,
             "output_tokens": out_tokens,
             "input_tokens": in_tokens,
@@ -432,7 +447,7 @@ def profile_throughput(shape: str, num_requests: int, lo: int, hi: int, kernels:
         if kernels:
             try:
                 res["kernels"] = kernel_breakdown(engine, reqs[:kernel_requests] if kernel_requests
-                                                  else reqs)
+                                                  else reqs, sampling)
             except Exception as e:  # noqa: BLE001 - the timing above stands on its own
                 res["kernels"] = {"error": f"{type(e).__name__}: {e}"}
         return res
@@ -505,6 +520,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel pass")
     ap.add_argument("--kernel-requests", type=int, default=None)
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature instead of greedy")
+    ap.add_argument("--logprobs", action="store_true", help="return every token's logprob")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     args = ap.parse_args(argv)
     shape = args.shape or ("demo" if args.quick else "llama-3.1-8b")
@@ -512,7 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lo = args.min_len or (8 if args.quick else 100)
     hi = args.max_len or (32 if args.quick else 1024)
     res = profile_throughput(shape, n, lo, hi, not args.no_kernels, args.kernel_requests,
-                             engine_options(args.engine))
+                             engine_options(args.engine), Sampling(args.temperature, args.logprobs))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile-{shape}.json"), "w") as f:
         json.dump(res, f, indent=2)
