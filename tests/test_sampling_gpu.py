@@ -54,6 +54,17 @@ def test_draws_follow_the_softmax_across_chunks():
         assert abs(got[rest].sum().item() - want[rest].sum().item()) < 0.012
 
 
+def test_a_peaked_row_never_draws_the_tail():
+    """Token 0 at logit 0, every other at -40: each other token has probability ~4e-18, so 4,096
+    rows x 151,935 tail columns should draw none (~2.6e-9 expected). Noise computed as +inf or
+    badly wrong for uniforms near 1 (an approximate log there) would draw tail tokens."""
+    logits = torch.full((4096, VOCAB), -40.0, device="cuda", dtype=torch.bfloat16)
+    logits[:, 0] = 0.0
+    ids, logp = _sample(logits, [1.0] * 4096, list(range(100, 4196)))
+    assert torch.all(ids == 0)
+    assert logp is not None and logp.abs().max().item() < 1e-5
+
+
 def test_seeded_row_is_independent_of_batch_and_row():
     g = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(64, VOCAB, device="cuda", generator=g).to(torch.bfloat16)

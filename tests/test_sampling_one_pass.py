@@ -27,7 +27,18 @@ interpreted = pytest.mark.skipif(
     not (HAS_TRITON and INTERPRETED),
     reason="runs in triton's CPU interpreter (TRITON_INTERPRET=1), see test_one_pass_in_the_interpreter",
 )
-INTERPRETED_TESTS = 6
+INTERPRETED_TESTS = 7
+
+if HAS_TRITON and INTERPRETED:
+    import triton
+    import triton.language as tl
+    from tide.layers.triton_ops import _exp1
+
+    @triton.jit
+    def _exp1_probe(U, E, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(E + offs, _exp1(tl.load(U + offs, mask=mask, other=0.5), False), mask=mask)
 
 
 def test_which_rows_take_one_pass():
@@ -78,6 +89,23 @@ def _sample(logits, temps, seeds, logprobs=True, rows=None):
     index = torch.arange(n) if rows is None else torch.tensor(rows)
     return triton_ops.sample_rows(logits, index, torch.tensor(temps, dtype=torch.float32),
                                   torch.tensor(seeds, dtype=torch.int64), logprobs)
+
+
+@interpreted
+def test_interpreted_exponential_noise_near_one():
+    """E = -log(u) from `_exp1`, against float64, at u where the series serves (within 2^-6 of 1,
+    down to the largest uniform below 1) and where the log does: relative error below 1e-6, and
+    u = 0 gives +inf (a key of -inf: never drawn)."""
+    near = [1 - 2.0**-24, 1 - 2.0**-23, 1 - 3 * 2.0**-24, 1 - 2.0**-20, 1 - 2.0**-10, 1 - 2.0**-6 + 2.0**-24,
+            1 - 2.0**-6, 1 - 2.0**-6 - 2.0**-24]
+    far = [0.9, 0.5, 0.25, 1e-3, 2.0**-31, 0.0]
+    u = torch.tensor(near + far, dtype=torch.float32)
+    e = torch.empty_like(u)
+    _exp1_probe[(1,)](u, e, u.numel(), BLOCK=16)
+    want = -torch.log(u.double())
+    assert torch.isinf(e[-1]) and e[-1] > 0
+    rel = ((e[:-1].double() - want[:-1]) / want[:-1]).abs()
+    assert rel.max().item() < 1e-6, rel
 
 
 @interpreted

@@ -172,8 +172,8 @@ class Sampler:
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
                greedy_ids: torch.Tensor | None = None) -> DeviceSample:
-        """As `__call__`, leaving the results on the device (no host sync): every step of the draw
-        runs on the logits' device; only a seeded row's noise is drawn on the host and copied in."""
+        """As `__call__`, leaving the results on the device (no host sync): every step of the draw,
+        seeded noise included, runs on the logits' device."""
         if info.argmax_only:
             # `greedy_ids` is a view of the decode graphs' shared buffer: whatever reads it (the host
             # copy, the next step's inputs) is queued before the next replay overwrites it.
@@ -189,14 +189,16 @@ class Sampler:
             return self._sample_rows(logits, info)
         chosen = set(one_pass)
         rest = [i for i in range(info.size) if i not in chosen]
-        a = self._one_pass(logits, info.select(one_pass), one_pass)
-        b = self._sample_rows(logits.index_select(0, device_tensor(rest, torch.int64, logits.device)),
-                              info.select(rest))
-        return _merge(info, (one_pass, a), (rest, b))
+        fast = device_tensor(one_pass, torch.int64, logits.device)
+        slow = device_tensor(rest, torch.int64, logits.device)
+        a = self._one_pass(logits, info.select(one_pass), fast)
+        b = self._sample_rows(logits.index_select(0, slow), info.select(rest))
+        return _merge(info, (fast, a), (slow, b))
 
     def _one_pass(self, logits: torch.Tensor, info: SamplingBatchInfo,
-                  rows: list[int] | None) -> DeviceSample:
-        """`triton_ops.sample_rows` over rows `rows` of `logits` (None: all), described by `info`."""
+                  rows: torch.Tensor | None) -> DeviceSample:
+        """`triton_ops.sample_rows` over the rows `rows` (int64, on the logits' device; None: all)
+        of `logits`, described by `info`."""
         from tide.layers import triton_ops
 
         temps: list[float] = []
@@ -210,8 +212,7 @@ class Sampler:
             else:
                 keys.append((p.seed * _SEED_MIX + info.output_position(i)) % (2**63))
         device = logits.device
-        index = (device_tensor(rows, torch.int64, device) if rows is not None
-                 else torch.arange(info.size, device=device))
+        index = rows if rows is not None else torch.arange(info.size, device=device)
         ids, logp = triton_ops.sample_rows(
             logits, index, device_tensor(temps, torch.float32, device),
             device_tensor(keys, torch.int64, device), any(info.return_logprob))
@@ -286,8 +287,10 @@ def _one_pass(p: SamplingParams, top_logprobs_num: int) -> bool:
     return p.is_greedy or (p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0)
 
 
-def _merge(info: SamplingBatchInfo, *parts: tuple[list[int], DeviceSample]) -> DeviceSample:
-    """One batch's sample from samples of disjoint row subsets (rows given in batch order)."""
+def _merge(info: SamplingBatchInfo, *parts: tuple[torch.Tensor, DeviceSample]) -> DeviceSample:
+    """One batch's sample from samples of disjoint row subsets, each given with its rows' batch
+    indices (int64, on the device). Top logprobs come from the parts that have them (the general
+    path's; the engine turns `return_logprob` on wherever top logprobs are asked for)."""
     first = parts[0][1].next_ids
     device = first.device
     ids = torch.empty(info.size, dtype=torch.int64, device=device)
@@ -296,8 +299,7 @@ def _merge(info: SamplingBatchInfo, *parts: tuple[list[int], DeviceSample]) -> D
     k = max(info.top_logprobs_num, default=0)
     top_vals = torch.zeros(info.size, k, dtype=torch.float32, device=device) if k else None
     top_ids = torch.zeros(info.size, k, dtype=torch.int64, device=device) if k else None
-    for rows, part in parts:
-        index = device_tensor(rows, torch.int64, device)
+    for index, part in parts:
         ids.index_copy_(0, index, part.next_ids)
         if logp is not None and part.logprobs is not None:
             logp.index_copy_(0, index, part.logprobs)

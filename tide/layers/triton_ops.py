@@ -351,14 +351,28 @@ _SAMPLE_BLOCK = 2048
 
 @triton.jit
 def _ln(x, ASM: tl.constexpr):
-    """Natural log; on the GPU by `lg2.approx` (relative error ~2^-22), which halved the sampling
-    kernel's time against `tl.log`: its noise needs two logs an element."""
+    """Natural log; on the GPU by `lg2.approx`, which halved the sampling kernel's time against
+    `tl.log` (its noise takes two logs an element). CUDA bounds that instruction's error by 2^-22
+    *absolute* on [0.5, 2] and 2 ulp elsewhere: fine where the result is far from 0, useless for
+    log(u) with u within a few 2^-22 of 1 (see `_exp1`)."""
     if ASM:
         lg = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                        is_pure=True, pack=1)
         return lg * 0.6931471805599453
     else:
         return tl.log(x)
+
+
+@triton.jit
+def _exp1(u, ASM: tl.constexpr):
+    """E = -log(u) ~ Exp(1) for u ~ U[0, 1). Near 1, where E is tiny and decides the largest Gumbel
+    keys, an absolute error of 2^-22 in the log would leave E ~100% wrong, even 0 (a key of +inf:
+    that column would win whatever its logit). So for v = 1 - u < 2^-6 (exact: Sterbenz) E is the
+    series v + v^2/2 + v^3/3 + v^4/4 (truncation below 2^-26 relative); elsewhere |log u| > 0.015
+    and the approximate log is within ~1e-5 relative."""
+    v = 1.0 - u
+    series = v * (1.0 + v * (0.5 + v * (0.3333333333333333 + v * 0.25)))
+    return tl.where(v < 0.015625, series, -_ln(u, ASM))
 
 
 # Row counts change every step: a kernel specialised on them (==1, multiple of 16) would compile again
@@ -397,7 +411,7 @@ def _sample_partial_kernel(X, Rows, Temps, Seeds, Part, Idx, n_cols, stride_x, r
             u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + quad)
             u = tl.where(lane == 0, u0[:, None], tl.where(lane == 1, u1[:, None],
                          tl.where(lane == 2, u2[:, None], u3[:, None])))
-            key = x - _ln(-_ln(u, ASM), ASM)
+            key = x - _ln(_exp1(u, ASM), ASM)
         else:
             key = x
         key = tl.where(mask, key, float("-inf"))
