@@ -275,9 +275,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
-def rerun_under_interpreter(test_file: str) -> None:
+def rerun_under_interpreter(test_file: str) -> str:
     """Run `test_file` in a subprocess with TRITON_INTERPRET=1 and assert its tests pass (the
-    calling test skips itself there); skips when this process is that run."""
+    calling test skips itself there); skips when this process is that run. Returns the run's
+    summary line."""
     import subprocess
     import sys
 
@@ -288,3 +289,4 @@ def rerun_under_interpreter(test_file: str) -> None:
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" in proc.stdout
+    return proc.stdout.strip().splitlines()[-1]

@@ -2,7 +2,8 @@
 
 The kernel runs in triton's CPU interpreter (CI has no triton: those tests skip; the interpreter must
 be on before triton is first imported, so `test_one_pass_in_the_interpreter` reruns this file in a
-subprocess with TRITON_INTERPRET=1). Checked: greedy rows against torch's argmax, logprobs against
+subprocess with TRITON_INTERPRET=1); both launches are also compiled for sm_90 without a GPU.
+Checked: the Exp(1) noise near u = 1, greedy rows against torch's argmax, logprobs against
 `log_softmax`, the draw's frequencies against the softmax, a seeded row's token independent of its
 batch and row, rows whose logits are -inf or NaN, and the sampler's split of a batch between this
 path and the general one. The row rule itself (`_one_pass`) needs no triton.
@@ -11,24 +12,19 @@ path and the general one. The row rule itself (`_one_pass`) needs no triton.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from tide.layers.sampler import Sampler, SamplingBatchInfo, _one_pass
 from tide.sampling_params import SamplingParams
 
+from conftest import INTERPRETED, rerun_under_interpreter
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
     not (HAS_TRITON and INTERPRETED),
     reason="runs in triton's CPU interpreter (TRITON_INTERPRET=1), see test_one_pass_in_the_interpreter",
 )
-INTERPRETED_TESTS = 7
-
 if HAS_TRITON and INTERPRETED:
     import triton
     import triton.language as tl
@@ -66,20 +62,46 @@ def test_cpu_sampler_keeps_the_general_path():
     assert a.next_ids == b.next_ids and a.logprobs == b.logprobs
 
 
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs triton; runs the tests below")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_one_pass_in_the_interpreter():
-    """The interpreter tests of this file, in a subprocess with TRITON_INTERPRET=1: all pass."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"],
-        env=env, capture_output=True, text=True, timeout=1800,
-    )
-    tail = proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert "skipped" not in summary, tail
-    assert int(summary.split(" passed")[0].split()[-1]) == INTERPRETED_TESTS, tail
+    """The interpreter tests of this file, in a subprocess with TRITON_INTERPRET=1: all pass (the
+    seven interpreted ones and the two that need no triton), none skipped but this one and the
+    compile test."""
+    summary = rerun_under_interpreter(__file__)
+    assert summary.startswith("9 passed, 2 skipped"), summary
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs triton, compiled (not interpreted)")
+def test_kernels_compile_for_hopper():
+    """Both launches compile for sm_90 (no GPU needed), bf16 and fp32 logits, with and without
+    logprobs, with the inline `lg2.approx` the GPU path uses."""
+    import triton
+    from tide.layers import triton_ops as ops
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int) -> str:
+        sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": num_warps})
+        return kernel.asm["ptx"]
+
+    ints = {"n_cols": "i32", "stride_x": "i64", "rows_total": "i32"}
+    for logits in ("*bf16", "*fp32"):
+        for logprob in (True, False):
+            ptx = compile_sm90(
+                ops._sample_partial_kernel,
+                {"X": logits, "Rows": "*i64", "Temps": "*fp32", "Seeds": "*i64", "Part": "*fp32",
+                 "Idx": "*i32", **ints},
+                dict(CHUNKS=75, CHUNK=ops.SAMPLE_CHUNK, BLOCK=ops._SAMPLE_BLOCK, LOGPROB=logprob,
+                     ASM=True, USE_PDL=True), num_warps=4)
+            assert "lg2.approx" in ptx
+            compile_sm90(
+                ops._sample_final_kernel,
+                {"X": logits, "Rows": "*i64", "Temps": "*fp32", "Part": "*fp32", "Idx": "*i32",
+                 "Out": "*i64", "LogP": "*fp32", **ints},
+                dict(CHUNKS=75, CHUNKS_P2=128, LOGPROB=logprob, USE_PDL=True), num_warps=1)
 
 
 def _sample(logits, temps, seeds, logprobs=True, rows=None):
