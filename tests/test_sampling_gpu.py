@@ -94,3 +94,33 @@ def test_sampler_rollout_batch_on_cuda():
     mixed[0] = SamplingParams(temperature=1.0, top_p=0.5, seed=3)
     out2 = Sampler(0)(logits, SamplingBatchInfo(mixed, [[]] * 32, [[1]] * 32, [True] * 32, [0] * 32))
     assert all(out2.next_ids[i] == out.next_ids[i] for i in range(1, 32, 2))
+
+
+def test_warmup_compiles_every_kernel_serving_samples_with():
+    """After `Sampler.warmup` for a model's vocabulary (bf16 decode-graph logits, fp32 otherwise),
+    sampled steps of 1 to 256 rows, with and without logprobs, from a slice of a larger logits
+    buffer as the decode graphs leave it, compile nothing more: no compile in a rollout's
+    first steps."""
+    from tide.layers import triton_ops
+
+    vocab = 151_937  # not 16-divisible: another specialisation than the other tests compile
+    device = torch.device("cuda")
+    sampler = Sampler(0)
+    sampler.warmup(vocab, (torch.bfloat16, torch.float32), device)
+    index = torch.cuda.current_device()
+    caches = [k.device_caches[index][0] for k in (triton_ops._sample_partial_kernel,
+                                                   triton_ops._sample_final_kernel)]
+    compiled = [len(c) for c in caches]
+    assert all(n > 0 for n in compiled)
+    for dtype in (torch.bfloat16, torch.float32):
+        buffer = torch.randn(256, vocab, device=device).to(dtype)
+        for rows in (1, 3, 16, 97, 256):
+            for logprob in (False, True):
+                params = [SamplingParams(temperature=1.0, seed=(i if i % 2 else None))
+                          for i in range(rows)]
+                info = SamplingBatchInfo(params, [[]] * rows, [[1]] * rows, [logprob] * rows,
+                                         [0] * rows)
+                out = sampler.sample(buffer[:rows], info)
+                assert out.next_ids.shape == (rows,)
+    torch.cuda.synchronize()
+    assert [len(c) for c in caches] == compiled

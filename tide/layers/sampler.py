@@ -162,6 +162,29 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
+    def _one_pass_on(self, device: torch.device) -> bool:
+        """Whether rows of logits on `device` that can take the one-pass kernels do."""
+        if self.one_pass is None:
+            return device.type == "cuda" and not self.deterministic
+        return self.one_pass
+
+    def warmup(self, vocab_size: int, dtypes: tuple[torch.dtype, ...],
+               device: torch.device) -> None:
+        """Compile the one-pass kernels for this model's logits ([rows, `vocab_size`] on `device`,
+        in each of `dtypes`), with and without logprobs, now rather than in the first sampled steps
+        of a rollout (on an empty Triton cache, each compile takes about a second). Nothing on CPU."""
+        if device.type != "cuda" or not self._one_pass_on(device):
+            return
+        from tide.layers import triton_ops
+
+        rows = torch.zeros(1, dtype=torch.int64, device=device)
+        temps = torch.ones(1, dtype=torch.float32, device=device)
+        seeds = torch.zeros(1, dtype=torch.int64, device=device)
+        for dtype in dict.fromkeys(dtypes):
+            logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+            for logprobs in (False, True):
+                triton_ops.sample_rows(logits, rows, temps, seeds, logprobs)
+
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo,
                  greedy_ids: torch.Tensor | None = None) -> SampleOutput:
         """Next token of every row of `logits` [B, vocab] (row i sampled with entry i of `info`).
@@ -179,8 +202,7 @@ class Sampler:
             # copy, the next step's inputs) is queued before the next replay overwrites it.
             ids = greedy_ids if greedy_ids is not None else logits.float().argmax(dim=-1)
             return DeviceSample(ids)
-        if not (logits.is_cuda and not self.deterministic if self.one_pass is None
-                else self.one_pass):
+        if not self._one_pass_on(logits.device):
             return self._sample_rows(logits, info)
         one_pass = [i for i in range(info.size) if _one_pass(info.params[i], info.top_logprobs_num[i])]
         if len(one_pass) == info.size:

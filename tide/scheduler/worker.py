@@ -139,6 +139,8 @@ class TpModelWorker(ModelWorker):
         self.model_runner = ModelRunner(config, model_config, ledger, tp)
         runner = self.model_runner
         self.sampler = Sampler(config.seed, config.enable_deterministic_inference)
+        # Logits come in the model's dtype from a decode graph, in fp32 otherwise.
+        self.sampler.warmup(model_config.vocab_size, (runner.dtype, torch.float32), runner.device)
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool_allocator = runner.token_to_kv_pool_allocator
         self.max_total_tokens = runner.max_total_tokens
