@@ -97,6 +97,9 @@ def test_batches_spread_over_replicas_and_match_one_engine(replicas, ref):
     assert [a - b for a, b in zip(served(replicas), before)] == [2, 2]
     info = replicas.get_server_info()
     assert info["num_replicas"] == 2 and len({r["pid"] for r in info["replicas"]}) == 2
+    assert [r["dp_rank"] for r in info["replicas"]] == [0, 1]  # a sampling stream each
+    with pytest.raises(ValueError, match="dp_rank"):
+        RayEngine(num_replicas=1, dp_rank=1)
     # one item gives one dict; n copies come back in order, all from one replica
     one = replicas.generate(prompt="Hello", sampling_params={**GREEDY, "n": 2})
     assert isinstance(one, list) and len(one) == 2 and one[0]["output_ids"] == one[1]["output_ids"]

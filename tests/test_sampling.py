@@ -3,6 +3,7 @@ hand-computed values, engine level against an HF-forward reference)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -95,6 +96,25 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(llama_path):
     first = _sample(a)
     assert first == _sample(b)
     assert _sample(a) != first, "unseeded requests should keep drawing fresh noise"
+
+
+def test_replicas_draw_different_unseeded_samples(llama_path):
+    """Replicas of one config (`dp_rank` 0 and 1, as `--dp-size` and RayEngine set it) draw
+    different tokens for the same unseeded request at the same point of their runs: GRPO samples
+    of a prompt spread over replicas are not copies. A seeded request is the same on both."""
+    from tide.cluster.dp_controller import plan_replicas
+    from tide.config import EngineConfig
+
+    plans = plan_replicas(EngineConfig(model_path=str(llama_path), seed=7, device="cpu"), 2)
+    assert [p.config.dp_rank for p in plans] == [0, 1]
+    engines = [tide.Engine(**dataclasses.asdict(p.config)) for p in plans]
+    try:
+        unseeded = [_sample(e) for e in engines]
+        assert unseeded[0] != unseeded[1]
+        assert _sample(engines[0], seed=3) == _sample(engines[1], seed=3)
+    finally:
+        for e in engines:
+            e.shutdown()
 
 
 def test_n_copies_with_seed_are_distinct_samples(llama_engine):
@@ -369,6 +389,23 @@ def test_sampler_greedy_rows_and_logprobs():
     # Seeded rows: same draw whatever else is in the batch.
     again = Sampler(seed=123)(logits[2:].clone(), _info([reqs[2]]))
     assert again.next_ids[0] == out.next_ids[2]
+
+
+def test_sampler_streams_split_unseeded_draws_and_keep_seeded_ones():
+    """Data-parallel replicas of one engine config differ only in `dp_rank`, the sampler's stream.
+    Stream 0 is the seed's own stream (what a single engine always drew). Two streams draw
+    different unseeded tokens from the same logits, so GRPO samples of a prompt sent to two
+    replicas are not copies. Seeded rows draw the same tokens in every stream."""
+    logits = torch.zeros(64, 1000)  # uniform: each token is the noise's alone
+    unseeded = _info([_req(temperature=1.0) for _ in range(64)])
+    single = Sampler(seed=5)(logits.clone(), unseeded).next_ids
+    assert Sampler(seed=5, stream=0)(logits.clone(), unseeded).next_ids == single
+    other = Sampler(seed=5, stream=1)(logits.clone(), unseeded).next_ids
+    assert sum(a == b for a, b in zip(single, other)) < 6  # ~0.06 expected by chance
+    assert Sampler(seed=5, stream=1)(logits.clone(), unseeded).next_ids == other
+    seeded = _info([_req(temperature=1.0, seed=i) for i in range(64)])
+    assert (Sampler(seed=5)(logits.clone(), seeded).next_ids
+            == Sampler(seed=5, stream=3)(logits.clone(), seeded).next_ids)
 
 
 def test_sampling_info_takes_the_argmax_shortcut_only_when_every_row_allows_it():

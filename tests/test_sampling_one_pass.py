@@ -267,14 +267,16 @@ def test_interpreted_sampler_splits_a_mixed_batch():
 def test_interpreted_sampler_all_rows_one_pass():
     """An RL rollout batch (temperature 1, logprobs, no seeds): every row takes one pass, each
     logprob is the drawn token's log_softmax, and two samplers with the same seed draw the same
-    tokens (the per-step keys come from the sampler's seed)."""
+    tokens (the per-step keys come from the sampler's seed) while another seed, or another
+    stream of the same seed (a data-parallel replica's `dp_rank`), draws others."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(8, 1000, generator=g).to(torch.bfloat16)
     info = _info([SamplingParams(temperature=1.0)] * 8, [True] * 8, [0] * 8)
     a = Sampler(11, one_pass=True)(logits, info)
     b = Sampler(11, one_pass=True)(logits, info)
     c = Sampler(12, one_pass=True)(logits, info)
-    assert a.next_ids == b.next_ids and a.next_ids != c.next_ids
+    d = Sampler(11, one_pass=True, stream=1)(logits, info)
+    assert a.next_ids == b.next_ids and a.next_ids != c.next_ids and a.next_ids != d.next_ids
     assert a.logprobs is not None
     ref = torch.log_softmax(logits.float(), dim=-1)
     for i, tok in enumerate(a.next_ids):

@@ -20,6 +20,7 @@ _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_SEED = 2**63 - 1
+MAX_DP_RANK = 4096  # data-parallel replicas an engine can be one of
 # Decode kernels put the batch on a grid axis of at most 65535 programs.
 MAX_RUNNING_REQUESTS = 65535
 
@@ -55,6 +56,10 @@ class EngineConfig:
                                  "float32, bfloat16 or float16")
     device: str = _option("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     seed: int = _option(0, "seed of dummy weights and of sampling for requests that pass no seed")
+    dp_rank: int = _option(
+        0, "this engine's index among data-parallel replicas (set by --dp-size and RayEngine): "
+           "requests that pass no seed draw from a stream of this replica's own, so replicas do "
+           "not repeat each other's draws; dummy weights and seeded requests do not depend on it")
     context_length: int | None = _option(
         None, "longest prompt + output in tokens (default: the model's max_position_embeddings)")
     attention_backend: str = _option("auto", "auto (triton on CUDA, torch_native elsewhere), "
@@ -116,6 +121,8 @@ class EngineConfig:
         _check_types(self)
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed}")
+        if not 0 <= self.dp_rank < MAX_DP_RANK:
+            raise ValueError(f"dp_rank must be an integer in [0, {MAX_DP_RANK}), got {self.dp_rank}")
         if self.device != "auto":
             import torch
 

@@ -107,13 +107,14 @@ class ReplicaPlacement:
 
 
 def plan_replicas(config: EngineConfig, dp_size: int) -> list[ReplicaPlacement]:
-    """One placement per replica (see the module docstring); ValueError naming `device` when an
+    """One placement per replica (see the module docstring); replica i's config has `dp_rank` i,
+    so replicas draw unseeded samples from different streams. ValueError naming `device` when an
     explicit cuda device cannot give every replica its own GPUs."""
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or not 1 <= dp_size <= MAX_DP_SIZE:
         raise ValueError(f"dp_size must be an integer in [1, {MAX_DP_SIZE}], got {dp_size!r}")
     tp_size = int(getattr(config, "tp_size", 1))
     if config.device == "cpu":
-        return [ReplicaPlacement(i, config) for i in range(dp_size)]
+        return [ReplicaPlacement(i, config.replace(dp_rank=i)) for i in range(dp_size)]
     if config.device not in ("auto", "cuda"):
         raise ValueError(f"device {config.device!r}: with dp_size > 1 use auto, cuda or cpu "
                          "(each replica is given its own GPUs)")
@@ -128,10 +129,11 @@ def plan_replicas(config: EngineConfig, dp_size: int) -> list[ReplicaPlacement]:
         if count:
             logger.warning("dp_size %d x tp_size %d needs %d GPUs and %d are visible: every "
                            "replica runs on CPU", dp_size, tp_size, needed, count)
-        return [ReplicaPlacement(i, config.replace(device="cpu")) for i in range(dp_size)]
+        return [ReplicaPlacement(i, config.replace(device="cpu", dp_rank=i))
+                for i in range(dp_size)]
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = [d.strip() for d in env.split(",")] if env else [str(i) for i in range(count)]
-    return [ReplicaPlacement(i, config.replace(device="cuda"),
+    return [ReplicaPlacement(i, config.replace(device="cuda", dp_rank=i),
                              ",".join(visible[i * tp_size:(i + 1) * tp_size]))
             for i in range(dp_size)]
 

@@ -81,6 +81,7 @@ class EngineReplica:
         info: dict[str, Any] = dict(self.engine.get_server_info())
         info.update(pid=os.getpid(), weight_version=self.weight_version(),
                     has_tokenizer=self.engine.tokenizer is not None,
+                    dp_rank=self.engine.config.dp_rank,
                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
         return info
 
@@ -110,7 +111,8 @@ class RayEngine:
     `ray start --head` started). `num_cpus_per_replica`: CPUs each replica reserves.
     `placement_timeout`: seconds to wait for the cluster to place every replica (and for the
     replicas to load) before giving up and releasing what was reserved. `options`: `EngineConfig`
-    fields for every replica (`tp_size`, where the engine has it, sizes each replica's GPU bundle).
+    fields for every replica (`tp_size`, where the engine has it, sizes each replica's GPU bundle;
+    `dp_rank` is not one: replica i gets `dp_rank` i, so replicas draw different unseeded samples).
     """
 
     def __init__(self, model_path: str | None = None, *, num_replicas: int = 1,
@@ -118,6 +120,8 @@ class RayEngine:
                  placement_timeout: float = 600.0, **options: Any) -> None:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(options) - known)
+        if "dp_rank" in options:
+            raise ValueError("dp_rank is set per replica (replica i has dp_rank i); do not pass it")
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; allowed options are "
                              f"{sorted(known)}")
@@ -165,7 +169,7 @@ class RayEngine:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=0,
                         placement_group_capture_child_tasks=True),
-                ).remote(index, dict(options)))
+                ).remote(index, {**options, "dp_rank": index}))
             self.replica_info = self._wait_ready(placement_timeout)
         except BaseException:
             for actor in self.actors:
@@ -425,7 +429,8 @@ class RayEngine:
     def get_server_info(self, timeout: float = 10.0) -> dict[str, Any]:
         """Facts as the replicas report them now: the first live replica's at the top level (its
         weight version, memory and KV state), `num_replicas`, `tp_size`, and one entry per replica
-        with its pid, devices and `weight_version` (None for a dead replica; a live one that does
+        with its pid, `dp_rank` (its unseeded sampling stream), devices and `weight_version`
+        (None for a dead replica; a live one that does
         not answer within `timeout` seconds shows its facts from start-up)."""
         ray = self._ray
         live = self.router.live_indices()
@@ -440,12 +445,14 @@ class RayEngine:
                 facts[index] = self.replica_info[index]
         first = next((f for f in facts if f is not None), self.replica_info[0])
         info: dict[str, Any] = {k: v for k, v in first.items()
-                                if k not in ("pid", "cuda_visible_devices", "has_tokenizer")}
+                                if k not in ("pid", "cuda_visible_devices", "has_tokenizer",
+                                             "dp_rank")}
         replicas = self.router.describe()
         for index, entry in enumerate(replicas):
             start = self.replica_info[index]
             now = facts[index]
-            entry.update(pid=start["pid"], cuda_visible_devices=start["cuda_visible_devices"],
+            entry.update(pid=start["pid"], dp_rank=start["dp_rank"],
+                         cuda_visible_devices=start["cuda_visible_devices"],
                          weight_version=now["weight_version"] if now is not None else None)
         info.update(num_replicas=self.router.num_replicas, tp_size=self.tp_size,
                     replicas=replicas)

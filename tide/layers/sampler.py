@@ -30,6 +30,7 @@ from tide.memory.host_copy import device_tensor
 from tide.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+_STREAM_MIX = 0xD1B54A32D192ED03  # odd: distinct streams give distinct seeds (mod 2**63)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,19 +142,21 @@ class DeviceSample:
 
 class Sampler:
     def __init__(self, seed: int = 0, deterministic: bool = False,
-                 one_pass: bool | None = None) -> None:
+                 one_pass: bool | None = None, stream: int = 0) -> None:
         """`deterministic` (`enable_deterministic_inference`): on CUDA, log_softmax and the draw's
         probabilities come from the one-program-per-row kernel and top-k/top-p/min-p truncation runs
         row by row, so a row's logprob and (seeded) draw do not depend on the batch; its logprobs
         are the bits `tide.rl.logprobs` computes, so it keeps the general path. `one_pass`: whether
         rows that can take `triton_ops.sample_rows` do (None: on CUDA outside deterministic mode;
-        True elsewhere needs triton's CPU interpreter, for tests)."""
-        self.seed = seed
+        True elsewhere needs triton's CPU interpreter, for tests). `stream` (the engine's
+        `dp_rank`): unseeded rows draw from noise of this stream's own, seeded from `seed` and
+        `stream` (stream 0: from `seed` alone); seeded rows do not depend on it."""
+        self.seed = seed if stream == 0 else (seed + stream * _STREAM_MIX) % 2**63
         self.deterministic = deterministic
         self.one_pass = one_pass
         self._generators: dict[torch.device, torch.Generator] = {}
         # Per-step Philox keys of the one-pass path's unseeded rows.
-        self._keys = random.Random(seed)
+        self._keys = random.Random(self.seed)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

@@ -138,7 +138,8 @@ class TpModelWorker(ModelWorker):
         self.ledger = ledger
         self.model_runner = ModelRunner(config, model_config, ledger, tp)
         runner = self.model_runner
-        self.sampler = Sampler(config.seed, config.enable_deterministic_inference)
+        self.sampler = Sampler(config.seed, config.enable_deterministic_inference,
+                               stream=config.dp_rank)
         # Logits come in the model's dtype from a decode graph, in fp32 otherwise.
         self.sampler.warmup(model_config.vocab_size, (runner.dtype, torch.float32), runner.device)
         self.req_to_token_pool = runner.req_to_token_pool
