@@ -1,11 +1,13 @@
 """Device time of one sampling step: `python -m benchmarks.sampling [--vocab V] [--out FILE]`.
 
-bf16 logits of B rows (1-256) over Qwen3's vocabulary, three kinds of batch: temperature 1 with
-logprobs (an RL rollout), temperature 1 alone, temperature 0.7 seeded with logprobs. Each is drawn
-by the sampler's general path (`Sampler(one_pass=False)`: cast, scale, softmax, noise, divide,
-argmax, log_softmax) and by `triton_ops.sample_rows` (`Sampler()`), 20 steps queued behind a device
+bf16 logits of B rows (1-256) over Qwen3's vocabulary, six kinds of batch: temperature 1 with
+logprobs (an RL rollout), temperature 1 alone, temperature 0.7 seeded with logprobs, and three
+truncated ones (top-p, top-k, all three). Each is drawn by the sampler's general path
+(`Sampler(one_pass=False)`: cast, scale, softmax, sort to truncate, noise, divide, argmax,
+log_softmax) and by `triton_ops.sample_rows` (`Sampler()`, after `truncation_bounds` for the
+truncated ones), 20 steps queued behind a device
 sleep so the events time the device, not the host. Prints microseconds a step and the one-pass
-kernel's bytes read as a fraction of copy bandwidth.
+kernel's bytes read (one pass) as a fraction of copy bandwidth.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from benchmarks.run import measure_copy_bandwidth
 
 CASES = (("temperature 1 + logprobs", {"temperature": 1.0}, True),
          ("temperature 1", {"temperature": 1.0}, False),
-         ("temperature 0.7 seeded + logprobs", {"temperature": 0.7, "seed": 1}, True))
+         ("temperature 0.7 seeded + logprobs", {"temperature": 0.7, "seed": 1}, True),
+         ("top-p 0.9 + logprobs", {"temperature": 1.0, "top_p": 0.9}, True),
+         ("top-k 50", {"temperature": 0.7, "top_k": 50}, False),
+         ("top-k 50 + top-p 0.95 + min-p 0.05", {"temperature": 1.0, "top_k": 50, "top_p": 0.95,
+                                                 "min_p": 0.05}, False))
 
 
 def step_us(sampler: Sampler, logits: torch.Tensor, info: SamplingBatchInfo, steps: int = 20) -> float:

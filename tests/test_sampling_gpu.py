@@ -124,3 +124,81 @@ def test_warmup_compiles_every_kernel_serving_samples_with():
                 assert out.next_ids.shape == (rows,)
     torch.cuda.synchronize()
     assert [len(c) for c in caches] == compiled
+
+
+def _order_key(x: torch.Tensor, bits: int) -> torch.Tensor:
+    b = x.float().view(torch.int32)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)) >> (32 - bits)
+
+
+def _kept_exactly(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The truncation rule in float64 with ties kept together: token i is kept iff fewer than
+    top_k tokens score above it, the probability of those above it is at most top_p, and its own
+    is at least min_p times the top one's. Also where a token is within float rounding of a
+    boundary (either answer is right there)."""
+    x = scaled.double()
+    p = torch.softmax(x, 0)
+    v, order = x.sort(descending=True)
+    before = torch.cumsum(p[order], 0) - p[order]
+    first = torch.searchsorted(-v, -x, side="left")  # tokens scoring strictly above each
+    above = before[first]
+    k = top_k if top_k > 0 else x.numel()
+    kept = (first < k) & (above <= top_p) & (p >= min_p * p.max())
+    near = ((above - top_p).abs() < 1e-5) | ((p - min_p * p.max()).abs() < 1e-5 * p)
+    return kept, near
+
+
+def test_truncation_bounds_at_full_vocabulary():
+    """64 rows of Qwen3's vocabulary, fp32 and bf16 logits (bf16: many ties), under top-k, top-p,
+    both, and min-p: the kept tokens are the rule's, computed exactly in float64 with tied tokens
+    kept together, except where a token is within rounding of a boundary (at most a few)."""
+    from tide.layers import triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    settings = [(1.0, -1, 0.9, 0.0), (0.7, 50, 1.0, 0.0), (1.0, 1, 1.0, 0.0), (1.0, 400, 0.5, 0.0),
+                (0.9, 20, 0.95, 0.0), (1.0, -1, 0.99, 0.0), (1.2, 2000, 1.0, 0.0),
+                (1.0, -1, 1.0, 0.1)] * 8
+    n = len(settings)
+    temps = [t for t, _, _, _ in settings]
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(n, VOCAB, device="cuda", generator=g) * 3).to(dtype)
+        floor, min_x = triton_ops.truncation_bounds(
+            logits, torch.arange(n, device="cuda"), torch.tensor(temps, device="cuda"),
+            [k for _, k, _, _ in settings], [p for _, _, p, _ in settings],
+            [m for _, _, _, m in settings])
+        raw = logits.float()
+        scaled = raw / torch.tensor(temps, device="cuda").unsqueeze(1)
+        bits = 16 if dtype == torch.bfloat16 else 32
+        kept = (_order_key(raw, bits) >= floor.unsqueeze(1)) & (scaled >= min_x.unsqueeze(1))
+        for i, (_, k, p, m) in enumerate(settings):
+            want, near = _kept_exactly(scaled[i], k, p, m)
+            wrong = kept[i] != want
+            assert not (wrong & ~near).any(), (dtype, settings[i], kept[i].sum(), want.sum())
+            assert wrong.sum() <= 3 and kept[i].any()
+
+
+def test_truncated_draws_follow_the_truncated_softmax():
+    """20,000 seeded top-p 0.85 draws, and as many top-k 3, of one 10,000-column distribution
+    whose mass sits in 5 columns of 3 chunks (top-p keeps 4 of them): only kept tokens, each
+    within 0.012 of its renormalized probability; logprobs untruncated."""
+    from tide.layers.sampler import truncate
+
+    base = torch.full((10_000,), -12.0, device="cuda")
+    hot = [3, 4100, 4101, 8300, 9999]
+    base[hot] = torch.tensor([2.0, 1.5, 1.0, 0.0, 0.5], device="cuda")
+    base = base.to(torch.bfloat16)
+    n = 20_000
+    logits = base.repeat(n, 1)
+    for top_p, top_k in ((0.85, -1), (1.0, 3)):
+        params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k, seed=7 + i)
+                  for i in range(n)]
+        info = SamplingBatchInfo(params, [[]] * n, [[1]] * n, [True] * n, [0] * n)
+        out = Sampler(0).sample(logits, info)
+        probs = truncate(torch.softmax(base.float(), 0).unsqueeze(0), params[:1])[0]
+        probs = probs / probs.sum()
+        got = torch.bincount(out.next_ids, minlength=10_000).float() / n
+        assert torch.all(got[probs == 0] == 0)
+        assert (got - probs).abs().max().item() < 0.012, (got[hot], probs[hot])
+        ref = torch.log_softmax(base.float(), 0)[out.next_ids]
+        torch.testing.assert_close(out.logprobs, ref, rtol=1e-5, atol=1e-4)

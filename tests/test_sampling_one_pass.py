@@ -15,7 +15,7 @@ import importlib.util
 
 import pytest
 import torch
-from tide.layers.sampler import Sampler, SamplingBatchInfo, _one_pass
+from tide.layers.sampler import Sampler, SamplingBatchInfo, _one_pass, _truncates, truncate
 from tide.sampling_params import SamplingParams
 
 from conftest import INTERPRETED, rerun_under_interpreter
@@ -38,17 +38,23 @@ if HAS_TRITON and INTERPRETED:
 
 
 def test_which_rows_take_one_pass():
-    """Greedy and plain temperature rows do; penalties, truncation and top logprobs do not."""
+    """Greedy, temperature and truncated (top-k / top-p / min-p) rows do; penalties and top
+    logprobs do not. Only drawn rows search for a truncation bound."""
     assert _one_pass(SamplingParams(temperature=0.0), 0)
     assert _one_pass(SamplingParams(temperature=1.0), 0)
     assert _one_pass(SamplingParams(temperature=0.7, seed=3), 0)
-    assert _one_pass(SamplingParams(temperature=0.7, top_k=1), 0)  # greedy by top_k
-    assert _one_pass(SamplingParams(temperature=0.0, top_p=0.5), 0)  # greedy: truncation moot
+    assert _one_pass(SamplingParams(temperature=1.0, top_p=0.9), 0)
+    assert _one_pass(SamplingParams(temperature=1.0, top_k=20), 0)
+    assert _one_pass(SamplingParams(temperature=1.0, min_p=0.1), 0)
     assert not _one_pass(SamplingParams(temperature=1.0), 3)
-    assert not _one_pass(SamplingParams(temperature=1.0, top_p=0.9), 0)
-    assert not _one_pass(SamplingParams(temperature=1.0, top_k=20), 0)
-    assert not _one_pass(SamplingParams(temperature=1.0, min_p=0.1), 0)
     assert not _one_pass(SamplingParams(temperature=0.0, repetition_penalty=1.2), 0)
+    assert not _one_pass(SamplingParams(temperature=1.0, top_p=0.9, frequency_penalty=0.5), 0)
+    assert _truncates(SamplingParams(temperature=1.0, top_p=0.9))
+    assert _truncates(SamplingParams(temperature=1.0, top_k=20))
+    assert _truncates(SamplingParams(temperature=1.0, min_p=0.1))
+    assert not _truncates(SamplingParams(temperature=1.0))
+    assert not _truncates(SamplingParams(temperature=0.7, top_k=1))  # greedy by top_k
+    assert not _truncates(SamplingParams(temperature=0.0, top_p=0.5))  # greedy: truncation moot
 
 
 def test_cpu_sampler_keeps_the_general_path():
@@ -65,16 +71,17 @@ def test_cpu_sampler_keeps_the_general_path():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_one_pass_in_the_interpreter():
     """The interpreter tests of this file, in a subprocess with TRITON_INTERPRET=1: all pass (the
-    seven interpreted ones and the two that need no triton), none skipped but this one and the
+    ten interpreted ones and the two that need no triton), none skipped but this one and the
     compile test."""
     summary = rerun_under_interpreter(__file__)
-    assert summary.startswith("9 passed, 2 skipped"), summary
+    assert summary.startswith("12 passed, 2 skipped"), summary
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs triton, compiled (not interpreted)")
 def test_kernels_compile_for_hopper():
-    """Both launches compile for sm_90 (no GPU needed), bf16 and fp32 logits, with and without
-    logprobs, with the inline `lg2.approx` the GPU path uses. The vocabulary and the logits' stride
+    """The sampling and truncation launches compile for sm_90 (no GPU needed), bf16 and fp32
+    logits, with and without logprobs and truncation, with the inline `lg2.approx` the GPU path
+    uses. The vocabulary and the logits' stride
     stay specialised (only the row count is not), and with them divisible by 16, as a model's are,
     the logits load in vectors: unspecialised, the kernel took 2.5x as long (H100, 256 rows)."""
     import re
@@ -84,15 +91,17 @@ def test_kernels_compile_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    partial = ops._sample_partial_kernel
-    unspecialised = {partial.arg_names[i] if isinstance(i, int) else i
-                     for i in partial.do_not_specialize}
-    assert unspecialised == {"rows_total"}, unspecialised
+    for fn in (ops._sample_partial_kernel, ops._sample_final_kernel, ops._trunc_partial_kernel,
+               ops._trunc_final_kernel):
+        unspecialised = {fn.arg_names[i] if isinstance(i, int) else i
+                         for i in fn.do_not_specialize}
+        assert unspecialised == {"rows_total"}, unspecialised
     aligned = ("X", "n_cols", "stride_x")
 
     def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int) -> str:
         sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
+                 if n in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": num_warps})
@@ -100,15 +109,31 @@ def test_kernels_compile_for_hopper():
 
     ints = {"n_cols": "i32", "stride_x": "i64", "rows_total": "i32"}
     for logits in ("*bf16", "*fp32"):
-        for logprob in (True, False):
+        shift = 16 if logits == "*bf16" else 0
+        for logprob, trunc in ((True, False), (False, False), (True, True)):
             ptx = compile_sm90(
                 ops._sample_partial_kernel,
-                {"X": logits, "Rows": "*i64", "Temps": "*fp32", "Seeds": "*i64", "Part": "*fp32",
-                 "Idx": "*i32", **ints},
+                {"X": logits, "Rows": "*i64", "Temps": "*fp32", "Seeds": "*i64", "Floor": "*i32",
+                 "MinX": "*fp32", "Part": "*fp32", "Idx": "*i32", **ints},
                 dict(CHUNKS=75, CHUNK=ops.SAMPLE_CHUNK, BLOCK=ops._SAMPLE_BLOCK, LOGPROB=logprob,
-                     ASM=True, USE_PDL=True), num_warps=4)
+                     TRUNC=trunc, SHIFT=shift, ASM=True, USE_PDL=True), num_warps=4)
             assert "lg2.approx" in ptx
             assert re.search(r"ld\.global(\.\w+)*\.v[24]\.", ptx), "logits not loaded in vectors"
+        for search_k, search_p in ((True, True), (True, False), (False, True), (False, False)):
+            flags = dict(PIVOTS=ops.TRUNC_PIVOTS, SEARCH_K=search_k, SEARCH_P=search_p,
+                         USE_PDL=True)
+            compile_sm90(
+                ops._trunc_partial_kernel,
+                {"X": logits, "Rows": "*i64", "Temps": "*fp32", "Bounds": "*i64", "Part": "*fp32",
+                 "Cnt": "*i32", **ints},
+                dict(CHUNKS=75, CHUNK=ops.SAMPLE_CHUNK, BLOCK=ops._TRUNC_BLOCK, SHIFT=shift,
+                     **flags), num_warps=4)
+            compile_sm90(
+                ops._trunc_final_kernel,
+                {"TopK": "*i64", "TopP": "*fp32", "MinP": "*fp32", "Bounds": "*i64",
+                 "Part": "*fp32", "Cnt": "*i32", "Stats": "*fp32", "Floor": "*i32",
+                 "MinX": "*fp32", "rows_total": "i32"},
+                dict(CHUNKS=75, CHUNKS_P2=128, **flags), num_warps=4)
             compile_sm90(
                 ops._sample_final_kernel,
                 {"X": logits, "Rows": "*i64", "Temps": "*fp32", "Part": "*fp32", "Idx": "*i32",
@@ -231,12 +256,13 @@ def _info(params, return_logprob, top, outputs=None):
 
 @interpreted
 def test_interpreted_sampler_splits_a_mixed_batch():
-    """A batch of one-pass rows (greedy, seeded, unseeded) and general rows (top-p, penalties, top
+    """A batch of one-pass rows (greedy, seeded, unseeded) and general rows (penalties, top
     logprobs): the general rows equal the general path run on them alone, the one-pass rows equal
     `sample_rows` run on them alone, and logprobs / top logprobs land on their own rows."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 400, generator=g) * 2
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.8, seed=4),
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=4, presence_penalty=0.5),
               SamplingParams(temperature=0.9, seed=5), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0.0, repetition_penalty=1.3),
               SamplingParams(temperature=1.0, seed=6)]
@@ -281,3 +307,107 @@ def test_interpreted_sampler_all_rows_one_pass():
     ref = torch.log_softmax(logits.float(), dim=-1)
     for i, tok in enumerate(a.next_ids):
         assert a.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-5)
+
+
+def _order_key(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """`triton_ops._order_key` in torch: the fp32 bits, negatives' magnitude flipped, shifted."""
+    b = x.float().view(torch.int32)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)) >> (32 - bits)
+
+
+def _truncation_rows(dtype: torch.dtype, n: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows of distinct logits (no ties, so the sort's order is the only one)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bfloat16:  # distinct bf16 values, shuffled per row
+        base = torch.unique((torch.arange(-vocab, vocab, 2, dtype=torch.float32) / 300).to(dtype))
+        return torch.stack([base[torch.randperm(base.numel(), generator=g)] for _ in range(n)])
+    return torch.randn(n, vocab, generator=g) * 3
+
+
+TRUNCATIONS = [  # (temperature, top_k, top_p, min_p)
+    (1.0, -1, 0.9, 0.0), (0.7, 50, 1.0, 0.0), (1.3, 1, 1.0, 0.0), (1.0, 400, 0.5, 0.05),
+    (0.9, -1, 0.95, 0.0), (1.0, 7, 0.3, 0.01), (1.0, -1, 1.0, 0.2), (1.0, 100_000, 0.999, 0.0),
+    (0.5, 2, 1e-6, 0.0), (1.0, -1, 1.0, 0.0),
+]
+
+
+@interpreted
+def test_interpreted_truncation_bounds_keep_what_the_sort_keeps():
+    """For bf16 (16-bit keys, 4 passes) and fp32 logits (32-bit keys, 8 passes) over 2.5 chunks,
+    the tokens `truncation_bounds` keeps are exactly those the general path's sort-based `truncate`
+    keeps, row by row: top-k alone, top-p alone, both, with min-p, a top-k beyond the vocabulary,
+    a top-p below the top token's mass, and no truncation at all."""
+    from tide.layers import triton_ops
+
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = _truncation_rows(dtype, len(TRUNCATIONS), 5000, seed=1)
+        temps = [t for t, _, _, _ in TRUNCATIONS]
+        floor, min_x = triton_ops.truncation_bounds(
+            logits, torch.arange(len(TRUNCATIONS)), torch.tensor(temps),
+            [k for _, k, _, _ in TRUNCATIONS], [p for _, _, p, _ in TRUNCATIONS],
+            [m for _, _, _, m in TRUNCATIONS])
+        raw = logits.float()
+        scaled = raw / torch.tensor(temps).unsqueeze(1)
+        bits = 16 if dtype == torch.bfloat16 else 32
+        kept = (_order_key(raw, bits) >= floor.unsqueeze(1)) & (scaled >= min_x.unsqueeze(1))
+        params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+                  for t, k, p, m in TRUNCATIONS]
+        want = truncate(torch.softmax(scaled, dim=-1), params) > 0
+        # The last row truncates nothing. (The sort path, run with the others, drops its tail
+        # tokens whose preceding mass rounds above 1 in fp32: not compared.)
+        for i, row in enumerate(TRUNCATIONS[:-1]):
+            assert torch.equal(kept[i], want[i]), (dtype, row, kept[i].sum(), want[i].sum())
+        assert kept[2].sum() == 1 and kept[8].sum() == 1 and kept[9].all()
+
+
+@interpreted
+def test_interpreted_truncated_draws_follow_the_truncated_softmax(monkeypatch):
+    """150 seeded draws through `Sampler` from one bf16 row of 12 logits (chunks of 8 columns, as
+    the untruncated test) under top-p 0.8 and under top-k 3: only kept tokens come out, each within
+    0.1 of its renormalized probability; logprobs are those of the untruncated scores, as the
+    general path returns."""
+    from tide.layers import triton_ops
+
+    monkeypatch.setattr(triton_ops, "SAMPLE_CHUNK", 8)
+    monkeypatch.setattr(triton_ops, "_SAMPLE_BLOCK", 4)
+    monkeypatch.setattr(triton_ops, "_TRUNC_BLOCK", 4)
+    base = torch.tensor([0.5, -3.0, 1.0, -2.0, -4.0, -1.0, 2.0, -5.0, 0.0, -6.0, 1.5, -7.0])
+    base = base.to(torch.bfloat16)
+    n = 150
+    logits = base.repeat(n, 1)
+    for top_p, top_k in ((0.8, -1), (1.0, 3)):
+        params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k, seed=i)
+                  for i in range(n)]
+        out = Sampler(0, one_pass=True)(logits, _info(params, [True] * n, [0] * n))
+        probs = truncate(torch.softmax(base.float(), 0).unsqueeze(0), params[:1])[0]
+        probs = probs / probs.sum()
+        got = torch.bincount(torch.tensor(out.next_ids), minlength=12).float() / n
+        assert set(torch.nonzero(got).flatten().tolist()) <= set(
+            torch.nonzero(probs).flatten().tolist()), (got, probs)
+        assert (got - probs).abs().max().item() < 0.1, (got, probs)
+        logp = torch.log_softmax(base.float(), 0)
+        assert out.logprobs is not None
+        assert all(out.logprobs[i] == pytest.approx(logp[t].item(), abs=1e-5)
+                   for i, t in enumerate(out.next_ids))
+
+
+@interpreted
+def test_interpreted_truncated_seeded_row_ignores_its_batch():
+    """A seeded top-p row draws the same token alone, in a batch of truncated and plain rows, and
+    read through `rows`; greedy rows with truncation parameters are still the argmax."""
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(5)) * 2
+    params = [SamplingParams(temperature=1.0, top_p=0.7, seed=11),
+              SamplingParams(temperature=0.8, top_k=5, seed=12), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0, top_p=0.1), SamplingParams(temperature=1.0, min_p=0.3),
+              SamplingParams(temperature=1.0, top_p=0.7, seed=11)]
+    out = Sampler(0, one_pass=True)(logits, _info(params, [True] * 6, [0] * 6))
+    alone = Sampler(3, one_pass=True)(logits[:1], _info(params[:1], [True], [0]))
+    assert out.next_ids[0] == alone.next_ids[0]
+    assert out.next_ids[3] == int(logits[3].argmax())
+    moved = Sampler(0, one_pass=True)._one_pass(
+        logits, _info([params[5], params[1]], [True] * 2, [0] * 2), torch.tensor([0, 1]))
+    assert int(moved.next_ids[0]) == out.next_ids[0]
+    kept = truncate(torch.softmax(logits / torch.tensor([1.0, 0.8, 1, 1, 1, 1]).unsqueeze(1), -1),
+                    params) > 0
+    for i in (0, 1, 4, 5):
+        assert kept[i, out.next_ids[i]]

@@ -5,14 +5,17 @@ is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes fro
 logits' device seeded by (seed, output position), so its tokens do not depend on what else is in the
 batch. Every step runs on that device; results leave it through `DeviceSample`.
 
-On CUDA, a row with no penalties, no truncation and no top logprobs (plain temperature sampling, as an
-RL rollout draws, or greedy) takes `triton_ops.sample_rows` instead: one pass over its logits that
-draws by the Gumbel-max rule (the same distribution, argmax(log p - log E)) with E from Philox keyed
-by (seed, output position), or by a per-step seed from the sampler's own generator when the request
-has none, and computes the token's logprob on the way. The other path reads and writes the
-vocabulary-wide rows about ten times (cast, scale, softmax, noise, divide, argmax, log_softmax); this
-one reads them once. Which path a row takes depends on its own parameters only, so a seeded row's
-tokens still do not depend on its batch; the two paths draw from different random streams.
+On CUDA, a row with no penalties and no top logprobs (greedy, or temperature sampling with or without
+top-k / top-p / min-p, as an RL rollout draws) takes `triton_ops.sample_rows` instead: one pass over
+its logits that draws by the Gumbel-max rule (the same distribution, argmax(log p - log E)) with E
+from Philox keyed by (seed, output position), or by a per-step seed from the sampler's own generator
+when the request has none, and computes the token's logprob on the way. The other path reads and
+writes the vocabulary-wide rows about ten times (cast, scale, softmax, noise, divide, argmax,
+log_softmax), and sorts them to truncate. Truncated rows first find, without sorting, the order-key
+floor and min score of their kept tokens (`triton_ops.truncation_bounds`: 4 more passes for bf16
+logits, 8 for fp32), and the draw skips the rest. Which path a row takes depends on its own
+parameters only, so a seeded row's tokens still do not depend on its batch; the two paths draw from
+different random streams.
 
 Returned logprobs are `log_softmax` of the logits after penalties and temperature (temperature 0 counts
 as 1) and before any truncation: the distribution the model proposed at that temperature.
@@ -238,9 +241,18 @@ class Sampler:
                 keys.append((p.seed * _SEED_MIX + info.output_position(i)) % (2**63))
         device = logits.device
         index = rows if rows is not None else torch.arange(info.size, device=device)
+        temps_t = device_tensor(temps, torch.float32, device)
+        bounds = None
+        if any(_truncates(p) for p in info.params):
+            kept = [_truncates(p) for p in info.params]
+            bounds = triton_ops.truncation_bounds(
+                logits, index, temps_t,
+                [p.top_k if t else -1 for p, t in zip(info.params, kept)],
+                [p.top_p if t else 1.0 for p, t in zip(info.params, kept)],
+                [p.min_p if t else 0.0 for p, t in zip(info.params, kept)])
         ids, logp = triton_ops.sample_rows(
-            logits, index, device_tensor(temps, torch.float32, device),
-            device_tensor(keys, torch.int64, device), any(info.return_logprob))
+            logits, index, temps_t, device_tensor(keys, torch.int64, device),
+            any(info.return_logprob), bounds)
         return DeviceSample(ids, logp)
 
     def _sample_rows(self, logits: torch.Tensor, info: SamplingBatchInfo) -> DeviceSample:
@@ -305,11 +317,14 @@ class Sampler:
 
 
 def _one_pass(p: SamplingParams, top_logprobs_num: int) -> bool:
-    """Whether a row may take `triton_ops.sample_rows`: greedy, or plain temperature sampling, with
-    no penalties and no top logprobs."""
-    if p.has_penalties or top_logprobs_num > 0:
-        return False
-    return p.is_greedy or (p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0)
+    """Whether a row may take `triton_ops.sample_rows`: no penalties and no top logprobs (greedy,
+    temperature, top-k, top-p and min-p rows do)."""
+    return not p.has_penalties and top_logprobs_num == 0
+
+
+def _truncates(p: SamplingParams) -> bool:
+    """Whether a drawn row's top-k, top-p or min-p excludes any token."""
+    return not p.is_greedy and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
 def _merge(info: SamplingBatchInfo, *parts: tuple[torch.Tensor, DeviceSample]) -> DeviceSample:

@@ -384,10 +384,12 @@ _SAMPLE_ARGS = ("rows_total",)
 _SAMPLE_ROW_ARGS = ("Rows", "Temps", "Seeds")
 
 
-@triton.jit(do_not_specialize=_SAMPLE_ARGS, do_not_specialize_on_alignment=_SAMPLE_ROW_ARGS)
-def _sample_partial_kernel(X, Rows, Temps, Seeds, Part, Idx, n_cols, stride_x, rows_total,
-                           CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                           LOGPROB: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+@triton.jit(do_not_specialize=_SAMPLE_ARGS,
+            do_not_specialize_on_alignment=_SAMPLE_ROW_ARGS + ("Floor", "MinX"))
+def _sample_partial_kernel(X, Rows, Temps, Seeds, Floor, MinX, Part, Idx, n_cols, stride_x,
+                           rows_total, CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+                           BLOCK: tl.constexpr, LOGPROB: tl.constexpr, TRUNC: tl.constexpr,
+                           SHIFT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -396,6 +398,9 @@ def _sample_partial_kernel(X, Rows, Temps, Seeds, Part, Idx, n_cols, stride_x, r
     row = tl.load(Rows + i).to(tl.int64)
     inv_t = 1.0 / tl.load(Temps + i)
     seed = tl.load(Seeds + i)
+    if TRUNC:  # the row's kept tokens: order key >= floor and score >= min_x (`truncation_bounds`)
+        floor = tl.load(Floor + i)
+        min_x = tl.load(MinX + i)
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int32) + n_cols
     m = tl.full((), float("-inf"), tl.float32)
@@ -407,8 +412,9 @@ def _sample_partial_kernel(X, Rows, Temps, Seeds, Part, Idx, n_cols, stride_x, r
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         cols = start + 4 * quad[:, None] + lane
         mask = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        x = tl.where(x != x, float("-inf"), x)  # a NaN logit is never drawn
+        raw = tl.load(X + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        raw = tl.where(raw != raw, float("-inf"), raw)  # a NaN logit is never drawn
+        x = raw * inv_t
         if seed >= 0:  # Gumbel-max: argmax(x - log E), E = -log U ~ Exp(1)
             u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + quad)
             u = tl.where(lane == 0, u0[:, None], tl.where(lane == 1, u1[:, None],
@@ -416,6 +422,8 @@ def _sample_partial_kernel(X, Rows, Temps, Seeds, Part, Idx, n_cols, stride_x, r
             key = x - _ln(_exp1(u, ASM), ASM)
         else:
             key = x
+        if TRUNC:
+            key = tl.where((_order_key(raw, SHIFT) >= floor) & (x >= min_x), key, float("-inf"))
         key = tl.where(mask, key, float("-inf"))
         kmax = tl.max(tl.max(key, 1), 0)
         kidx = tl.min(tl.min(tl.where(key == kmax, cols, n_cols), 1), 0)
@@ -463,8 +471,202 @@ def _sample_final_kernel(X, Rows, Temps, Part, Idx, Out, LogP, n_cols, stride_x,
         tl.store(LogP + i, x - shift - tl.log(total))
 
 
+@triton.jit
+def _order_key(x, SHIFT: tl.constexpr):
+    """An int32 key of fp32 `x` in the same order as the values (the bits, with the magnitude bits
+    of negatives flipped), shifted right by SHIFT: 16 leaves the key of a bf16 value exactly."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> SHIFT
+
+
+# Pivots a truncation search pass tries in each row's interval: the interval shrinks 16-fold a pass,
+# so the 2^16 keys of bf16 logits take 4 passes and the 2^32 of fp32 / fp16 logits 8.
+TRUNC_PIVOTS = 16
+_TRUNC_BLOCK = 512
+_TRUNC_ROW_ARGS = ("Rows", "Temps", "TopK", "TopP", "MinP", "Bounds", "Stats", "Floor", "MinX")
+
+
+@triton.jit
+def _pivots(Bounds, i, which: tl.constexpr, PIVOTS: tl.constexpr):
+    """Row i's search interval (lo, hi] (int64) and its PIVOTS pivots lo + ceil((j + 1)(hi - lo) /
+    PIVOTS), the last one hi (meaningless once lo == hi: the search is over)."""
+    lo = tl.load(Bounds + i * 4 + 2 * which)
+    hi = tl.load(Bounds + i * 4 + 2 * which + 1)
+    j = tl.arange(0, PIVOTS).to(tl.int64)
+    piv = lo + ((j + 1) * (hi - lo) + PIVOTS - 1) // PIVOTS
+    return lo, hi, piv
+
+
+@triton.jit(do_not_specialize=_SAMPLE_ARGS, do_not_specialize_on_alignment=_TRUNC_ROW_ARGS)
+def _trunc_partial_kernel(X, Rows, Temps, Bounds, Part, Cnt, n_cols, stride_x, rows_total,
+                          CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                          PIVOTS: tl.constexpr, SHIFT: tl.constexpr, SEARCH_K: tl.constexpr,
+                          SEARCH_P: tl.constexpr, USE_PDL: tl.constexpr):
+    """One chunk of one row: the max m and sum of exp(score - m) of its scores, and at each pivot
+    t, the count of its keys >= t (top-k interval) and their sum of exp(score - m) (top-p)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    i = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row = tl.load(Rows + i).to(tl.int64)
+    inv_t = 1.0 / tl.load(Temps + i)
+    _, _, piv_k = _pivots(Bounds, i, 0, PIVOTS)
+    _, _, piv_p = _pivots(Bounds, i, 1, PIVOTS)
+    piv_k = tl.maximum(piv_k, -2147483648).to(tl.int32)
+    piv_p = tl.maximum(piv_p, -2147483648).to(tl.int32)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    cnt = tl.zeros((PIVOTS,), dtype=tl.int32)
+    mass = tl.zeros((PIVOTS,), dtype=tl.float32)
+    offs = tl.arange(0, BLOCK)
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        cols = start + offs
+        mask = cols < n_cols
+        raw = tl.load(X + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        raw = tl.where(raw != raw, float("-inf"), raw)
+        x = raw * inv_t
+        key = _order_key(raw, SHIFT)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp(m - shift)
+        e = tl.where(mask, tl.exp(x - shift), 0.0)
+        s = s * scale + tl.sum(e, 0)
+        if SEARCH_K:
+            above = (key[:, None] >= piv_k[None, :]) & mask[:, None]
+            cnt += tl.sum(above.to(tl.int32), 0)
+        if SEARCH_P:
+            above = key[:, None] >= piv_p[None, :]
+            mass = mass * scale + tl.sum(tl.where(above, e[:, None], 0.0), 0)
+        m = m_new
+    out = (i * CHUNKS + chunk) * (2 + PIVOTS)
+    tl.store(Part + out, m)
+    tl.store(Part + out + 1, s)
+    j = tl.arange(0, PIVOTS)
+    if SEARCH_P:
+        tl.store(Part + out + 2 + j, mass)
+    if SEARCH_K:
+        tl.store(Cnt + (i * CHUNKS + chunk) * PIVOTS + j, cnt)
+
+
+@triton.jit
+def _narrow(Bounds, i, which: tl.constexpr, above, PIVOTS: tl.constexpr):
+    """Narrow row i's interval to the pivots around the first one where `above` turns false: the
+    answer (the largest key t whose statistic is above the row's threshold) stays in (lo, hi] or
+    is lo, and the interval shrinks PIVOTS-fold."""
+    lo, hi, piv = _pivots(Bounds, i, which, PIVOTS)
+    j = tl.arange(0, PIVOTS)
+    first = tl.min(tl.where(above, PIVOTS, j), 0)
+    new_lo = tl.max(tl.where(j < first, piv, lo), 0)
+    new_hi = tl.min(tl.where(j >= first, piv - 1, hi), 0)
+    active = hi > lo
+    tl.store(Bounds + i * 4 + 2 * which, tl.where(active, new_lo, lo))
+    tl.store(Bounds + i * 4 + 2 * which + 1, tl.where(active, new_hi, hi))
+    return tl.where(active, new_lo, lo)
+
+
+@triton.jit(do_not_specialize=_SAMPLE_ARGS, do_not_specialize_on_alignment=_TRUNC_ROW_ARGS)
+def _trunc_final_kernel(TopK, TopP, MinP, Bounds, Part, Cnt, Stats, Floor, MinX, rows_total,
+                        CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, PIVOTS: tl.constexpr,
+                        SEARCH_K: tl.constexpr, SEARCH_P: tl.constexpr, USE_PDL: tl.constexpr):
+    """Row i: its max and sum of exponentials over all chunks (in chunk order), each search's
+    interval narrowed, and the floor and min score the sampling pass keeps tokens by."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    i = tl.program_id(0)
+    c = tl.arange(0, CHUNKS_P2)
+    j = tl.arange(0, PIVOTS)
+    cmask = c < CHUNKS
+    at = (i * CHUNKS + c) * (2 + PIVOTS)
+    m_c = tl.load(Part + at, mask=cmask, other=float("-inf"))
+    s_c = tl.load(Part + at + 1, mask=cmask, other=0.0)
+    big = tl.max(m_c, 0)
+    shift = tl.where(big == float("-inf"), 0.0, big)
+    w = tl.exp(m_c - shift)
+    total = tl.sum(s_c * w, 0)
+    tl.store(Stats + i, big)
+    tl.store(Stats + rows_total + i, total)
+    lo_k = tl.load(Bounds + i * 4)
+    lo_p = tl.load(Bounds + i * 4 + 2)
+    if SEARCH_K:
+        cnt = tl.sum(tl.load(Cnt + (i * CHUNKS + c)[:, None] * PIVOTS + j[None, :],
+                             mask=cmask[:, None], other=0), 0)
+        lo_k = _narrow(Bounds, i, 0, cnt.to(tl.float32) > tl.load(TopK + i).to(tl.float32) - 0.5,
+                       PIVOTS)
+    if SEARCH_P:
+        mass = tl.sum(tl.load(Part + at[:, None] + 2 + j[None, :], mask=cmask[:, None],
+                              other=0.0) * w[:, None], 0)
+        lo_p = _narrow(Bounds, i, 1, mass > tl.load(TopP + i) * total, PIVOTS)
+    tl.store(Floor + i, tl.maximum(tl.maximum(lo_k, lo_p), -2147483648).to(tl.int32))
+    min_p = tl.load(MinP + i)
+    tl.store(MinX + i, tl.where(min_p > 0.0, big + tl.log(tl.maximum(min_p, 1e-30)),
+                                float("-inf")))
+
+
+def _key_bits(logits: torch.Tensor) -> int:
+    """Bits of the order keys of `logits`: 16 for bf16 (exact), 32 otherwise."""
+    return 16 if logits.dtype == torch.bfloat16 else 32
+
+
+def truncation_bounds(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor,
+                      top_k: list[int], top_p: list[float], min_p: list[float]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens row i (`logits[rows[i]] / temps[i]`) keeps under top-k, top-p and min-p, found
+    without sorting: the token with raw logit x is kept iff its order key (`_order_key`) is at least
+    `floor[i]` and its score x / T at least `min_x[i]`. Returns (floor int32, min_x fp32), each
+    [len(rows)], on the logits' device; the parameters are host lists (no device sync).
+
+    The kept set is the general path's (`sampler.truncate`): rank below `top_k[i]` (<= 0: no limit),
+    probability mass of the tokens before it at most `top_p[i]`, probability at least `min_p[i]`
+    times the top one's; the top token is always kept. Tokens tied on one key are kept or dropped
+    together, where the sort gives them an arbitrary order. Keys are exact for bf16 logits (16
+    bits, 4 passes) and fp32 / fp16 ones (32 bits, 8 passes): each pass reads every row once and
+    narrows, for each search, an interval of keys 16-fold at 16 pivots. A row's bounds depend on
+    its own logits and parameters only."""
+    from tide.memory.host_copy import device_tensor
+
+    n = rows.shape[0]
+    n_cols = logits.shape[1]
+    device = logits.device
+    chunks = triton.cdiv(n_cols, SAMPLE_CHUNK)
+    bits = _key_bits(logits)
+    none, top = -(2 ** (bits - 1)) - 1, 2 ** (bits - 1) - 1  # lo = none: every token is kept
+    search_k = [0 < k < n_cols for k in top_k]
+    search_p = [p < 1.0 for p in top_p]
+    bounds: list[int] = []
+    for sk, sp in zip(search_k, search_p):
+        bounds += ([none, top] if sk else [none, none]) + ([none, top] if sp else [none, none])
+    floor = torch.empty(n, dtype=torch.int32, device=device)
+    min_x = torch.empty(n, dtype=torch.float32, device=device)
+    if n == 0:
+        return floor, min_x
+    bounds_t = device_tensor(bounds, torch.int64, device)
+    k_t = device_tensor(top_k, torch.int64, device)
+    p_t = device_tensor(top_p, torch.float32, device)
+    minp_t = device_tensor(min_p, torch.float32, device)
+    part = torch.empty(n, chunks, 2 + TRUNC_PIVOTS, dtype=torch.float32, device=device)
+    cnt = torch.empty(n, chunks, TRUNC_PIVOTS, dtype=torch.int32, device=device)
+    stats = torch.empty(2, n, dtype=torch.float32, device=device)
+    # Which searches a pass runs is the batch's choice; a row that needs neither is done from the
+    # start, so its bounds never depend on its batch. Min-p alone needs one pass (the row's max).
+    any_k, any_p = any(search_k), any(search_p)
+    use_pdl = pdl.enabled(logits)
+    for _ in range(bits // 4 if any_k or any_p else 1):
+        _trunc_partial_kernel[(n, chunks)](
+            logits, rows, temps, bounds_t, part, cnt, n_cols, logits.stride(0), n, CHUNKS=chunks,
+            CHUNK=SAMPLE_CHUNK, BLOCK=_TRUNC_BLOCK, PIVOTS=TRUNC_PIVOTS, SHIFT=32 - bits,
+            SEARCH_K=any_k, SEARCH_P=any_p, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+        _trunc_final_kernel[(n,)](
+            k_t, p_t, minp_t, bounds_t, part, cnt, stats, floor, min_x, n, CHUNKS=chunks,
+            CHUNKS_P2=triton.next_power_of_2(chunks), PIVOTS=TRUNC_PIVOTS, SEARCH_K=any_k,
+            SEARCH_P=any_p, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+    return floor, min_x
+
+
 def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
-                logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logprobs: bool, truncation: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token for each row `rows[i]` of `logits` [B, vocab] (bf16, fp16 or fp32), reading it once.
 
     Row i's scores are `logits[rows[i]] * (1 / temps[i])` in fp32 (`temps` > 0). Where `seeds[i]` >= 0
@@ -472,6 +674,8 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, s
     E ~ Exp(1) made from Philox(key=seeds[i], counter=column // 4), so it depends on the seed and the
     row's logits only; where `seeds[i]` < 0 it is the first argmax of the scores. With `logprobs`, also each
     token's log-softmax of the scores. Returns int64 ids [len(rows)] and fp32 logprobs or None.
+    `truncation`: `truncation_bounds` of these rows; the draw (or argmax) is then among each row's
+    kept tokens, and the logprob still that of the untruncated scores, as the general path's.
     Programs cover `SAMPLE_CHUNK` columns each and the combine runs in column order, so a row's
     results do not depend on the batch it is in."""
     n = rows.shape[0]
@@ -484,9 +688,11 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, s
     if n == 0:
         return out, (logp if logprobs else None)
     use_pdl = pdl.enabled(logits)
-    _sample_partial_kernel[(n, chunks)](logits, rows, temps, seeds, part, idx, n_cols,
+    floor, min_x = truncation if truncation is not None else (out, part)  # unread without it
+    _sample_partial_kernel[(n, chunks)](logits, rows, temps, seeds, floor, min_x, part, idx, n_cols,
                                         logits.stride(0), n, CHUNKS=chunks, CHUNK=SAMPLE_CHUNK,
                                         BLOCK=_SAMPLE_BLOCK, LOGPROB=logprobs,
+                                        TRUNC=truncation is not None, SHIFT=32 - _key_bits(logits),
                                         ASM=logits.is_cuda and not _INTERPRETED, USE_PDL=use_pdl,
                                         num_warps=4, launch_pdl=use_pdl)
     _sample_final_kernel[(n,)](logits, rows, temps, part, idx, out, logp, n_cols, logits.stride(0), n,
