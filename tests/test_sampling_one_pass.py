@@ -120,7 +120,7 @@ def test_kernels_compile_for_hopper():
             assert "lg2.approx" in ptx
             assert re.search(r"ld\.global(\.\w+)*\.v[24]\.", ptx), "logits not loaded in vectors"
         for search_k, search_p in ((True, True), (True, False), (False, True), (False, False)):
-            flags = dict(PIVOTS=ops.TRUNC_PIVOTS, SEARCH_K=search_k, SEARCH_P=search_p,
+            flags = dict(PIVOTS=ops.TRUNC_PIVOTS[32 - shift], SEARCH_K=search_k, SEARCH_P=search_p,
                          USE_PDL=True)
             compile_sm90(
                 ops._trunc_partial_kernel,
@@ -333,7 +333,7 @@ TRUNCATIONS = [  # (temperature, top_k, top_p, min_p)
 
 @interpreted
 def test_interpreted_truncation_bounds_keep_what_the_sort_keeps():
-    """For bf16 (16-bit keys, 4 passes) and fp32 logits (32-bit keys, 8 passes) over 2.5 chunks,
+    """For bf16 (16-bit keys, 8 passes) and fp32 logits (32-bit keys, 11 passes) over 2.5 chunks,
     the tokens `truncation_bounds` keeps are exactly those the general path's sort-based `truncate`
     keeps, row by row: top-k alone, top-p alone, both, with min-p, a top-k beyond the vocabulary,
     a top-p below the top token's mass, and no truncation at all."""

@@ -12,8 +12,8 @@ from Philox keyed by (seed, output position), or by a per-step seed from the sam
 when the request has none, and computes the token's logprob on the way. The other path reads and
 writes the vocabulary-wide rows about ten times (cast, scale, softmax, noise, divide, argmax,
 log_softmax), and sorts them to truncate. Truncated rows first find, without sorting, the order-key
-floor and min score of their kept tokens (`triton_ops.truncation_bounds`: 4 more passes for bf16
-logits, 8 for fp32), and the draw skips the rest. Which path a row takes depends on its own
+floor and min score of their kept tokens (`triton_ops.truncation_bounds`: 8 more passes for bf16
+logits, 11 for fp32), and the draw skips the rest. Which path a row takes depends on its own
 parameters only, so a seeded row's tokens still do not depend on its batch; the two paths draw from
 different random streams.
 

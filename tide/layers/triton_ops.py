@@ -479,9 +479,10 @@ def _order_key(x, SHIFT: tl.constexpr):
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> SHIFT
 
 
-# Pivots a truncation search pass tries in each row's interval: the interval shrinks 16-fold a pass,
-# so the 2^16 keys of bf16 logits take 4 passes and the 2^32 of fp32 / fp16 logits 8.
-TRUNC_PIVOTS = 16
+# Pivots a truncation search pass tries in each row's interval, by the logits' key bits: the interval
+# shrinks that many-fold a pass, so the 2^16 keys of bf16 logits take 8 passes and the 2^32 of fp32 /
+# fp16 logits 11. Fastest of 2-16 at 16-256 rows (H100; the answers are the same for any count).
+TRUNC_PIVOTS = {16: 4, 32: 8}
 _TRUNC_BLOCK = 512
 _TRUNC_ROW_ARGS = ("Rows", "Temps", "TopK", "TopP", "MinP", "Bounds", "Stats", "Floor", "MinX")
 
@@ -621,9 +622,9 @@ def truncation_bounds(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Ten
     probability mass of the tokens before it at most `top_p[i]`, probability at least `min_p[i]`
     times the top one's; the top token is always kept. Tokens tied on one key are kept or dropped
     together, where the sort gives them an arbitrary order. Keys are exact for bf16 logits (16
-    bits, 4 passes) and fp32 / fp16 ones (32 bits, 8 passes): each pass reads every row once and
-    narrows, for each search, an interval of keys 16-fold at 16 pivots. A row's bounds depend on
-    its own logits and parameters only."""
+    bits) and fp32 / fp16 ones (32 bits): each pass reads every row once and narrows, for each
+    search, an interval of keys at `TRUNC_PIVOTS` pivots (8 passes for bf16, 11 for fp32). A row's
+    bounds depend on its own logits and parameters only."""
     from tide.memory.host_copy import device_tensor
 
     n = rows.shape[0]
@@ -645,21 +646,23 @@ def truncation_bounds(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Ten
     k_t = device_tensor(top_k, torch.int64, device)
     p_t = device_tensor(top_p, torch.float32, device)
     minp_t = device_tensor(min_p, torch.float32, device)
-    part = torch.empty(n, chunks, 2 + TRUNC_PIVOTS, dtype=torch.float32, device=device)
-    cnt = torch.empty(n, chunks, TRUNC_PIVOTS, dtype=torch.int32, device=device)
+    part = torch.empty(n, chunks, 2 + TRUNC_PIVOTS[bits], dtype=torch.float32, device=device)
+    cnt = torch.empty(n, chunks, TRUNC_PIVOTS[bits], dtype=torch.int32, device=device)
     stats = torch.empty(2, n, dtype=torch.float32, device=device)
     # Which searches a pass runs is the batch's choice; a row that needs neither is done from the
     # start, so its bounds never depend on its batch. Min-p alone needs one pass (the row's max).
     any_k, any_p = any(search_k), any(search_p)
     use_pdl = pdl.enabled(logits)
-    for _ in range(bits // 4 if any_k or any_p else 1):
+    pivots = TRUNC_PIVOTS[bits]
+    step = pivots.bit_length() - 1  # bits of key a pass settles (pivots: a power of 2)
+    for _ in range(-(-bits // step) if any_k or any_p else 1):
         _trunc_partial_kernel[(n, chunks)](
             logits, rows, temps, bounds_t, part, cnt, n_cols, logits.stride(0), n, CHUNKS=chunks,
-            CHUNK=SAMPLE_CHUNK, BLOCK=_TRUNC_BLOCK, PIVOTS=TRUNC_PIVOTS, SHIFT=32 - bits,
+            CHUNK=SAMPLE_CHUNK, BLOCK=_TRUNC_BLOCK, PIVOTS=pivots, SHIFT=32 - bits,
             SEARCH_K=any_k, SEARCH_P=any_p, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
         _trunc_final_kernel[(n,)](
             k_t, p_t, minp_t, bounds_t, part, cnt, stats, floor, min_x, n, CHUNKS=chunks,
-            CHUNKS_P2=triton.next_power_of_2(chunks), PIVOTS=TRUNC_PIVOTS, SEARCH_K=any_k,
+            CHUNKS_P2=triton.next_power_of_2(chunks), PIVOTS=pivots, SEARCH_K=any_k,
             SEARCH_P=any_p, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     return floor, min_x
 
