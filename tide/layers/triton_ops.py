@@ -375,6 +375,13 @@ def _exp1(u, ASM: tl.constexpr):
     return tl.where(v < 0.015625, series, -_ln(u, ASM))
 
 
+@triton.jit
+def _chunk_program(Rows, Temps):
+    """A (row, chunk) program's batch row i, its chunk, its logits row and 1 / its temperature."""
+    i = tl.program_id(0)
+    return i, tl.program_id(1), tl.load(Rows + i).to(tl.int64), 1.0 / tl.load(Temps + i)
+
+
 # Row counts change every step: a kernel specialised on them (==1, multiple of 16) would compile again
 # in the middle of serving (measured: the first sampled run of a process on a new host took 1.3 s
 # longer). Nor on the alignment of the per-row arguments (fresh small tensors). The vocabulary and the
@@ -393,10 +400,7 @@ def _sample_partial_kernel(X, Rows, Temps, Seeds, Floor, MinX, Part, Idx, n_cols
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    i = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row = tl.load(Rows + i).to(tl.int64)
-    inv_t = 1.0 / tl.load(Temps + i)
+    i, chunk, row, inv_t = _chunk_program(Rows, Temps)
     seed = tl.load(Seeds + i)
     if TRUNC:  # the row's kept tokens: order key >= floor and score >= min_x (`truncation_bounds`)
         floor = tl.load(Floor + i)
@@ -508,10 +512,7 @@ def _trunc_partial_kernel(X, Rows, Temps, Bounds, Part, Cnt, n_cols, stride_x, r
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    i = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row = tl.load(Rows + i).to(tl.int64)
-    inv_t = 1.0 / tl.load(Temps + i)
+    i, chunk, row, inv_t = _chunk_program(Rows, Temps)
     _, _, piv_k = _pivots(Bounds, i, 0, PIVOTS)
     _, _, piv_p = _pivots(Bounds, i, 1, PIVOTS)
     piv_k = tl.maximum(piv_k, -2147483648).to(tl.int32)
