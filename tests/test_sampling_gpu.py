@@ -127,7 +127,8 @@ def test_warmup_compiles_every_kernel_serving_samples_with():
 
 
 def _order_key(x: torch.Tensor, bits: int) -> torch.Tensor:
-    b = x.float().view(torch.int32)
+    x = x.float()
+    b = torch.where(x == 0, 0.0, x).view(torch.int32)
     return (b ^ ((b >> 31) & 0x7FFFFFFF)) >> (32 - bits)
 
 
@@ -202,3 +203,29 @@ def test_truncated_draws_follow_the_truncated_softmax():
         assert (got - probs).abs().max().item() < 0.012, (got[hot], probs[hot])
         ref = torch.log_softmax(base.float(), 0)[out.next_ids]
         torch.testing.assert_close(out.logprobs, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_truncation_bounds_do_not_depend_on_the_batch():
+    """1,024 top-p rows of fp32 logits (32-bit keys: a top-p floor sits on one token) keep the same
+    floors and min scores alone, with a top-k row and a min-p row added to their batch (which
+    compiles the searches differently), and split into batches of 100 rows."""
+    from tide.layers import triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    n = 1024
+    logits = torch.randn(n + 2, VOCAB, device="cuda", generator=g) * 3
+    top_p = [(0.5, 0.9, 0.95, 0.99)[i % 4] for i in range(n)]
+    temps = torch.full((n + 2,), 0.9, device="cuda")
+
+    def bounds(rows: list[int], k: list[int], p: list[float], m: list[float]):
+        return triton_ops.truncation_bounds(logits, torch.tensor(rows, device="cuda"),
+                                            temps[: len(rows)], k, p, m)
+
+    alone = bounds(list(range(n)), [-1] * n, top_p, [0.0] * n)
+    mixed = bounds(list(range(n + 2)), [-1] * n + [50, -1], top_p + [1.0, 1.0],
+                   [0.0] * (n + 1) + [0.1])
+    assert torch.equal(alone[0], mixed[0][:n]) and torch.equal(alone[1], mixed[1][:n])
+    for start in range(0, n, 100):
+        rows = list(range(start, min(start + 100, n)))
+        part = bounds(rows, [-1] * len(rows), top_p[start: start + len(rows)], [0.0] * len(rows))
+        assert torch.equal(part[0], alone[0][start: start + len(rows)])

@@ -71,10 +71,10 @@ def test_cpu_sampler_keeps_the_general_path():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_one_pass_in_the_interpreter():
     """The interpreter tests of this file, in a subprocess with TRITON_INTERPRET=1: all pass (the
-    ten interpreted ones and the two that need no triton), none skipped but this one and the
+    eleven interpreted ones and the two that need no triton), none skipped but this one and the
     compile test."""
     summary = rerun_under_interpreter(__file__)
-    assert summary.startswith("12 passed, 2 skipped"), summary
+    assert summary.startswith("13 passed, 2 skipped"), summary
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs triton, compiled (not interpreted)")
@@ -131,9 +131,10 @@ def test_kernels_compile_for_hopper():
             compile_sm90(
                 ops._trunc_final_kernel,
                 {"TopK": "*i64", "TopP": "*fp32", "MinP": "*fp32", "Bounds": "*i64",
-                 "Part": "*fp32", "Cnt": "*i32", "Stats": "*fp32", "Floor": "*i32",
-                 "MinX": "*fp32", "rows_total": "i32"},
-                dict(CHUNKS=75, CHUNKS_P2=128, **flags), num_warps=4)
+                 "Part": "*fp32", "Cnt": "*i32", "Floor": "*i32", "MinX": "*fp32",
+                 "rows_total": "i32"},
+                dict(CHUNKS=75, CHUNKS_P2=128, PIVOTS=flags["PIVOTS"],
+                     SEARCH=search_k or search_p, USE_PDL=True), num_warps=4)
             compile_sm90(
                 ops._sample_final_kernel,
                 {"X": logits, "Rows": "*i64", "Temps": "*fp32", "Part": "*fp32", "Idx": "*i32",
@@ -310,15 +311,17 @@ def test_interpreted_sampler_all_rows_one_pass():
 
 
 def _order_key(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """`triton_ops._order_key` in torch: the fp32 bits, negatives' magnitude flipped, shifted."""
-    b = x.float().view(torch.int32)
+    """`triton_ops._order_key` in torch: the fp32 bits (-0 as +0), negatives' magnitude flipped,
+    shifted."""
+    x = x.float()
+    b = torch.where(x == 0, 0.0, x).view(torch.int32)
     return (b ^ ((b >> 31) & 0x7FFFFFFF)) >> (32 - bits)
 
 
 def _truncation_rows(dtype: torch.dtype, n: int, vocab: int, seed: int) -> torch.Tensor:
     """Rows of distinct logits (no ties, so the sort's order is the only one)."""
     g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bfloat16:  # distinct bf16 values, shuffled per row
+    if dtype != torch.float32:  # distinct 16-bit values, shuffled per row
         base = torch.unique((torch.arange(-vocab, vocab, 2, dtype=torch.float32) / 300).to(dtype))
         return torch.stack([base[torch.randperm(base.numel(), generator=g)] for _ in range(n)])
     return torch.randn(n, vocab, generator=g) * 3
@@ -333,13 +336,13 @@ TRUNCATIONS = [  # (temperature, top_k, top_p, min_p)
 
 @interpreted
 def test_interpreted_truncation_bounds_keep_what_the_sort_keeps():
-    """For bf16 (16-bit keys, 8 passes) and fp32 logits (32-bit keys, 11 passes) over 2.5 chunks,
-    the tokens `truncation_bounds` keeps are exactly those the general path's sort-based `truncate`
-    keeps, row by row: top-k alone, top-p alone, both, with min-p, a top-k beyond the vocabulary,
+    """For bf16 (16-bit keys, 8 passes), fp32 and fp16 logits (32-bit keys, 11 passes) over 2.5
+    chunks, the tokens `truncation_bounds` keeps are exactly those the general path's sort-based
+    `truncate` keeps, row by row: top-k alone, top-p alone, both, with min-p, a top-k beyond the vocabulary,
     a top-p below the top token's mass, and no truncation at all."""
     from tide.layers import triton_ops
 
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
         logits = _truncation_rows(dtype, len(TRUNCATIONS), 5000, seed=1)
         temps = [t for t, _, _, _ in TRUNCATIONS]
         floor, min_x = triton_ops.truncation_bounds(
@@ -349,7 +352,12 @@ def test_interpreted_truncation_bounds_keep_what_the_sort_keeps():
         raw = logits.float()
         scaled = raw / torch.tensor(temps).unsqueeze(1)
         bits = 16 if dtype == torch.bfloat16 else 32
-        kept = (_order_key(raw, bits) >= floor.unsqueeze(1)) & (scaled >= min_x.unsqueeze(1))
+        key = _order_key(raw, bits)
+        kept = (key >= floor.unsqueeze(1)) & (scaled >= min_x.unsqueeze(1))
+        # The search ends on a key the row holds (or keeps everything): its interval collapsed.
+        none = -(2**15) - 1 if bits == 16 else -(2**31)
+        for i in range(len(TRUNCATIONS)):
+            assert floor[i] == none or bool((key[i] == floor[i]).any()), (dtype, TRUNCATIONS[i])
         params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
                   for t, k, p, m in TRUNCATIONS]
         want = truncate(torch.softmax(scaled, dim=-1), params) > 0
@@ -411,3 +419,32 @@ def test_interpreted_truncated_seeded_row_ignores_its_batch():
                     params) > 0
     for i in (0, 1, 4, 5):
         assert kept[i, out.next_ids[i]]
+
+
+@interpreted
+def test_interpreted_truncation_edge_rows():
+    """A vocabulary smaller than a chunk (17 columns): a row of -inf and NaN but for two tokens
+    keeps only what it can (top-p 0.5 keeps the top one, top-k 5 both finite ones and the
+    -inf/NaN ties below them, which are never drawn); a row of nothing but -inf keeps everything;
+    zeros of both signs are one key (top-k 3 of a row of +-0 and one 1.0 keeps all 17)."""
+    from tide.layers import triton_ops
+
+    nan, inf = float("nan"), float("-inf")
+    a = torch.full((17,), inf)
+    a[[3, 9]] = torch.tensor([2.0, 1.0])
+    a[[4, 5]] = nan
+    b = torch.full((17,), inf)
+    c = torch.zeros(17)
+    c[::2] = -0.0
+    c[7] = 1.0
+    logits = torch.stack([a, a, b, c])
+    floor, min_x = triton_ops.truncation_bounds(
+        logits, torch.arange(4), torch.ones(4), [-1, 5, 3, 3], [0.5, 1.0, 0.5, 1.0], [0.0] * 4)
+    key = _order_key(torch.where(logits.isnan(), inf, logits), 32)
+    kept = key >= floor.unsqueeze(1)
+    assert kept[0].nonzero().flatten().tolist() == [3]
+    assert kept[1][[3, 9]].all() and torch.isinf(min_x).all()
+    assert kept[2].all() and kept[3].all()
+    out = Sampler(0, one_pass=True)(logits[:2], _info(
+        [SamplingParams(temperature=1.0, top_k=5, seed=s) for s in (1, 2)], [True] * 2, [0] * 2))
+    assert set(out.next_ids) <= {3, 9}

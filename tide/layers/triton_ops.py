@@ -478,17 +478,19 @@ def _sample_final_kernel(X, Rows, Temps, Part, Idx, Out, LogP, n_cols, stride_x,
 @triton.jit
 def _order_key(x, SHIFT: tl.constexpr):
     """An int32 key of fp32 `x` in the same order as the values (the bits, with the magnitude bits
-    of negatives flipped), shifted right by SHIFT: 16 leaves the key of a bf16 value exactly."""
-    bits = x.to(tl.int32, bitcast=True)
+    of negatives flipped; -0 counts as +0), shifted right by SHIFT: 16 leaves the key of a bf16
+    value exactly."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> SHIFT
 
 
 # Pivots a truncation search pass tries in each row's interval, by the logits' key bits: the interval
 # shrinks that many-fold a pass, so the 2^16 keys of bf16 logits take 8 passes and the 2^32 of fp32 /
-# fp16 logits 11. Fastest of 2-16 at 16-256 rows (H100; the answers are the same for any count).
+# fp16 logits 11. Fastest of 2-16 at 16-256 rows (H100). The answers are the same for any count up
+# to the rounding of the mass sums at a top-p boundary, so the count must not depend on the batch.
 TRUNC_PIVOTS = {16: 4, 32: 8}
 _TRUNC_BLOCK = 512
-_TRUNC_ROW_ARGS = ("Rows", "Temps", "TopK", "TopP", "MinP", "Bounds", "Stats", "Floor", "MinX")
+_TRUNC_ROW_ARGS = ("Rows", "Temps", "TopK", "TopP", "MinP", "Bounds", "Floor", "MinX")
 
 
 @triton.jit
@@ -545,10 +547,8 @@ def _trunc_partial_kernel(X, Rows, Temps, Bounds, Part, Cnt, n_cols, stride_x, r
     tl.store(Part + out, m)
     tl.store(Part + out + 1, s)
     j = tl.arange(0, PIVOTS)
-    if SEARCH_P:
-        tl.store(Part + out + 2 + j, mass)
-    if SEARCH_K:
-        tl.store(Cnt + (i * CHUNKS + chunk) * PIVOTS + j, cnt)
+    tl.store(Part + out + 2 + j, mass)  # zeros for a search this batch does not run
+    tl.store(Cnt + (i * CHUNKS + chunk) * PIVOTS + j, cnt)
 
 
 @triton.jit
@@ -568,11 +568,15 @@ def _narrow(Bounds, i, which: tl.constexpr, above, PIVOTS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_SAMPLE_ARGS, do_not_specialize_on_alignment=_TRUNC_ROW_ARGS)
-def _trunc_final_kernel(TopK, TopP, MinP, Bounds, Part, Cnt, Stats, Floor, MinX, rows_total,
+def _trunc_final_kernel(TopK, TopP, MinP, Bounds, Part, Cnt, Floor, MinX, rows_total,
                         CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, PIVOTS: tl.constexpr,
-                        SEARCH_K: tl.constexpr, SEARCH_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """Row i: its max and sum of exponentials over all chunks (in chunk order), each search's
-    interval narrowed, and the floor and min score the sampling pass keeps tokens by."""
+                        SEARCH: tl.constexpr, USE_PDL: tl.constexpr):
+    """Row i: its max and sum of exponentials over all chunks, each search's interval narrowed
+    (SEARCH: whether the batch searches at all), and the floor and min score the sampling pass
+    keeps tokens by. One compiled form serves every batch that searches, whichever searches its
+    rows need: the sums' rounding (their reduction order) must not depend on the batch, or a
+    row's top-p floor would (measured: 9 of 1,024 fp32 rows moved by a token when the top-k
+    search was compiled in or out)."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -587,16 +591,13 @@ def _trunc_final_kernel(TopK, TopP, MinP, Bounds, Part, Cnt, Stats, Floor, MinX,
     shift = tl.where(big == float("-inf"), 0.0, big)
     w = tl.exp(m_c - shift)
     total = tl.sum(s_c * w, 0)
-    tl.store(Stats + i, big)
-    tl.store(Stats + rows_total + i, total)
     lo_k = tl.load(Bounds + i * 4)
     lo_p = tl.load(Bounds + i * 4 + 2)
-    if SEARCH_K:
+    if SEARCH:
         cnt = tl.sum(tl.load(Cnt + (i * CHUNKS + c)[:, None] * PIVOTS + j[None, :],
                              mask=cmask[:, None], other=0), 0)
         lo_k = _narrow(Bounds, i, 0, cnt.to(tl.float32) > tl.load(TopK + i).to(tl.float32) - 0.5,
                        PIVOTS)
-    if SEARCH_P:
         mass = tl.sum(tl.load(Part + at[:, None] + 2 + j[None, :], mask=cmask[:, None],
                               other=0.0) * w[:, None], 0)
         lo_p = _narrow(Bounds, i, 1, mass > tl.load(TopP + i) * total, PIVOTS)
@@ -649,9 +650,8 @@ def truncation_bounds(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Ten
     minp_t = device_tensor(min_p, torch.float32, device)
     part = torch.empty(n, chunks, 2 + TRUNC_PIVOTS[bits], dtype=torch.float32, device=device)
     cnt = torch.empty(n, chunks, TRUNC_PIVOTS[bits], dtype=torch.int32, device=device)
-    stats = torch.empty(2, n, dtype=torch.float32, device=device)
-    # Which searches a pass runs is the batch's choice; a row that needs neither is done from the
-    # start, so its bounds never depend on its batch. Min-p alone needs one pass (the row's max).
+    # Which searches the partial passes run is the batch's choice (their sums are the same either
+    # way); a row that needs neither is done from the start. Min-p alone needs one pass (the max).
     any_k, any_p = any(search_k), any(search_p)
     use_pdl = pdl.enabled(logits)
     pivots = TRUNC_PIVOTS[bits]
@@ -662,9 +662,9 @@ def truncation_bounds(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Ten
             CHUNK=SAMPLE_CHUNK, BLOCK=_TRUNC_BLOCK, PIVOTS=pivots, SHIFT=32 - bits,
             SEARCH_K=any_k, SEARCH_P=any_p, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
         _trunc_final_kernel[(n,)](
-            k_t, p_t, minp_t, bounds_t, part, cnt, stats, floor, min_x, n, CHUNKS=chunks,
-            CHUNKS_P2=triton.next_power_of_2(chunks), PIVOTS=pivots, SEARCH_K=any_k,
-            SEARCH_P=any_p, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+            k_t, p_t, minp_t, bounds_t, part, cnt, floor, min_x, n, CHUNKS=chunks,
+            CHUNKS_P2=triton.next_power_of_2(chunks), PIVOTS=pivots, SEARCH=any_k or any_p,
+            USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     return floor, min_x
 
 
