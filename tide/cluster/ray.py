@@ -430,8 +430,8 @@ class RayEngine:
         """Facts as the replicas report them now: the first live replica's at the top level (its
         weight version, memory and KV state), `num_replicas`, `tp_size`, and one entry per replica
         with its pid, `dp_rank` (its unseeded sampling stream), devices and `weight_version`
-        (None for a dead replica; a live one that does
-        not answer within `timeout` seconds shows its facts from start-up)."""
+        (None for a dead replica; a live one that does not answer within `timeout` seconds shows
+        its facts from start-up)."""
         ray = self._ray
         live = self.router.live_indices()
         refs = {i: self.actors[i].ready.remote() for i in live}

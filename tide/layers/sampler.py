@@ -243,8 +243,8 @@ class Sampler:
         index = rows if rows is not None else torch.arange(info.size, device=device)
         temps_t = device_tensor(temps, torch.float32, device)
         bounds = None
-        if any(_truncates(p) for p in info.params):
-            kept = [_truncates(p) for p in info.params]
+        kept = [_truncates(p) for p in info.params]
+        if any(kept):
             bounds = triton_ops.truncation_bounds(
                 logits, index, temps_t,
                 [p.top_k if t else -1 for p, t in zip(info.params, kept)],
