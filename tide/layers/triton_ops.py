@@ -648,13 +648,13 @@ def truncation_bounds(logits: torch.Tensor, rows: torch.Tensor, temps: torch.Ten
     k_t = device_tensor(top_k, torch.int64, device)
     p_t = device_tensor(top_p, torch.float32, device)
     minp_t = device_tensor(min_p, torch.float32, device)
-    part = torch.empty(n, chunks, 2 + TRUNC_PIVOTS[bits], dtype=torch.float32, device=device)
-    cnt = torch.empty(n, chunks, TRUNC_PIVOTS[bits], dtype=torch.int32, device=device)
+    pivots = TRUNC_PIVOTS[bits]
+    part = torch.empty(n, chunks, 2 + pivots, dtype=torch.float32, device=device)
+    cnt = torch.empty(n, chunks, pivots, dtype=torch.int32, device=device)
     # Which searches the partial passes run is the batch's choice (their sums are the same either
     # way); a row that needs neither is done from the start. Min-p alone needs one pass (the max).
     any_k, any_p = any(search_k), any(search_p)
     use_pdl = pdl.enabled(logits)
-    pivots = TRUNC_PIVOTS[bits]
     step = pivots.bit_length() - 1  # bits of key a pass settles (pivots: a power of 2)
     for _ in range(-(-bits // step) if any_k or any_p else 1):
         _trunc_partial_kernel[(n, chunks)](
