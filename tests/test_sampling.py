@@ -309,6 +309,15 @@ def test_truncate_per_row_parameters():
     assert torch.equal(out[2], probs[2])
 
 
+def test_truncate_keeps_every_token_at_top_p_one():
+    """A row with top_p = 1 in a batch where another row truncates keeps its whole tail, even where
+    the mass before a token rounds above 1 (fp32 sums of a softmax can)."""
+    probs = torch.tensor([[0.7, 0.4, 0.01, 0.001], [0.7, 0.4, 0.01, 0.001]])
+    out = truncate(probs.clone(), [SamplingParams(), SamplingParams(top_p=0.5)])
+    assert torch.equal(out[0], probs[0])
+    assert _kept(out[1]) == {0}
+
+
 # ---- unit: penalties
 
 

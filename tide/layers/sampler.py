@@ -23,6 +23,7 @@ as 1) and before any truncation: the distribution the model proposed at that tem
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -362,7 +363,10 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
     top_k = device_tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
-    top_p = device_tensor([p.top_p for p in params], torch.float32, device)
+    # top_p = 1 keeps every token: the sums' fp32 rounding may carry the mass before a tail token
+    # above 1 (another row of the batch truncating brings this row here).
+    top_p = device_tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], torch.float32,
+                          device)
     min_p = device_tensor([p.min_p for p in params], torch.float32, device)
     drop = rank >= top_k.unsqueeze(1)
     drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p.unsqueeze(1)
