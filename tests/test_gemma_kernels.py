@@ -44,7 +44,7 @@ def test_kernels_compile_for_hopper():
             "norm_eps": "fp32"}
     compile_sm90(ops._rope_store_kernel, rope,
                  dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, QH_P2=16, KH_P2=8, HEAD_DIM=256, HALF=128,
-                      HALF_P2=128, STORE_KV=True, QK_NORM=True, GEMMA_NORM=True, USE_PDL=True),
+                      HALF_P2=128, QK_NORM=True, GEMMA_NORM=True, USE_PDL=True),
                  num_warps=4)
     for act in ("silu", "gelu_tanh"):
         compile_sm90(ops._act_mul_kernel, {"X": "*bf16", "Out": "*bf16"},

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,7 +121,6 @@ class ModelConfig:
     # Soft-caps as the architecture applies them (None: off): attention scores, and final logits.
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
-    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.layer_kinds and len(self.layer_kinds) != self.num_hidden_layers:
@@ -241,7 +240,6 @@ class ModelConfig:
             final_logit_softcapping=_opt_float(
                 text, "final_logit_softcapping", arch in _FINAL_SOFTCAP_ARCHS
             ),
-            hf_config=hf,
         )
 
 

@@ -16,7 +16,7 @@ from tide.layers.batch_invariant import set_batch_invariant
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from tide.memory.swa import SWAKVPool, SWATokenToKVPoolAllocator, min_swa_tokens
+from tide.memory.swa import SWAKVPool, SWATokenToKVPoolAllocator, min_swa_tokens, swa_pool_sizes
 from tide.model_config import ModelConfig
 from tide.models import get_model_class
 from tide.parallel import TpGroup, tp_context
@@ -197,7 +197,7 @@ class ModelRunner:
             free = available_device_memory(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = free - total * (1.0 - self.config.mem_fraction_static)
-            tokens = int(budget // (full_bytes + ratio * swa_bytes))
+            tokens = swa_pool_sizes(budget, full_bytes, swa_bytes, ratio)[0]
             if self.config.max_total_tokens is not None:
                 tokens = min(tokens, self.config.max_total_tokens)
         else:

@@ -149,8 +149,8 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
                        stride_qt, stride_kt, stride_vt, stride_cos, stride_kb, stride_vb, norm_eps,
                        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QH_P2: tl.constexpr,
                        KH_P2: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                       HALF_P2: tl.constexpr, STORE_KV: tl.constexpr, QK_NORM: tl.constexpr,
-                       GEMMA_NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                       HALF_P2: tl.constexpr, QK_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -182,52 +182,43 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, Loc, KBuf, VBuf, QW, KW,
                             GEMMA_NORM)
     r1 = (k1 * cos - k2 * sin).to(K.dtype.element_ty)
     r2 = (k2 * cos + k1 * sin).to(K.dtype.element_ty)
-    if STORE_KV:
-        loc = tl.load(Loc + t).to(tl.int64)
-        v1 = tl.load(V + t * stride_vt + hk, mask=mk, other=0.0)
-        v2 = tl.load(V + t * stride_vt + hk + HALF, mask=mk, other=0.0)
-        if KBuf.dtype.element_ty == tl.float8e4nv:
-            # An fp8 cache: from the model-dtype value, round to nearest even and saturate at
-            # +-448, as `tide.memory.pools.to_kv_dtype` does on the torch path.
-            r1 = r1.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            r2 = r2.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            v1 = v1.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            v2 = v2.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        tl.store(KBuf + loc * stride_kb + hk, r1.to(KBuf.dtype.element_ty), mask=mk)
-        tl.store(KBuf + loc * stride_kb + hk + HALF, r2.to(KBuf.dtype.element_ty), mask=mk)
-        tl.store(VBuf + loc * stride_vb + hk, v1.to(VBuf.dtype.element_ty), mask=mk)
-        tl.store(VBuf + loc * stride_vb + hk + HALF, v2.to(VBuf.dtype.element_ty), mask=mk)
-    else:
-        tl.store(K + t * stride_kt + hk, r1, mask=mk)
-        tl.store(K + t * stride_kt + hk + HALF, r2, mask=mk)
+    loc = tl.load(Loc + t).to(tl.int64)
+    v1 = tl.load(V + t * stride_vt + hk, mask=mk, other=0.0)
+    v2 = tl.load(V + t * stride_vt + hk + HALF, mask=mk, other=0.0)
+    if KBuf.dtype.element_ty == tl.float8e4nv:
+        # An fp8 cache: from the model-dtype value, round to nearest even and saturate at
+        # +-448, as `tide.memory.pools.to_kv_dtype` does on the torch path.
+        r1 = r1.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        r2 = r2.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        v1 = v1.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        v2 = v2.to(tl.float32).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    tl.store(KBuf + loc * stride_kb + hk, r1.to(KBuf.dtype.element_ty), mask=mk)
+    tl.store(KBuf + loc * stride_kb + hk + HALF, r2.to(KBuf.dtype.element_ty), mask=mk)
+    tl.store(VBuf + loc * stride_vb + hk, v1.to(VBuf.dtype.element_ty), mask=mk)
+    tl.store(VBuf + loc * stride_vb + hk + HALF, v2.to(VBuf.dtype.element_ty), mask=mk)
 
 
 def rope_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                      head_dim: int, out_cache_loc: torch.Tensor | None = None,
-                      k_buffer: torch.Tensor | None = None,
-                      v_buffer: torch.Tensor | None = None,
+                      head_dim: int, out_cache_loc: torch.Tensor, k_buffer: torch.Tensor,
+                      v_buffer: torch.Tensor,
                       qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> None:
-    """Rotate q in place; rotate k and, with `out_cache_loc`, write k and v straight into the KV
-    pool (else rotate k in place). q/k/v: [T, heads * head_dim] views with unit stride in the last
-    dim; cos/sin: [max_pos, head_dim] tables (the first half is used: neox layout).
+    """Rotate q in place; rotate k and write k and v straight into the KV pool's slots
+    `out_cache_loc`. q/k/v: [T, heads * head_dim] views with unit stride in the last dim; cos/sin:
+    [max_pos, head_dim] tables (the first half is used: neox layout).
     `qk_norm` = (q weight, k weight, eps, gemma): first the RMSNorm of every q and k head (Qwen3;
     Gemma's (1 + w) form for Gemma-3), rounded where a separate `rmsnorm` / `gemma_rmsnorm` launch
     rounds (its sum of squares is taken over the two halves: equal up to that fp32 order)."""
-    store = out_cache_loc is not None
     use_pdl = pdl.enabled(q)
-    kb = k_buffer if store else k
-    vb = v_buffer if store else v
-    assert kb is not None and vb is not None, "storing needs both KV buffers"
     qw, kw, eps, gemma = qk_norm if qk_norm is not None else (cos, cos, 0.0, False)
     _rope_store_kernel[(q.shape[0],)](
-        q, k, v, positions, cos, sin, out_cache_loc if store else positions, kb, vb, qw, kw,
+        q, k, v, positions, cos, sin, out_cache_loc, k_buffer, v_buffer, qw, kw,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-        kb.stride(0), vb.stride(0), eps,
+        k_buffer.stride(0), v_buffer.stride(0), eps,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         QH_P2=triton.next_power_of_2(num_q_heads), KH_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HALF=head_dim // 2, HALF_P2=triton.next_power_of_2(head_dim // 2),
-        STORE_KV=store, QK_NORM=qk_norm is not None, GEMMA_NORM=gemma, USE_PDL=use_pdl, num_warps=4,
+        QK_NORM=qk_norm is not None, GEMMA_NORM=gemma, USE_PDL=use_pdl, num_warps=4,
         launch_pdl=use_pdl,
     )
 
