@@ -122,10 +122,9 @@ def select_attention_backend(
     "auto" picks triton on CUDA unless the model uses a feature the triton backend does not
     declare (`supports_sliding_window`, `supports_logit_cap`; both backends declare both today), or
     the KV cache is fp8 on a GPU older than its fp8 kernels need: then torch_native, which does the
-    exact math everywhere. A backend
-    named explicitly that cannot run the model is refused with a ValueError rather than run with the
-    wrong math or fail in its kernels. `fp8_kv_capability`: the CUDA device's compute capability when
-    the KV cache is fp8 (None otherwise).
+    exact math everywhere. A backend named explicitly that cannot run the model is refused with a
+    ValueError rather than run with the wrong math or fail in its kernels. `fp8_kv_capability`: the
+    CUDA device's compute capability when the KV cache is fp8 (None otherwise).
     """
     needs = _needed_features(model_config)
     if name == "auto":
