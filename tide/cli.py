@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tide.config import KV_CACHE_DTYPES, EngineConfig, option_help
+from tide.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, option_help
 from tide.diffusion import cli as diffusion_cli
 from tide.diffusion.config import is_diffusion_model
 from tide.version import __version__
@@ -64,6 +64,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _engine_option(p, "attention_backend", choices=["auto", "triton", "torch_native"])
     _engine_option(p, "enable_deterministic_inference", action="store_true")
     _engine_option(p, "kv_cache_dtype", choices=list(KV_CACHE_DTYPES))
+    _engine_option(p, "quantization", choices=list(QUANTIZATIONS))
     _engine_option(p, "load_format", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--log-level", default=None, type=str.lower,
                    choices=["debug", "info", "warning", "error"],
@@ -75,7 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "chunked_prefill_size", "tp_size", "disable_custom_all_reduce", "disable_radix_cache",
             "disable_overlap_schedule",
             "enable_mixed_chunk", "attention_backend", "load_format",
-            "enable_deterministic_inference", "kv_cache_dtype", "log_level")
+            "enable_deterministic_inference", "kv_cache_dtype", "quantization", "log_level")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 

@@ -18,6 +18,7 @@ DEMO_MODEL_PATH = str(Path(__file__).parent / "demo_model")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+QUANTIZATIONS = ("fp8",)
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_SEED = 2**63 - 1
 MAX_DP_RANK = 4096  # data-parallel replicas an engine can be one of
@@ -89,6 +90,12 @@ class EngineConfig:
                 "saturated to +-448, no scales: twice the tokens in the same memory and half the "
                 "bytes each decode step reads; logprobs move by the rounding). The triton "
                 "attention kernels read fp8 on compute capability 8.9+; older GPUs run torch_native")
+    quantization: str | None = _option(
+        None, "fp8: the decoder's projections run in float8_e4m3 with a scale per output channel "
+              "and per token (W8A8, fp8 tensor cores on compute capability 8.9+; the output head "
+              "keeps the model dtype). The model-dtype weights stay loaded as the master copy "
+              "every load and update writes (1.5x the weight memory); the fp8 copy is refreshed "
+              "when an update finishes. Tokens and logprobs move by the rounding")
     # Scheduling.
     chunked_prefill_size: int = _option(8192, "longest prefill chunk in tokens; longer prompts "
                                               "are prefilled over several steps")
@@ -163,6 +170,13 @@ class EngineConfig:
             raise ValueError(
                 "kv_cache_dtype fp8_e4m3 cannot be combined with enable_deterministic_inference: "
                 "tide.rl.logprobs (the trainer-side reference) keeps K/V in the model dtype")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.quantization is not None and self.enable_deterministic_inference:
+            raise ValueError(
+                "quantization fp8 cannot be combined with enable_deterministic_inference: "
+                "tide.rl.logprobs (the trainer-side reference) computes in the model dtype")
         _positive("cuda_graph_max_bs", self.cuda_graph_max_bs)
         _positive("chunked_prefill_size", self.chunked_prefill_size)
         _positive("max_prefill_tokens", self.max_prefill_tokens)

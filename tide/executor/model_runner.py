@@ -152,13 +152,23 @@ class ModelRunner:
             init_dummy_weights(model, self.config.seed)
         else:
             load_checkpoint(model, self.config.model_path, self.config.show_progress)
+        if self.config.quantization == "fp8":
+            from tide.layers import fp8
+
+            if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+                raise ValueError("quantization fp8 needs compute capability 8.9 or newer (fp8 "
+                                 "tensor cores); this GPU has "
+                                 f"{torch.cuda.get_device_capability(self.device)}")
+            fp8.quantize_model(model)
         return model.eval()
 
     def _move_weights_to_vmm(self) -> "VmmRegion":
         from tide.memory.release import empty_device_cache
         from tide.memory.vmm import VmmRegion, region_nbytes
 
-        params = list(self.model.parameters())
+        # Checkpoint parameters first, in module order (a flattened update in that order then
+        # lands in place), derived ones (fp8 copies) after them.
+        params = sorted(self.model.parameters(), key=lambda p: bool(getattr(p, "derived", False)))
         region = VmmRegion(region_nbytes([(tuple(p.shape), p.dtype) for p in params]), self.device)
         for p in params:
             view = region.tensor(tuple(p.shape), p.dtype)

@@ -34,6 +34,37 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        # With `use_fp8()`: the weight's fp8 rows and their scales (1, out_features), derived from
+        # `weight` by `requantize()` (see tide.layers.fp8).
+        self.weight_fp8: nn.Parameter | None = None
+        self.weight_scale: nn.Parameter | None = None
+
+    def use_fp8(self) -> None:
+        """Run this projection's products in fp8 from now on (`tide.layers.fp8`)."""
+        from tide.layers import fp8
+
+        out_features, in_features = self.weight.shape
+        if not fp8.supports(in_features, out_features):
+            raise ValueError(f"a {out_features} x {in_features} projection cannot run in fp8 "
+                             "(dims must be multiples of 16)")
+        device = self.weight.device
+        self.weight_fp8 = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=fp8.FP8, device=device),
+            requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            torch.empty(1, out_features, dtype=torch.float32, device=device), requires_grad=False)
+        for derived in (self.weight_fp8, self.weight_scale):
+            derived.derived = True  # type: ignore[attr-defined]
+        self.requantize()
+
+    def requantize(self) -> None:
+        """Refill the fp8 weight and its scales from `weight`, in place (addresses kept)."""
+        from tide.layers import fp8
+
+        if self.weight_fp8 is None or self.weight_scale is None:
+            return
+        fp8.quantize_rows(self.weight.data, out=self.weight_fp8.data,
+                          scale=self.weight_scale.data.view(-1, 1))
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype,
@@ -42,11 +73,17 @@ class Linear(nn.Module):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ `bias`), by the batch-invariant kernel, the decode GEMV or torch."""
+        """x @ W.T (+ `bias`), by the batch-invariant kernel, the fp8 product, the decode GEMV or
+        torch."""
         if self.batch_invariant:
             from tide.layers import batch_invariant
 
             y = batch_invariant.linear(x, self.weight, bias)
+            return y if out is None else out.copy_(y)
+        if self.weight_fp8 is not None and self.weight_scale is not None:
+            from tide.layers import fp8
+
+            y = fp8.linear(x, self.weight_fp8, self.weight_scale, bias)
             return y if out is None else out.copy_(y)
         if self.uses_gemv(x):
             from tide.layers import gemv
@@ -61,7 +98,8 @@ class Linear(nn.Module):
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether the product of `x` runs the decode GEMV (`tide.layers.gemv`): one CUDA row of a
         shape it takes, outside deterministic inference."""
-        if self.batch_invariant or not (x.is_cuda and x.shape[0] == 1):
+        if self.batch_invariant or self.weight_fp8 is not None or not (
+                x.is_cuda and x.shape[0] == 1):
             return False
         from tide.layers import gemv
 
@@ -163,6 +201,8 @@ class ParallelLMHead(Linear):
             nn.Module.__init__(self)
             self.weight = tied
             self.bias = None
+            self.weight_fp8 = None
+            self.weight_scale = None
         self.vocab = vocab
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

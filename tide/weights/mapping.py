@@ -51,7 +51,9 @@ class WeightMap:
     of a multimodal checkpoint whose text tower tide serves)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        # Derived parameters (an fp8 copy of a weight, `tide.layers.fp8`) are no checkpoint's.
+        self.params: dict[str, nn.Parameter] = {
+            name: p for name, p in model.named_parameters() if not getattr(p, "derived", False)}
         config = getattr(model, "config", None)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.rename: Callable[[str], str | None] | None = getattr(model, "map_checkpoint_name", None)

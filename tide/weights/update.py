@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from tide.layers.linear import Linear
 from tide.weights.bucket import FlattenedBucket, flatten_by_dtype
 from tide.weights.distributed import (
     DEFAULT_JOIN_TIMEOUT_S,
@@ -81,6 +82,10 @@ class WeightUpdater:
         self.write_block: str | None = None
         self._last_plan: tuple[object, list[WeightTarget]] | None = None  # an RL loop repeats one
         self._receive_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        # weight parameter name -> its projection, for projections that run in fp8
+        self._fp8_modules: dict[str, Linear] = {
+            f"{name}.weight": m for name, m in model.named_modules()
+            if isinstance(m, Linear) and m.weight_fp8 is not None}
 
     def reset_coverage(self) -> None:
         self.written = set()
@@ -89,7 +94,15 @@ class WeightUpdater:
         return self.weight_map.required() <= self.written
 
     def _note(self, targets: Iterable[WeightTarget]) -> None:
+        """Record what an update wrote, once all its writes have finished; projections with an fp8
+        copy of a written weight are requantized from it here."""
+        names = {t.param_name for t in targets}
         self.written.update((t.param_name, t.shard) for t in targets)
+        modules = [self._fp8_modules[n] for n in sorted(names) if n in self._fp8_modules]
+        for module in modules:
+            module.requantize()
+        if modules:
+            self._sync()  # the next update's copies (on other streams) may overwrite the weights
 
     # ---- validation
     def plan(

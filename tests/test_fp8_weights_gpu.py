@@ -1,0 +1,133 @@
+"""GPU checks of fp8 projections (`quantization="fp8"`, marker `gpu`, run on a GPU host).
+
+The Triton row quantization gives the CPU reference's bits; `torch._scaled_mm` computes the CPU
+formula; an fp8 engine's CUDA graphs give eager's tokens; an update through captured graphs and a
+release/resume with a CPU backup leave the fp8 copies matching their weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tide
+from conftest import build_checkpoint
+from test_gpu import _Driver
+from tide.layers import fp8
+from tide.layers.linear import Linear
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or torch.cuda.get_device_capability() < (8, 9),
+                       reason="needs a CUDA GPU with fp8 tensor cores"),
+]
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 99, 250)]
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("fp8w_gpu"), "llama", hidden_size=512,
+                            intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                            head_dim=64, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (3, 14336), (256, 1024), (5, 5000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_quantization_gives_the_reference_bits(shape, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(*shape) * torch.logspace(-3, 3, shape[0]).unsqueeze(1)).to(dtype)
+    x[0, : shape[1] // 2] = 0
+    if shape[0] > 2:
+        x[2] = 0
+    q, s = fp8.quantize_rows(x.cuda())
+    ref_q, ref_s = fp8.quantize_rows(x)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(s.cpu(), ref_s)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_scaled_mm_computes_the_cpu_formula(rows):
+    torch.manual_seed(1)
+    x = torch.randn(rows, 1024, dtype=torch.bfloat16)
+    w = torch.randn(2048, 1024, dtype=torch.bfloat16) * 0.02
+    xq, xs = fp8.quantize_rows(x)
+    wq, ws = fp8.quantize_rows(w)
+    ref = fp8.scaled_product(xq, xs, wq, ws.t().contiguous(), torch.float32)
+    got = fp8.scaled_product(xq.cuda(), xs.cuda(), wq.cuda(), ws.t().contiguous().cuda(),
+                             torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    # The bf16 rounding of the result (2^-9 relative), and the fp8 tensor cores' accumulation,
+    # which keeps fewer bits than fp32 between its promotions.
+    err = (got.float().cpu() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 1e-2 * scale, f"max |diff| {err} against a result scale {scale}"
+
+
+def _greedy(engine) -> list[list[int]]:
+    return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def _assert_copies_match(engine) -> None:
+    for m in engine.model_runner.model.modules():
+        if isinstance(m, Linear) and m.weight_fp8 is not None:
+            q, s = fp8.quantize_rows(m.weight.data)
+            assert torch.equal(m.weight_fp8.view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(m.weight_scale.view(-1), s.view(-1))
+
+
+def test_fp8_graphs_give_eager_tokens(checkpoint):
+    tokens = []
+    for graphs in (True, False):
+        with tide.Engine(str(checkpoint), dtype="bfloat16", quantization="fp8",
+                         disable_cuda_graph=not graphs, max_total_tokens=8192) as engine:
+            assert (engine.model_runner.cuda_graph_runner is not None) == graphs
+            tokens.append(_greedy(engine))
+    assert tokens[0] == tokens[1]
+
+
+def _logits(checkpoint, device: str, dtype: str, quantization: str | None) -> torch.Tensor:
+    """Logits of an extend of three prompts and three decode steps (the same tokens fed to every
+    engine), eager."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 99, 250)]
+    with tide.Engine(str(checkpoint), device=device, dtype=dtype, quantization=quantization,
+                     disable_cuda_graph=True, max_total_tokens=8192) as engine:
+        driver = _Driver(engine.model_runner, len(prompts))
+        steps = [driver.extend(prompts)]
+        steps += [driver.decode([40 + step] * len(prompts)) for step in range(3)]
+        return torch.cat([s.float().cpu() for s in steps])
+
+
+def test_fp8_moves_logits_on_the_gpu_as_on_the_cpu(checkpoint):
+    """This random checkpoint is sensitive to rounding: fp8 moves its logits by ~24% (relative L2)
+    where bf16 moves them by 3%. The GPU's fp8 path (Triton quantization, `torch._scaled_mm`)
+    must move them as much as the CPU's exact formula does: a wrong scale or a skipped
+    quantization would show as far more, or as bf16's 3%."""
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    gpu = rel(_logits(checkpoint, "cuda", "bfloat16", "fp8"),
+              _logits(checkpoint, "cuda", "bfloat16", None))
+    cpu = rel(_logits(checkpoint, "cpu", "float32", "fp8"),
+              _logits(checkpoint, "cpu", "float32", None))
+    assert cpu > 0.1 and abs(gpu - cpu) < 0.05, (gpu, cpu)
+
+
+def test_fp8_update_through_graphs_and_release_resume(checkpoint):
+    engine = tide.Engine(str(checkpoint), dtype="bfloat16", quantization="fp8",
+                         enable_memory_saver=True, enable_cpu_backup=True, max_total_tokens=100_000)
+    _assert_copies_match(engine)
+    before = _greedy(engine)
+    name = "model.layers.0.mlp.down_proj.weight"
+    param = dict(engine.model_runner.model.named_parameters())[name]
+    updates = [(name, (param.detach().float() * -0.5).to(torch.bfloat16).cpu())]
+    assert engine.update_weights_from_tensor(named_tensors=updates)["success"]
+    _assert_copies_match(engine)
+    updated = _greedy(engine)
+    assert updated != before
+    assert engine.release_memory_occupation()["success"]
+    assert engine.resume_memory_occupation()["success"]
+    _assert_copies_match(engine)
+    assert _greedy(engine) == updated
+    engine.shutdown()
