@@ -170,3 +170,17 @@ def test_fp8_copies_follow_an_update(checkpoints, new_weights, path_kind):
                 assert torch.equal(m.weight_fp8.view(torch.uint8), q.view(torch.uint8))
                 assert torch.equal(m.weight_scale.view(-1), s.view(-1))
         assert _tokens_and_logprobs(engine) == want
+
+
+def test_fp8_copies_follow_an_update_on_every_tensor_parallel_rank(checkpoints, new_weights):
+    """At TP=2 each rank quantizes its own part (a row-parallel projection's rows are split, so
+    each part has its own scale); an update requantizes on every rank."""
+    named, new_path = new_weights
+    options = {"tp_size": 2, "quantization": "fp8", "max_total_tokens": 4096}
+    with tide.Engine(str(new_path), **options) as fresh:
+        want = _tokens_and_logprobs(fresh)
+    with tide.Engine(str(checkpoints["llama"]), **options) as engine:
+        assert _tokens_and_logprobs(engine)[0] != want[0]
+        out = engine.update_weights_from_tensor(named)
+        assert out["success"], out
+        assert _tokens_and_logprobs(engine) == want
