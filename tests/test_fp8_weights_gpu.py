@@ -65,6 +65,39 @@ def test_scaled_mm_computes_the_cpu_formula(rows):
     assert err <= 1e-2 * scale, f"max |diff| {err} against a result scale {scale}"
 
 
+@pytest.mark.parametrize("n,k,act", [(2048, 1024, ""), (4096, 14336, ""), (6144, 4096, "silu"),
+                                      (4096, 3840, "")])
+def test_one_row_gemv_streams_the_fp8_weight_with_its_scales(n, k, act):
+    """At one row the fp8 weight goes through the decode GEMV (the row itself not rounded to fp8):
+    the sum over fp8 values times the row scale, rounded to the row's dtype, then the activation
+    as the two-launch path applies it."""
+    from tide.layers import gemv
+    from tide.layers.activation import silu_and_mul
+
+    torch.manual_seed(2)
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    wq, ws = fp8.quantize_rows(torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02)
+    scale = ws.t().contiguous()
+    got = gemv.gemv(x, wq, act=act, scale=scale)
+    full = ((x.double() @ wq.double().t()) * scale.double()).to(torch.bfloat16)
+    want = silu_and_mul(full) if act else full
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # fp32 accumulation in another order: at most a bf16 ulp or two apart.
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    with pytest.raises(ValueError, match="row scales"):
+        gemv.gemv(x, wq)
+
+
+def test_fp8_one_request_graphs_give_eager_tokens(checkpoint):
+    tokens = []
+    for graphs in (True, False):
+        with tide.Engine(str(checkpoint), dtype="bfloat16", quantization="fp8",
+                         disable_cuda_graph=not graphs, max_total_tokens=8192) as engine:
+            tokens.append(engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
+                          ["output_ids"])
+    assert tokens[0] == tokens[1]
+
+
 def _greedy(engine) -> list[list[int]]:
     return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
 

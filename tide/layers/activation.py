@@ -39,6 +39,7 @@ def gated_mlp_input(gate_up: Linear, x: torch.Tensor, act: str) -> torch.Tensor:
     if act != "gelu" and gate_up.bias is None and gate_up.uses_gemv(x):
         from tide.layers import gemv
 
-        return gemv.gemv(x, gate_up.weight, act=act)
+        weight, scale = gate_up.gemv_operands()
+        return gemv.gemv(x, weight, act=act, scale=scale)
     y = gate_up(x)
     return silu_and_mul(y) if act == "silu" else gelu_and_mul(y, "none" if act == "gelu" else "tanh")

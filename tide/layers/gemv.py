@@ -30,12 +30,14 @@ def _weight_tile(ptrs, k0, row_mask, cols, K, EVEN_N: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_kernel(W, X, B, Y, S, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                 ACT: tl.constexpr, USE_PDL: tl.constexpr):
+                 ACT: tl.constexpr, HAS_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
     """Y[rows] = W[rows] . X. With ACT ("silu", "gelu_tanh"; "" for none) W is a [gate | up]
     projection of 2N rows: the program also streams its up rows (rows + N) and stores
-    act(gate) * up, each product rounded to the weight dtype first as the unfused pair rounds."""
+    act(gate) * up, each product rounded to the weight dtype first as the unfused pair rounds.
+    HAS_SCALE: W is fp8 with a scale a row in S; each row's sum is scaled by it and rounded to X's
+    dtype instead."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -68,12 +70,23 @@ def _gemv_kernel(W, X, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
             w_up = _weight_tile(up_ptrs, k0, row_mask, cols, K, EVEN_N, EVEN_K)
             acc_up += w_up.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
+    if HAS_SCALE:
+        y *= tl.load(S + rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_mask, other=0.0).to(tl.float32)
-    y = y.to(W.dtype.element_ty)
+    if HAS_SCALE:
+        y = y.to(X.dtype.element_ty)
+    else:
+        y = y.to(W.dtype.element_ty)
     if ACT != "":
-        up = tl.sum(acc_up, 1).to(W.dtype.element_ty).to(tl.float32)
-        y = act_and_mul(y.to(tl.float32), up, ACT, W.dtype.element_ty)
+        up = tl.sum(acc_up, 1)
+        if HAS_SCALE:
+            up *= tl.load(S + N + rows, mask=row_mask, other=0.0)
+            up = up.to(X.dtype.element_ty).to(tl.float32)
+            y = act_and_mul(y.to(tl.float32), up, ACT, X.dtype.element_ty)
+        else:
+            up = up.to(W.dtype.element_ty).to(tl.float32)
+            y = act_and_mul(y.to(tl.float32), up, ACT, W.dtype.element_ty)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
 
 
@@ -123,12 +136,19 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
-         act: str = "") -> torch.Tensor:
+         act: str = "", scale: torch.Tensor | None = None) -> torch.Tensor:
     """y[1, N] = x[1, K] @ weight[N, K].T (+ bias), accumulated in fp32 and rounded to the weight
     dtype, in `out` (any float dtype) or a new tensor. `act` ("silu", "gelu_tanh"): `weight` is a
     [gate | up] projection of 2N rows and y = act(gate) * up, bit for bit what the projection
-    followed by `triton_ops.silu_and_mul` / `gelu_tanh_and_mul` gives, in one launch."""
+    followed by `triton_ops.silu_and_mul` / `gelu_tanh_and_mul` gives, in one launch.
+    `scale` (fp32, one a row of `weight`): `weight` is fp8 (`tide.layers.fp8`), each row's sum is
+    multiplied by its scale and the result rounded to x's dtype. x itself is not rounded to fp8:
+    at one row the product streams the fp8 weight at full precision of the activation."""
     n, k = weight.shape
+    if (scale is not None) != (weight.dtype == torch.float8_e4m3fn):
+        raise ValueError("an fp8 weight takes its row scales, and only an fp8 weight does")
+    if scale is not None and scale.numel() != n:
+        raise ValueError(f"scale holds {scale.numel()} values for {n} weight rows")
     if act not in ("", "silu", "gelu_tanh"):
         raise ValueError(f"act must be '', 'silu' or 'gelu_tanh', got {act!r}")
     if act:
@@ -139,12 +159,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         n //= 2
     block_n, block_k, warps = config or config_for(k, weight.shape[0])  # type: ignore[misc]
     if out is None:
-        out = torch.empty(1, n, dtype=weight.dtype, device=weight.device)
+        out = torch.empty(1, n, dtype=x.dtype if scale is not None else weight.dtype,
+                          device=weight.device)
     x = x.contiguous()
     use_pdl = pdl.enabled(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        weight, x, bias if bias is not None else x, out, n, k,
+        weight, x, bias if bias is not None else x, out, scale if scale is not None else x, n, k,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
-        EVEN_K=k % block_k == 0, ACT=act, USE_PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl,
+        EVEN_K=k % block_k == 0, ACT=act, HAS_SCALE=scale is not None, USE_PDL=use_pdl,
+        num_warps=warps, launch_pdl=use_pdl,
     )
     return out

@@ -80,15 +80,16 @@ class Linear(nn.Module):
 
             y = batch_invariant.linear(x, self.weight, bias)
             return y if out is None else out.copy_(y)
+        if self.uses_gemv(x):
+            from tide.layers import gemv
+
+            weight, scale = self.gemv_operands()
+            return gemv.gemv(x, weight, bias, out=out, scale=scale)
         if self.weight_fp8 is not None and self.weight_scale is not None:
             from tide.layers import fp8
 
             y = fp8.linear(x, self.weight_fp8, self.weight_scale, bias)
             return y if out is None else out.copy_(y)
-        if self.uses_gemv(x):
-            from tide.layers import gemv
-
-            return gemv.gemv(x, self.weight, bias, out=out)
         if (out is not None and bias is None and x.dim() == 2 and out.is_contiguous()
                 and out.dtype == x.dtype == self.weight.dtype):
             return torch.mm(x, self.weight.t(), out=out)  # straight into `out`, no copy
@@ -98,12 +99,18 @@ class Linear(nn.Module):
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether the product of `x` runs the decode GEMV (`tide.layers.gemv`): one CUDA row of a
         shape it takes, outside deterministic inference."""
-        if self.batch_invariant or self.weight_fp8 is not None or not (
-                x.is_cuda and x.shape[0] == 1):
+        if self.batch_invariant or not (x.is_cuda and x.shape[0] == 1):
             return False
         from tide.layers import gemv
 
-        return gemv.supported(x, self.weight)
+        return gemv.supported(x, self.gemv_operands()[0])
+
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, row scales) the decode GEMV streams: the fp8 copy and its scales where this
+        projection runs in fp8 (the one row is not rounded to fp8 there), else the weight."""
+        if self.weight_fp8 is not None and self.weight_scale is not None:
+            return self.weight_fp8, self.weight_scale
+        return self.weight, None
 
 
 class Embedding(nn.Module):

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from tide.layers.linear import Linear
 from tide.weights.bucket import FlattenedBucket, flatten_by_dtype
 from tide.weights.distributed import (
     DEFAULT_JOIN_TIMEOUT_S,
@@ -82,10 +81,11 @@ class WeightUpdater:
         self.write_block: str | None = None
         self._last_plan: tuple[object, list[WeightTarget]] | None = None  # an RL loop repeats one
         self._receive_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        # weight parameter name -> its projection, for projections that run in fp8
-        self._fp8_modules: dict[str, Linear] = {
+        # weight parameter name -> its projection, for projections with an fp8 copy of the weight
+        # (`tide.layers.fp8`; such a module has `requantize()`)
+        self._fp8_modules: dict[str, nn.Module] = {
             f"{name}.weight": m for name, m in model.named_modules()
-            if isinstance(m, Linear) and m.weight_fp8 is not None}
+            if getattr(m, "weight_fp8", None) is not None}
 
     def reset_coverage(self) -> None:
         self.written = set()
@@ -100,7 +100,7 @@ class WeightUpdater:
         self.written.update((t.param_name, t.shard) for t in targets)
         modules = [self._fp8_modules[n] for n in sorted(names) if n in self._fp8_modules]
         for module in modules:
-            module.requantize()
+            module.requantize()  # type: ignore[operator]
         if modules:
             self._sync()  # the next update's copies (on other streams) may overwrite the weights
 
