@@ -6,6 +6,9 @@ Triton config, as bytes streamed per second against the copy bandwidth measured 
 32-layer stack (norms and SiLU-mul between the products) with cuBLAS and with the kernel's default
 configs (`tide.layers.gemv.config_for`). Writes gemv_sweep.json. `--tp-size N`: one rank's shapes
 under tensor parallelism (qkv, gate_up and lm_head rows split N ways; o and down columns).
+`--fp8`: the projections' weights in fp8 with row scales (`quantization="fp8"`; the lm_head stays
+bf16 there, but is swept in fp8 too), against `torch._scaled_mm` of the row quantized to fp8 in
+place of cuBLAS; no stack.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton
 from benchmarks.run import measure_copy_bandwidth
 from benchmarks.shapes import SHAPES
 from benchmarks.timing import capture, replay_seconds
+from tide.layers import fp8
 from tide.layers import gemv as G
 from tide.layers import triton_ops
 
@@ -47,35 +51,57 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--tp-size", type=int, default=1, help="one rank's shapes at this TP size")
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--fp8", action="store_true", help="fp8 weights with row scales")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     tp = args.tp_size
     torch.manual_seed(0)
     bw = measure_copy_bandwidth()
     res: dict = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                 "copy_bandwidth_TBps": bw / 1e12, "tp_size": tp, "shape": args.shape, "shapes": {}}
+                 "copy_bandwidth_TBps": bw / 1e12, "tp_size": tp, "shape": args.shape, "shapes": {},
+                 "fp8": args.fp8}
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     dt = torch.bfloat16
     for name, (n, k, layers) in projections(shape).items():
         n, k = (n, k // tp) if name in ("o", "down") else (n // tp, k)
         ws = [torch.randn(n, k, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
-        nbytes = layers * n * k * 2
         x = torch.randn(1, k, device="cuda", dtype=dt)
         outs = [torch.empty(1, n, device="cuda", dtype=dt) for _ in range(layers)]
-        cublas = nbytes / graph_time(lambda: [F.linear(x, w) for w in ws]) / bw
+        scales: list = [None] * layers
+        if args.fp8:
+            quantized = [fp8.quantize_rows(w) for w in ws]
+            ws = [q for q, _ in quantized]
+            scales = [s.t().contiguous() for _, s in quantized]
+            xq, xs = fp8.quantize_rows(x)
+            nbytes = layers * n * k
+            cublas = nbytes / graph_time(lambda: [
+                fp8.scaled_product(xq, xs, w, s, dt) for w, s in zip(ws, scales)]) / bw
+        else:
+            nbytes = layers * n * k * 2
+            cublas = nbytes / graph_time(lambda: [F.linear(x, w) for w in ws]) / bw
         rows = {}
         for cfg in CONFIGS + [G.config_for(k)]:
             if cfg[1] <= triton.next_power_of_2(k):  # uneven K: the last tile is masked
-                rows[str(cfg)] = nbytes / graph_time(
-                    lambda: [G.gemv(x, w, out=o, config=cfg) for w, o in zip(ws, outs)]) / bw
+                rows[str(cfg)] = nbytes / graph_time(lambda: [
+                    G.gemv(x, w, out=o, config=cfg, scale=s)
+                    for w, o, s in zip(ws, outs, scales)]) / bw
         default = str(G.config_for(k))
-        err = (G.gemv(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs().max().item()
+        if args.fp8:
+            ref = (x.double() @ ws[0].double().t() * scales[0].double()).float()
+        else:
+            ref = F.linear(x, ws[0]).float()
+        err = (G.gemv(x, ws[0], scale=scales[0]).float() - ref).abs().max().item()
         res["shapes"][name] = {"N": n, "K": k, "cublas": cublas, "default_config": default,
                                "default": rows[default], "max_abs_err_vs_cublas": err, "configs": rows}
         top = sorted(rows.items(), key=lambda kv: -kv[1])[:3]
         print(f"{name} N={n} K={k}: cuBLAS {cublas:.3f} of copy bw; default {default} {rows[default]:.3f}; "
               f"top " + ", ".join(f"{c} {v:.3f}" for c, v in top) + f"; max err {err:.1e}", flush=True)
         del ws, outs
+    if args.fp8:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gemv_sweep.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
     H, I, eps, layers = shape["hidden_size"], shape["intermediate_size"], 1e-5, 32
     qkv_rows, o_cols = projections(shape)["qkv"][0], projections(shape)["o"][1]
     nw = torch.rand(H, device="cuda", dtype=dt) + 0.5

@@ -56,6 +56,17 @@ def test_kernels_compile_for_hopper():
                      {"W": "*bf16", "X": "*bf16", "B": "*bf16", "Y": "*fp32", "N": "i32", "K": "i32"},
                      dict(HAS_BIAS=False, BLOCK_N=1, BLOCK_K=4096, EVEN_N=True, EVEN_K=even_k,
                           ACT=act, USE_PDL=True), num_warps=4)
+    for act in ("", "silu"):  # fp8 weights with row scales (quantization="fp8")
+        compile_sm90(gemv._gemv_kernel,
+                     {"W": "*fp8e4nv", "X": "*bf16", "B": "*bf16", "Y": "*bf16", "S": "*fp32",
+                      "N": "i32", "K": "i32"},
+                     dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=1024, EVEN_N=True, EVEN_K=True,
+                          ACT=act, HAS_SCALE=True, USE_PDL=True), num_warps=4)
+    from tide.layers import fp8_triton
+
+    compile_sm90(fp8_triton._quantize_rows_kernel,
+                 {"X": "*bf16", "Q": "*i16", "S": "*fp32", "fp8_max": "fp32", "min_amax": "fp32"},
+                 dict(BLOCK=4096, ONE_BLOCK=False), num_warps=16)
 
 
 def test_gemv_configs_cover_gemma_shapes():
@@ -67,6 +78,8 @@ def test_gemv_configs_cover_gemma_shapes():
     assert gemv.config_for(15360) == (1, 1024, 4)  # Gemma-3-12B intermediate
     assert gemv.config_for(14336) == (1, 2048, 8)
     assert gemv.config_for(100) is None and gemv.config_for(8200) is None
+    assert gemv.config_for(4096, fp8=True) == (4, 1024, 4)  # fp8 rows: measured at K = 4096
+    assert gemv.config_for(14336, fp8=True) == (1, 2048, 8)
 
 
 def _gemma_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -102,15 +102,21 @@ _MEASURED: dict[tuple[int, int], tuple[int, int, int]] = {
 }
 
 
-def config_for(k: int, n: int | None = None) -> tuple[int, int, int] | None:
+def config_for(k: int, n: int | None = None, fp8: bool = False) -> tuple[int, int, int] | None:
     """(block_n, block_k, num_warps) for an [N, K] weight. K from 256 to 1024 is one tile of two
     rows on two warps (Qwen3-0.6B's K = 1024 products: 0.50-0.56 -> 0.77-1.04 of copy bandwidth on an
     H100, against one row on four warps). K from 1025 to 4096 is one tile (the next power of two,
     the columns past K masked: Gemma's 3840 and 3584 too), so with PDL a program holds its whole
     weight row before the previous kernel ends; K > 8192 goes in 2048-column chunks (8 warps);
     any other K in the widest of 1024/512/256 that divides it. Shapes in `_MEASURED` take their
-    measured config. None: K is none of these (`gemv(config=...)` takes any config: the sweep)."""
-    if n is not None and (n, k) in _MEASURED:
+    measured config. None: K is none of these (`gemv(config=...)` takes any config: the sweep).
+    `fp8` (an fp8 weight, a byte a value): K from 1025 to 4096 goes in 1024-column tiles of four
+    rows on four warps (`benchmarks.gemv_sweep --fp8`, H100, 2026-11-27: Llama-3.1-8B's qkv, o and
+    gate_up at K = 4096 from 0.64 / 0.59 / 0.75 to 0.72 / 0.78 / 0.94 of copy bandwidth); other
+    K as above (down_proj's K = 14,336 measured best at its bf16 config or within 2% of it)."""
+    if fp8 and 1024 < k <= 4096:
+        return 4, 1024, 4
+    if not fp8 and n is not None and (n, k) in _MEASURED:
         return _MEASURED[(n, k)]
     if 256 <= k <= 1024:
         return 2, triton.next_power_of_2(k), 2
@@ -157,7 +163,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if n % 2:
             raise ValueError(f"a gated GEMV needs a [gate | up] weight of even rows, got {n}")
         n //= 2
-    block_n, block_k, warps = config or config_for(k, weight.shape[0])  # type: ignore[misc]
+    block_n, block_k, warps = config or config_for(  # type: ignore[misc]
+        k, weight.shape[0], fp8=scale is not None)
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype if scale is not None else weight.dtype,
                           device=weight.device)
