@@ -174,3 +174,23 @@ def test_a_chunk_the_runtime_refuses_stays_pageable_and_the_rest_is_pinned(monke
     assert fake.live == {}
     with pytest.raises(ValueError, match="chunk_bytes"):
         HostBuffer(4096, pin=True, chunk_bytes=4096)
+
+
+def test_fp8_copies_are_not_backed_up_and_are_recomputed_on_restore():
+    from tide.layers.linear import Linear
+
+    model = nn.Module()
+    model.proj = Linear(32, 16)
+    with torch.no_grad():
+        model.proj.weight.normal_()
+    model.proj.use_fp8()
+    fp8_bits = model.proj.weight_fp8.view(torch.uint8).clone()
+    scales = model.proj.weight_scale.clone()
+    weight = model.proj.weight.detach().clone()
+    occupation = _occupation(model)
+    occupation.release(["weights"])
+    assert occupation.backup.host_bytes == 16 * 32 * 4  # the fp32 weight only
+    occupation.resume(["weights"])
+    assert torch.equal(model.proj.weight, weight)
+    assert torch.equal(model.proj.weight_fp8.view(torch.uint8), fp8_bits)
+    assert torch.equal(model.proj.weight_scale, scales)

@@ -131,12 +131,19 @@ class WeightsBackup:
         return self.buffer.nbytes if self.buffer is not None else 0
 
     def _spans(self) -> list[torch.Tensor]:
-        """The weights' device bytes, as uint8 tensors, in a fixed order."""
+        """The weights' device bytes, as uint8 tensors, in a fixed order. Derived parameters (fp8
+        copies of weights, `tide.layers.fp8`) are left out: a restore recomputes them."""
+        derived = [p for p in self.runner.model.parameters() if getattr(p, "derived", False)]
         region = self.runner.weights_region
         if region is not None:
-            return [region.used_bytes()]
+            used = region.used_bytes()
+            if derived:  # they lie after every checkpoint parameter (ModelRunner's region order)
+                used = used[: min(p.data_ptr() for p in derived) - used.data_ptr()]
+            return [used]
         seen: dict[int, torch.Tensor] = {}
         for p in self.runner.model.parameters():
+            if getattr(p, "derived", False):
+                continue
             storage = p.data.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen[storage.data_ptr()] = torch.empty(
@@ -353,6 +360,9 @@ class MemoryOccupation:
     def _restore_weights(self) -> None:
         if self.backup.restore():
             self.weights_need_refill = False
+            for module in self.runner.model.modules():  # fp8 copies, from the restored weights
+                if getattr(module, "weight_fp8", None) is not None:
+                    module.requantize()  # type: ignore[operator]
             return
         params = list(self.runner.model.parameters())
         for p in params:
