@@ -194,3 +194,22 @@ def test_fp8_copies_are_not_backed_up_and_are_recomputed_on_restore():
     assert torch.equal(model.proj.weight, weight)
     assert torch.equal(model.proj.weight_fp8.view(torch.uint8), fp8_bits)
     assert torch.equal(model.proj.weight_scale, scales)
+
+
+@pytest.mark.parametrize("derived_last", [True, False])
+def test_a_region_backup_ends_where_the_derived_parameters_begin(derived_last):
+    """With the memory saver the weights are one region, checkpoint parameters first: the backup
+    span stops at the first derived one; in any other layout it keeps the whole region."""
+    region_bytes = torch.zeros(1024, dtype=torch.uint8)
+    first, second = region_bytes[:512], region_bytes[512:]
+    model = nn.Module()
+    model.w = nn.Parameter((second if not derived_last else first).view(torch.float32)[:128],
+                           requires_grad=False)
+    model.w_fp8 = nn.Parameter((first if not derived_last else second)[:256], requires_grad=False)
+    model.w_fp8.derived = True
+    runner = SimpleNamespace(device=torch.device("cpu"), model=model, use_vmm=True,
+                             cuda_graph_runner=None,
+                             weights_region=SimpleNamespace(used_bytes=lambda: region_bytes))
+    spans = MemoryOccupation(runner, enable_cpu_backup=True, ledger=None).backup._spans()
+    assert len(spans) == 1 and spans[0].data_ptr() == region_bytes.data_ptr()
+    assert spans[0].numel() == (512 if derived_last else 1024)

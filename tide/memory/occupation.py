@@ -133,15 +133,19 @@ class WeightsBackup:
     def _spans(self) -> list[torch.Tensor]:
         """The weights' device bytes, as uint8 tensors, in a fixed order. Derived parameters (fp8
         copies of weights, `tide.layers.fp8`) are left out: a restore recomputes them."""
-        derived = [p for p in self.runner.model.parameters() if getattr(p, "derived", False)]
+        params = list(self.runner.model.parameters())
+        derived = [p for p in params if getattr(p, "derived", False)]
         region = self.runner.weights_region
         if region is not None:
             used = region.used_bytes()
-            if derived:  # they lie after every checkpoint parameter (ModelRunner's region order)
-                used = used[: min(p.data_ptr() for p in derived) - used.data_ptr()]
+            if derived:  # ModelRunner's region puts them after every checkpoint parameter
+                cut = min(p.data_ptr() for p in derived) - used.data_ptr()
+                if all(p.data_ptr() + p.numel() * p.element_size() - used.data_ptr() <= cut
+                       for p in params if not getattr(p, "derived", False)):
+                    used = used[:cut]
             return [used]
         seen: dict[int, torch.Tensor] = {}
-        for p in self.runner.model.parameters():
+        for p in params:
             if getattr(p, "derived", False):
                 continue
             storage = p.data.untyped_storage()
