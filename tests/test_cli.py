@@ -174,3 +174,14 @@ def test_long_prompt_tokenizes_without_transformers_length_warning():
         tlog.removeHandler(handler)
     assert len(ids) > 2048  # longer than the demo tokenizer's configured model_max_length (512)
     assert not [r for r in records if "sequence length is longer" in r.getMessage()]
+
+
+def test_engine_options_reach_the_engine_and_are_checked():
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--quantization", "fp8",
+                              "--kv-cache-dtype", "fp8_e4m3"])
+    kwargs = cli.engine_kwargs(args)
+    assert kwargs["quantization"] == "fp8" and kwargs["kv_cache_dtype"] == "fp8_e4m3"
+    assert "quantization" not in cli.engine_kwargs(parser.parse_args(["generate", "hi"]))
+    with pytest.raises(SystemExit):  # argparse names the bad choice
+        parser.parse_args(["generate", "hi", "--quantization", "int4"])
