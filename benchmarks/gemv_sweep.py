@@ -80,12 +80,12 @@ def main() -> None:
             nbytes = layers * n * k * 2
             cublas = nbytes / graph_time(lambda: [F.linear(x, w) for w in ws]) / bw
         rows = {}
-        for cfg in CONFIGS + [G.config_for(k)]:
+        for cfg in CONFIGS + [G.config_for(k, fp8=args.fp8)]:
             if cfg[1] <= triton.next_power_of_2(k):  # uneven K: the last tile is masked
                 rows[str(cfg)] = nbytes / graph_time(lambda: [
                     G.gemv(x, w, out=o, config=cfg, scale=s)
                     for w, o, s in zip(ws, outs, scales)]) / bw
-        default = str(G.config_for(k))
+        default = str(G.config_for(k, fp8=args.fp8))
         if args.fp8:
             ref = (x.double() @ ws[0].double().t() * scales[0].double()).float()
         else:

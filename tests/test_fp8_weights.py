@@ -184,3 +184,30 @@ def test_fp8_copies_follow_an_update_on_every_tensor_parallel_rank(checkpoints, 
         out = engine.update_weights_from_tensor(named)
         assert out["success"], out
         assert _tokens_and_logprobs(engine) == want
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"], ids=["per_tensor", "flattened"])
+def test_fp8_copies_follow_a_distributed_update(checkpoints, new_weights, load_format):
+    from conftest import InThread, free_port
+    from tide.weights import init_custom_process_group
+    from tide.weights.distributed import MIN_BUCKET_BYTES
+
+    named, new_path = new_weights
+    with tide.Engine(str(new_path), quantization="fp8") as fresh:
+        want = _tokens_and_logprobs(fresh)
+    with tide.Engine(str(checkpoints["llama"]), quantization="fp8") as engine:
+        port = free_port()
+        trainer = InThread(init_custom_process_group, "gloo", "127.0.0.1", port, 0, 2, "fp8",
+                           timeout_s=60.0, bucket_bytes=MIN_BUCKET_BYTES, name="trainer-join")
+        joined = engine.init_weights_update_group("127.0.0.1", port, 1, 2, "fp8", "gloo")
+        assert joined["success"], joined["message"]
+        group = trainer.result(60.0)
+        sender = InThread(group.broadcast_weights, named, load_format, name="trainer-send")
+        res = engine.update_weights_from_distributed(
+            [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named],
+            group_name="fp8", load_format=load_format)
+        sender.result(60.0)
+        assert res["success"], res["message"]
+        assert _tokens_and_logprobs(engine) == want
+        engine.destroy_weights_update_group("fp8")
+        group.close()

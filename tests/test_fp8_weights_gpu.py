@@ -164,3 +164,8 @@ def test_fp8_update_through_graphs_and_release_resume(checkpoint):
     _assert_copies_match(engine)
     assert _greedy(engine) == updated
     engine.shutdown()
+
+
+def test_fp8_needs_bf16_on_cuda_and_names_the_fields(checkpoint):
+    with pytest.raises(ValueError, match="quantization fp8 on CUDA needs dtype bfloat16"):
+        tide.Engine(str(checkpoint), dtype="float16", quantization="fp8")

@@ -15,7 +15,7 @@ from typing import Any
 # are an error rather than silently ignored.
 _LLM_ONLY = ("max_total_tokens", "context_length", "chunked_prefill_size", "disable_radix_cache",
              "attention_backend", "max_running_requests", "mem_fraction_static", "tokenizer_path",
-             "enable_memory_saver", "enable_cpu_backup", "chat")
+             "enable_memory_saver", "enable_cpu_backup", "chat", "kv_cache_dtype", "quantization")
 
 
 def add_generate_args(parser: argparse.ArgumentParser) -> None:

@@ -94,6 +94,14 @@ class ModelRunner:
                 f"context_length {self.context_len} exceeds the model's max_position_embeddings "
                 f"{model_config.max_position_embeddings}"
             )
+        if config.quantization == "fp8" and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < (8, 9):
+                raise ValueError("quantization fp8 needs compute capability 8.9 or newer (fp8 "
+                                 f"tensor cores); this GPU has {capability}")
+            if self.dtype != torch.bfloat16:
+                raise ValueError("quantization fp8 on CUDA needs dtype bfloat16 (the fp8 GEMM's "
+                                 f"row-wise scales write bf16), got {self.dtype}")
         if config.enable_deterministic_inference and self.device.type not in ("cpu", "cuda"):
             raise ValueError(
                 "enable_deterministic_inference is supported on CPU and CUDA only (no "
@@ -155,11 +163,12 @@ class ModelRunner:
         if self.config.quantization == "fp8":
             from tide.layers import fp8
 
-            if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-                raise ValueError("quantization fp8 needs compute capability 8.9 or newer (fp8 "
-                                 "tensor cores); this GPU has "
-                                 f"{torch.cuda.get_device_capability(self.device)}")
-            fp8.quantize_model(model)
+            count = fp8.quantize_model(model)
+            if count == 0:
+                logger.warning("quantization fp8: no projection of this model has dims that are "
+                               "multiples of 16; every product runs in %s", self.dtype)
+            else:
+                logger.info("quantization fp8: %d projections run in fp8", count)
         return model.eval()
 
     def _move_weights_to_vmm(self) -> "VmmRegion":

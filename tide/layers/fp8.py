@@ -1,5 +1,5 @@
 """fp8 projections (`quantization="fp8"`): weights and activations in float8_e4m3 with one scale a
-row, products accumulated in fp32 and written in the model dtype (W8A8, sglang's online "fp8").
+row, products accumulated in fp32 and written in the model dtype (W8A8, quantized online at load).
 
 A weight row (one output channel) is scaled so that its largest magnitude is 448, the largest
 finite e4m3 value; an activation row (one token) the same way when the product runs. The product

@@ -8,7 +8,8 @@ H200. With PDL (see `tide.layers.pdl`) each program loads its first weight tile 
 previous kernel.
 
 `supported()` says whether a product qualifies (one CUDA row, contiguous weight, a K `config_for` takes);
-`Linear` falls back to `F.linear` otherwise. The output is rounded to the weight dtype like cuBLAS's.
+`Linear` falls back to `F.linear` otherwise. The output is rounded to the weight dtype like cuBLAS's
+(to x's dtype for an fp8 weight with its row scales).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def config_for(k: int, n: int | None = None, fp8: bool = False) -> tuple[int, in
     `fp8` (an fp8 weight, a byte a value): K from 1025 to 4096 goes in 1024-column tiles of four
     rows on four warps (`benchmarks.gemv_sweep --fp8`, H100, 2026-11-27: Llama-3.1-8B's qkv, o and
     gate_up at K = 4096 from 0.64 / 0.59 / 0.75 to 0.72 / 0.78 / 0.94 of copy bandwidth); other
-    K as above (down_proj's K = 14,336 measured best at its bf16 config or within 2% of it)."""
+    K by the K rules above, not `_MEASURED` (down_proj's K = 14,336 measured within 2% of the best
+    at its bf16 rule)."""
     if fp8 and 1024 < k <= 4096:
         return 4, 1024, 4
     if not fp8 and n is not None and (n, k) in _MEASURED:

@@ -67,8 +67,8 @@ class Linear(nn.Module):
                           scale=self.weight_scale.data.view(-1, 1))
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype,
-        is written there and returned."""
+        """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype
+        (x's dtype for an fp8 projection), is written there and returned."""
         return self.product(x, self.bias, out)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None,

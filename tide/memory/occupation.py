@@ -364,9 +364,13 @@ class MemoryOccupation:
     def _restore_weights(self) -> None:
         if self.backup.restore():
             self.weights_need_refill = False
+            requantized = False
             for module in self.runner.model.modules():  # fp8 copies, from the restored weights
                 if getattr(module, "weight_fp8", None) is not None:
                     module.requantize()  # type: ignore[operator]
+                    requantized = True
+            if requantized and self.runner.device.type == "cuda":
+                torch.cuda.current_stream(self.runner.device).synchronize()
             return
         params = list(self.runner.model.parameters())
         for p in params:

@@ -93,16 +93,18 @@ class WeightUpdater:
     def coverage_complete(self) -> bool:
         return self.weight_map.required() <= self.written
 
-    def _note(self, targets: Iterable[WeightTarget]) -> None:
+    def _note(self, targets: Iterable[WeightTarget]) -> int:
         """Record what an update wrote, once all its writes have finished; projections with an fp8
-        copy of a written weight are requantized from it here."""
-        names = {t.param_name for t in targets}
-        self.written.update((t.param_name, t.shard) for t in targets)
-        modules = [self._fp8_modules[n] for n in sorted(names) if n in self._fp8_modules]
+        copy of a written weight are requantized from it first. Returns how many targets."""
+        done = list(targets)
+        names = sorted({t.param_name for t in done})
+        modules = [self._fp8_modules[n] for n in names if n in self._fp8_modules]
         for module in modules:
             module.requantize()  # type: ignore[operator]
         if modules:
             self._sync()  # the next update's copies (on other streams) may overwrite the weights
+        self.written.update((t.param_name, t.shard) for t in done)
+        return len(done)
 
     # ---- validation
     def plan(
@@ -351,8 +353,7 @@ class WeightUpdater:
             raise error
         if group.device.type != "cuda":
             self._sync()  # a gloo group's copies into CUDA parameters
-        self._note(targets.values())
-        return len(targets)
+        return _writing("requantizing the fp8 copies", lambda: self._note(targets.values()))
 
     @staticmethod
     def _receive_into(receiver: BroadcastReceiver,
