@@ -31,6 +31,8 @@ def hf_named_tensors(model: torch.nn.Module, scale: float = 1.0) -> list[tuple[s
     """The model's weights under HF checkpoint names (fused params split back), as new tensors."""
     out = []
     for name, param in model.named_parameters():
+        if getattr(param, "derived", False):
+            continue  # an fp8 copy (quantization="fp8"), no checkpoint tensor
         offsets = getattr(param, "shard_offsets", None)
         if offsets is None:
             out.append((name, param.detach() * scale))
