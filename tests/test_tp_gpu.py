@@ -386,3 +386,36 @@ def _one_shot_stress_rank(rank: int, port: int, queue) -> None:
 
 def test_one_shot_all_reduce_under_back_to_back_calls_of_mixed_sizes():
     assert _on_two_ranks(_one_shot_stress_rank) == {0: [], 1: []}
+
+
+def test_fp8_projections_at_tp2_graphs_give_eager_tokens_and_follow_an_update(path, tmp_path):
+    """quantization="fp8" at TP=2 (bf16, Triton, the one-shot sums): graphs give eager's tokens,
+    bs1 included (the fp8 GEMV on each rank's part), and after an update of a row-parallel
+    projection both ranks' fp8 copies follow: tokens equal a fresh TP=2 fp8 engine loaded from a
+    checkpoint holding the new tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    options = dict(dtype="bfloat16", max_total_tokens=16384, max_running_requests=32,
+                   quantization="fp8")
+    runs = []
+    for graphs in (True, False):
+        with tide.Engine(str(path), tp_size=2, disable_cuda_graph=not graphs, **options) as engine:
+            single = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)["output_ids"]
+            runs.append(([ids for ids, _ in _run(engine)], single))
+    assert runs[0] == runs[1]
+    name = "model.layers.0.mlp.down_proj.weight"
+    new_path = tmp_path / "updated"
+    shutil.copytree(path, new_path)
+    (shard,) = new_path.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    tensors[name] = (tensors[name].float() * -0.5).to(tensors[name].dtype)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with tide.Engine(str(new_path), tp_size=2, **options) as fresh:
+        want = [ids for ids, _ in _run(fresh)]
+    with tide.Engine(str(path), tp_size=2, **options) as engine:
+        new = tensors[name].to(torch.bfloat16)
+        assert engine.update_weights_from_tensor(named_tensors=[(name, new)])["success"]
+        assert [ids for ids, _ in _run(engine)] == want
+    assert want != runs[0][0]
