@@ -103,7 +103,7 @@ def _hf_fp8_reference(model):
     return ref
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: qkv with a bias
 def test_fp8_engine_matches_hf_with_the_same_rounding(checkpoints, hf_model_for, arch):
     with tide.Engine(str(checkpoints[arch]), quantization="fp8") as engine:
         model = engine.model_runner.model
