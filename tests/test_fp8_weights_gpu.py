@@ -1,7 +1,7 @@
 """GPU checks of fp8 projections (`quantization="fp8"`, marker `gpu`, run on a GPU host).
 
 The Triton row quantization gives the CPU reference's bits; `torch._scaled_mm` computes the CPU
-formula; an fp8 engine's CUDA graphs give eager's tokens; an update through captured graphs and a
+formula, and tide's decode-size product lies as close to it; an fp8 engine's CUDA graphs give eager's tokens; an update through captured graphs and a
 release/resume with a CPU backup leave the fp8 copies matching their weights.
 """
 
@@ -63,6 +63,35 @@ def test_scaled_mm_computes_the_cpu_formula(rows):
     err = (got.float().cpu() - ref).abs().max().item()
     scale = ref.abs().max().item()
     assert err <= 1e-2 * scale, f"max |diff| {err} against a result scale {scale}"
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
+                                 (640, 5120)])
+@pytest.mark.parametrize("rows", [2, 16, 48, 100, 144, 200, 256])
+def test_decode_size_products_are_as_close_to_the_formula_as_scaled_mm(n, k, rows):
+    """`scaled_product` at decode sizes (tide's kernel on sm_90 where `gemm_config` gives tiles)
+    lies as close to the exact formula as `torch._scaled_mm` does."""
+    from tide.layers import fp8_triton
+
+    torch.manual_seed(rows + n + k)
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    xq, xs = fp8.quantize_rows(x)
+    wq, ws = fp8.quantize_rows(w)
+    ws = ws.t().contiguous()
+    exact = (xq.double() @ wq.double().t()) * xs.double() * ws.double()
+    cublas = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+    got = fp8.scaled_product(xq, xs, wq, ws, torch.bfloat16)
+    ours = fp8_triton.scaled_mm(xq, xs, wq, ws, torch.bfloat16)
+    on_sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert (ours is not None) == (on_sm90 and fp8_triton.gemm_config(rows, n, k) is not None)
+    if ours is not None:
+        assert torch.equal(got, ours)  # the product took the kernel
+    scale = exact.abs().max().item()
+    err = (got.double() - exact).abs().max().item() / scale
+    err_cublas = (cublas.double() - exact).abs().max().item() / scale
+    assert err <= max(1.25 * err_cublas, 2.0 ** -8), (err, err_cublas)
 
 
 @pytest.mark.parametrize("n,k,act", [(2048, 1024, ""), (4096, 14336, ""), (6144, 4096, "silu"),

@@ -3,8 +3,9 @@ row, products accumulated in fp32 and written in the model dtype (W8A8, quantize
 
 A weight row (one output channel) is scaled so that its largest magnitude is 448, the largest
 finite e4m3 value; an activation row (one token) the same way when the product runs. The product
-is then `(x_q @ w_q.T) * s_x * s_w`: on CUDA one `torch._scaled_mm` (row-wise scales, fp8 tensor
-cores), elsewhere the same formula in fp32 (slow, for tests and CPU serving).
+is then `(x_q @ w_q.T) * s_x * s_w`: on CUDA one fp8 tensor-core launch (tide's Triton kernel at
+decode sizes on sm_90, `fp8_triton.scaled_mm`; `torch._scaled_mm` with row-wise scales
+otherwise), elsewhere the same formula in fp32 (slow, for tests and CPU serving).
 
 The model-dtype weight stays the parameter every load and update path writes; the fp8 copy and its
 scales are *derived* parameters (`derived = True`, unknown to checkpoints and to `WeightMap`) that
@@ -59,6 +60,11 @@ def scaled_product(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     """`(xq @ wq.T) * x_scale * w_scale` in `dtype`: xq (M, K) and wq (N, K) fp8, x_scale (M, 1)
     and w_scale (1, N) fp32."""
     if xq.is_cuda:
+        from tide.layers import fp8_triton
+
+        y = fp8_triton.scaled_mm(xq, x_scale, wq, w_scale, dtype)  # decode sizes on sm_90
+        if y is not None:
+            return y
         return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=dtype)
     return (torch.mm(xq.float(), wq.float().t()) * x_scale * w_scale).to(dtype)
 
