@@ -1,6 +1,9 @@
-"""The W8A8 product at decode sizes (`tide.layers.fp8_triton.scaled_mm`): its tile choice, its
-kernel run by Triton's interpreter on CPU tensors against the exact formula, and its compile for
-sm_90 (TMA loads, wgmma) without a GPU. The GPU run is in `test_fp8_weights_gpu.py`.
+"""fp8 kernels: the W8A8 product at decode sizes (`tide.layers.fp8_triton.scaled_mm`: its tile
+choice, its kernel run by Triton's interpreter on CPU tensors against the exact formula, its
+compile for sm_90 with TMA loads and wgmma), and the compile of the norm and activation launches
+that quantize their own output rows (`triton_ops.rmsnorm(quantize=True)`,
+`triton_ops.act_and_mul_fp8`; their fp8 rounding is inline PTX, which the interpreter cannot run).
+The GPU runs, bits included, are in `test_fp8_weights_gpu.py`.
 
 The interpreter must be chosen before triton is imported, so a plain pytest run executes this file
 again in a subprocess with `TRITON_INTERPRET=1` (`test_kernels_under_the_interpreter`).
@@ -111,3 +114,22 @@ def test_kernel_compiles_for_hopper():
         assert "cp.async.bulk.tensor" in ptx, (swap, block_r, block_q, block_k)  # TMA loads
         assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx  # fp8 tensor cores of sm_90
         assert kernel.metadata.shared <= 227 * 1024  # an H100's shared memory per block
+
+
+def test_quantizing_norm_and_activation_compile_for_hopper():
+    if INTERPRETED:
+        pytest.skip("kernels are interpreted in this process")
+    from tide.layers import triton_ops
+
+    from test_batch_invariant_triton import _compile_sm90
+
+    for residual in (False, True):
+        _compile_sm90(triton_ops._rmsnorm_kernel,
+                      {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
+                       "Q": "*i16", "S": "*fp32", "n_cols": "i32", "eps": "fp32"},
+                      dict(HAS_RESIDUAL=residual, QUANT=True, BLOCK=4096, USE_PDL=True),
+                      num_warps=16)
+    for act in ("silu", "gelu_tanh"):
+        _compile_sm90(triton_ops._act_mul_quant_kernel,
+                      {"X": "*bf16", "Q": "*i16", "S": "*fp32", "n_cols": "i32"},
+                      dict(ACT=act, BLOCK=2048, USE_PDL=True), num_warps=8)

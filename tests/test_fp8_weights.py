@@ -132,6 +132,41 @@ def test_fp8_engine_matches_hf_with_the_same_rounding(checkpoints, hf_model_for,
     assert exact_prompts >= len(PROMPTS) - 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_norms_and_activation_hand_over_fp8_rows_with_the_same_result(checkpoints, arch,
+                                                                        tmp_path, monkeypatch):
+    """The norms before qkv / gate_up and the activation before down give their projections fp8
+    rows (`QuantizedRows`; Gemma: the activation only), o_proj gets model-dtype rows, and the
+    engine's tokens and logprobs are those of the path that quantizes inside each projection."""
+    if arch == "gemma2":
+        from test_gpu_swa import build_hybrid_checkpoint
+
+        path = str(build_hybrid_checkpoint(tmp_path / arch, arch, 16))
+        expected = {"gate_up_proj": False, "down_proj": True, "qkv_proj": False, "o_proj": False}
+    else:
+        path = str(checkpoints[arch])
+        expected = {"gate_up_proj": True, "down_proj": True, "qkv_proj": True, "o_proj": False}
+    seen: dict[str, set[bool]] = {}
+    product = Linear.product
+
+    def spy(self, x, bias, out=None):
+        name = next((n for n in expected if getattr(self, "_spy_name", "") == n), None)
+        if name is not None:
+            seen.setdefault(name, set()).add(isinstance(x, fp8.QuantizedRows))
+        return product(self, x, bias, out)
+
+    monkeypatch.setattr(Linear, "product", spy)
+    with tide.Engine(path, quantization="fp8", max_total_tokens=4096) as engine:
+        for name, module in engine.model_runner.model.named_modules():
+            if isinstance(module, Linear):
+                module._spy_name = name.rsplit(".", 1)[-1]
+        fused = _tokens_and_logprobs(engine)
+    assert seen == {name: {handed} for name, handed in expected.items()}
+    monkeypatch.setattr(Linear, "takes_fp8_rows", lambda self, x: False)
+    with tide.Engine(path, quantization="fp8", max_total_tokens=4096) as engine:
+        assert _tokens_and_logprobs(engine) == fused
+
+
 def _forced_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
     """HF `model`'s logprob of each of `tokens` after `prompt` and the tokens before it."""
     with torch.no_grad():

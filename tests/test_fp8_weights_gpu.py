@@ -1,20 +1,21 @@
 """GPU checks of fp8 projections (`quantization="fp8"`, marker `gpu`, run on a GPU host).
 
 The Triton row quantization gives the CPU reference's bits; `torch._scaled_mm` computes the CPU
-formula, and tide's decode-size product lies as close to it; an fp8 engine's CUDA graphs give eager's tokens; an update through captured graphs and a
+formula, and tide's decode-size product lies as close to it; the norm and activation launches
+that quantize their own rows give `quantize_rows`' bits; an fp8 engine's CUDA graphs give eager's tokens; an update through captured graphs and a
 release/resume with a CPU backup leave the fp8 copies matching their weights.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-
 import tide
-from conftest import build_checkpoint
-from test_gpu import _Driver
+import torch
 from tide.layers import fp8
 from tide.layers.linear import Linear
+
+from conftest import build_checkpoint
+from test_gpu import _Driver
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,6 +64,44 @@ def test_scaled_mm_computes_the_cpu_formula(rows):
     err = (got.float().cpu() - ref).abs().max().item()
     scale = ref.abs().max().item()
     assert err <= 1e-2 * scale, f"max |diff| {err} against a result scale {scale}"
+
+
+@pytest.mark.parametrize("cols", [64, 1000, 1024, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_hands_over_the_bits_of_quantizing_its_output(cols, with_residual):
+    from tide.layers import triton_ops
+
+    torch.manual_seed(cols)
+    x = (torch.randn(5, cols) * torch.logspace(-2, 2, 5).unsqueeze(1)).to(torch.bfloat16).cuda()
+    x[3] = 0  # an all-zero row (with a zero residual below)
+    r = torch.randn(5, cols).to(torch.bfloat16).cuda() if with_residual else None
+    if r is not None:
+        r[3] = 0
+    w = (torch.rand(cols) + 0.5).to(torch.bfloat16).cuda()
+    want = triton_ops.rmsnorm(x, w, 1e-6, r)
+    got = triton_ops.rmsnorm(x, w, 1e-6, r, quantize=True)
+    if r is not None:
+        (want, want_res), (got, got_res) = want, got
+        assert torch.equal(got_res, want_res)
+    q, s = fp8.quantize_rows(want)
+    assert isinstance(got, fp8.QuantizedRows) and got.dtype == torch.bfloat16
+    assert torch.equal(got.values.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got.scale, s)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("d", [96, 3072, 5000, 14336])
+def test_activation_hands_over_the_bits_of_quantizing_its_output(act, d):
+    from tide.layers import triton_ops
+
+    torch.manual_seed(d)
+    x = (torch.randn(4, 2 * d) * 3).to(torch.bfloat16).cuda()
+    x[1] = 0
+    want = triton_ops.silu_and_mul(x) if act == "silu" else triton_ops.gelu_tanh_and_mul(x)
+    got = triton_ops.act_and_mul_fp8(x, act)
+    q, s = fp8.quantize_rows(want)
+    assert torch.equal(got.values.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got.scale, s)
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
@@ -204,3 +243,18 @@ def test_fp8_update_through_graphs_and_release_resume(checkpoint):
 def test_fp8_needs_bf16_on_cuda_and_names_the_fields(checkpoint):
     with pytest.raises(ValueError, match="quantization fp8 on CUDA needs dtype bfloat16"):
         tide.Engine(str(checkpoint), dtype="float16", quantization="fp8")
+
+
+def test_fp8_rows_handed_over_by_the_norms_change_no_token(checkpoint, monkeypatch):
+    """The norms and the activation that quantize their own rows (graphs and eager) give the
+    tokens and logprobs of the path that quantizes inside each projection."""
+    def run():
+        with tide.Engine(str(checkpoint), quantization="fp8", dtype="bfloat16",
+                         max_total_tokens=8192) as engine:
+            outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        return [(o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]])
+                for o in outs]
+
+    fused = run()
+    monkeypatch.setattr(Linear, "takes_fp8_rows", lambda self, x: False)
+    assert run() == fused

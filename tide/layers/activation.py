@@ -4,6 +4,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tide.layers import fp8
+from tide.layers.fp8 import QuantizedRows
+
 if TYPE_CHECKING:
     from tide.layers.linear import Linear
 
@@ -29,17 +32,29 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     return torch.nn.functional.gelu(x[..., :d], approximate=approximate) * x[..., d:]
 
 
-def gated_mlp_input(gate_up: Linear, x: torch.Tensor, act: str) -> torch.Tensor:
+def gated_mlp_input(gate_up: Linear, x: torch.Tensor | QuantizedRows, act: str,
+                    quantize_for: Linear | None = None) -> torch.Tensor | QuantizedRows:
     """act(gate) * up of the [gate | up] projection `gate_up` of `x`; `act`: "silu", "gelu_tanh"
     or "gelu" (exact). A single CUDA row (bs1 decode) on the decode GEMV takes one launch for the
     projection and the activation together (`gemv.gemv(act=...)`, the same bits as the two-launch
-    path); everything else projects, then applies the activation."""
+    path); everything else projects, then applies the activation. `quantize_for`: the projection
+    the result feeds; where it `takes_fp8_rows`, the result comes as `QuantizedRows` (quantized
+    in the activation's launch on CUDA)."""
     if act not in ("silu", "gelu_tanh", "gelu"):
         raise ValueError(f"act must be 'silu', 'gelu_tanh' or 'gelu', got {act!r}")
-    if act != "gelu" and gate_up.bias is None and gate_up.uses_gemv(x):
+    if (isinstance(x, torch.Tensor) and act != "gelu" and gate_up.bias is None
+            and gate_up.uses_gemv(x)):
         from tide.layers import gemv
 
         weight, scale = gate_up.gemv_operands()
         return gemv.gemv(x, weight, act=act, scale=scale)
     y = gate_up(x)
+    if quantize_for is not None and quantize_for.takes_fp8_rows(y[:, : y.shape[-1] // 2]):
+        if y.is_cuda and act != "gelu":
+            from tide.layers import triton_ops
+
+            return triton_ops.act_and_mul_fp8(y, act)
+        values = silu_and_mul(y) if act == "silu" else gelu_and_mul(
+            y, "none" if act == "gelu" else "tanh")
+        return QuantizedRows(*fp8.quantize_rows(values), values.dtype)
     return silu_and_mul(y) if act == "silu" else gelu_and_mul(y, "none" if act == "gelu" else "tanh")

@@ -18,7 +18,7 @@ a tensor-parallel rank's part, is quantized on its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -30,6 +30,18 @@ FP8_MAX = 448.0
 # Rows whose largest magnitude is below this are scaled as if it were this: an all-zero row then
 # quantizes to zeros with a finite scale.
 MIN_AMAX = 1e-12
+
+
+class QuantizedRows(NamedTuple):
+    """Activation rows already in fp8 for an fp8 product, as the kernel that computed them (the
+    norm before qkv / gate_up, the activation before down) wrote them: `values` (rows, K) e4m3 and
+    `scale` (rows, 1) fp32, exactly `quantize_rows` of the model-dtype rows it would otherwise have
+    written; `dtype`: that model dtype, which the product writes. A projection that runs in fp8
+    (`Linear.takes_fp8_rows`) takes them in place of a tensor."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 def quantize_rows(x: torch.Tensor, out: torch.Tensor | None = None,
@@ -69,10 +81,14 @@ def scaled_product(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
     return (torch.mm(xq.float(), wq.float().t()) * x_scale * w_scale).to(dtype)
 
 
-def linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+def linear(x: torch.Tensor | QuantizedRows, wq: torch.Tensor, w_scale: torch.Tensor,
            bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) with W given as fp8 rows `wq` and their scales `w_scale` (1, N); `x` is
-    quantized a row at a time first. The result has x's dtype and leading dims."""
+    quantized a row at a time first (unless it comes quantized). The result has x's dtype and
+    leading dims."""
+    if isinstance(x, QuantizedRows):
+        y = scaled_product(x.values, x.scale, wq, w_scale, x.dtype)
+        return y if bias is None else y + bias
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_rows(rows.contiguous())
     y = scaled_product(xq, x_scale, wq, w_scale, x.dtype)

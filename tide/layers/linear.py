@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tide.layers.fp8 import QuantizedRows
 from tide.parallel.group import current_tp
 
 
@@ -66,15 +67,24 @@ class Linear(nn.Module):
         fp8.quantize_rows(self.weight.data, out=self.weight_fp8.data,
                           scale=self.weight_scale.data.view(-1, 1))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ b). With `out` (any float dtype), the result, rounded to the weight dtype
-        (x's dtype for an fp8 projection), is written there and returned."""
+        (x's dtype for an fp8 projection), is written there and returned. `x` may come as fp8
+        rows where `takes_fp8_rows` said so."""
         return self.product(x, self.bias, out)
 
-    def product(self, x: torch.Tensor, bias: torch.Tensor | None,
+    def product(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ `bias`), by the batch-invariant kernel, the fp8 product, the decode GEMV or
         torch."""
+        if isinstance(x, QuantizedRows):
+            if self.weight_fp8 is None or self.weight_scale is None:
+                raise ValueError("fp8 rows reach a projection that does not run in fp8")
+            from tide.layers import fp8
+
+            y = fp8.linear(x, self.weight_fp8, self.weight_scale, bias)
+            return y if out is None else out.copy_(y)
         if self.batch_invariant:
             from tide.layers import batch_invariant
 
@@ -95,6 +105,13 @@ class Linear(nn.Module):
             return torch.mm(x, self.weight.t(), out=out)  # straight into `out`, no copy
         y = nn.functional.linear(x, self.weight, bias)
         return y if out is None else out.copy_(y)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether the product of the 2-D rows `x` quantizes them to fp8 first: then the kernel
+        that computes `x` may hand them over as `QuantizedRows` instead (the same bits, one launch
+        fewer). Not for one CUDA row, which the decode GEMV takes unrounded."""
+        return (self.weight_fp8 is not None and not self.batch_invariant and x.dim() == 2
+                and not self.uses_gemv(x))
 
     def uses_gemv(self, x: torch.Tensor) -> bool:
         """Whether the product of `x` runs the decode GEMV (`tide.layers.gemv`): one CUDA row of a
@@ -155,7 +172,7 @@ class RowParallelLinear(Linear):
         if self.tp.size > 1:
             self.weight.tp_split = {None: (1, start, size, in_features)}  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor | QuantizedRows, out: torch.Tensor | None = None,
                 reduce: bool = True) -> torch.Tensor:
         """The sum over the ranks of their partial products (+ bias). `reduce=False` (no bias):
         this rank's partial product only, for a caller that sums it in a fused launch."""
@@ -212,7 +229,8 @@ class ParallelLMHead(Linear):
             self.weight_scale = None
         self.vocab = vocab
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x, out)
         logits = self.tp.all_gather(self.product(x, None))[..., : self.vocab]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tide.layers import fp8
+from tide.layers.fp8 import QuantizedRows
 from tide.parallel.group import TpGroup
 
 
@@ -21,12 +23,14 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, tp: TpGroup | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, tp: TpGroup | None = None,
+        quantize: bool = False,
+    ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual). With `tp`
         (and a residual), `x` is this rank's partial product of a row-parallel projection: it is
         summed over the ranks first, in the same launch as the add and norm where the one-shot
-        kernel serves it."""
+        kernel serves it. `quantize` (the next projection `takes_fp8_rows`): norm(...) may come
+        as `QuantizedRows`, in the norm's own launch on CUDA (not after the one-shot kernel)."""
         if tp is not None and residual is not None and tp.size > 1:
             fused = tp.all_reduce_add_rmsnorm(x, residual, self.weight, self.eps)
             if fused is not None:
@@ -35,11 +39,12 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             from tide.layers import triton_ops
 
-            return triton_ops.rmsnorm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return triton_ops.rmsnorm(x, self.weight, self.eps, residual, quantize=quantize)
+        if residual is not None:
+            x = x + residual
+        y = self._norm(x)
+        normed = QuantizedRows(*fp8.quantize_rows(y), y.dtype) if quantize else y
+        return normed if residual is None else (normed, x)
 
 
 class GemmaRMSNorm(nn.Module):

@@ -15,6 +15,11 @@ import triton
 import triton.language as tl
 
 from tide.layers import pdl
+from tide.layers.fp8 import FP8, QuantizedRows
+from tide.layers.fp8_triton import _fp8_words
+
+FP8_MAX = tl.constexpr(448.0)  # tide.layers.fp8.FP8_MAX, MIN_AMAX
+MIN_AMAX = tl.constexpr(1e-12)
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -28,8 +33,21 @@ INDEX_ARGS = ("Pos", "Loc", "ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens",
 
 
 @triton.jit
-def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _fp8_row(y, Q, S, row, stride_q, n_cols, BLOCK: tl.constexpr):
+    """Store the row `y` [BLOCK] (fp32 values of the model dtype, zeros past n_cols) as
+    `fp8.quantize_rows` would: e4m3 words at Q + row * stride_q, the scale at S + row."""
+    amax = tl.maximum(tl.max(tl.abs(y), 0), MIN_AMAX)
+    q = tl.clamp(y * tl.math.div_rn(FP8_MAX, amax), -FP8_MAX, FP8_MAX)
+    words = tl.arange(0, BLOCK // 2)
+    tl.store(Q + row * stride_q + words, _fp8_words(q, BLOCK // 2), mask=words < n_cols // 2)
+    tl.store(S + row, tl.math.div_rn(amax, FP8_MAX))
+
+
+@triton.jit
+def _rmsnorm_kernel(X, R, W, Out, ResOut, Q, S, stride_x, stride_r, stride_o, stride_ro, stride_q,
+                    n_cols, eps, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """QUANT: the normed row goes out as fp8 words and a scale (Q, S) instead of into Out."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -44,30 +62,46 @@ def _rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_r
     var = tl.sum(xf * xf, 0) / n_cols
     normed = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(Out + row * stride_o + cols, w * normed, mask=mask)
+    if QUANT:
+        _fp8_row((w * normed).to(tl.float32), Q, S, row, stride_q, n_cols, BLOCK)
+    else:
+        tl.store(Out + row * stride_o + cols, w * normed, mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            residual: torch.Tensor | None = None, quantize: bool = False
+            ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """RMSNorm of x's rows (of residual + x, returned too, with `residual`). `quantize` (2-D x,
+    an even row length): the normed rows come as `QuantizedRows` for an fp8 projection, the same
+    bits as `fp8.quantize_rows` of the model-dtype rows."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    out = torch.empty_like(x2)
     n_cols = shape[-1]
+    x2 = x.reshape(-1, n_cols)
+    rows = x2.shape[0]
     block = triton.next_power_of_2(n_cols)
     warps = min(16, max(1, block // 256))
     use_pdl = pdl.enabled(x)
+    if quantize:
+        if x.dim() != 2 or n_cols % 2:
+            raise ValueError(f"fp8 rows need 2-D rows of an even length, got shape {tuple(shape)}")
+        q = torch.empty(rows, n_cols, dtype=FP8, device=x.device)
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+        out, words = x2, q.view(torch.int16)
+    else:
+        out = torch.empty_like(x2)
+        words, scale = out, out
     if residual is None:
-        _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
-                                        n_cols, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=warps,
-                                        USE_PDL=use_pdl, launch_pdl=use_pdl)
-        return out.view(shape)
-    r2 = residual.reshape(-1, n_cols)
-    res_out = torch.empty_like(x2)
-    _rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0),
-                                    out.stride(0), res_out.stride(0), n_cols, eps,
-                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps,
-                                    USE_PDL=use_pdl, launch_pdl=use_pdl)
-    return out.view(shape), res_out.view(shape)
+        r2, res_out = x2, out
+    else:
+        r2 = residual.reshape(-1, n_cols)
+        res_out = torch.empty_like(x2)
+    _rmsnorm_kernel[(rows,)](x2, r2, weight, out, res_out, words, scale, x2.stride(0),
+                             r2.stride(0), out.stride(0), res_out.stride(0), words.stride(0),
+                             n_cols, eps, HAS_RESIDUAL=residual is not None, QUANT=quantize,
+                             BLOCK=block, num_warps=warps, USE_PDL=use_pdl, launch_pdl=use_pdl)
+    normed: torch.Tensor | QuantizedRows = (QuantizedRows(q, scale, x.dtype) if quantize
+                                            else out.view(shape))
+    return normed if residual is None else (normed, res_out.view(shape))
 
 
 @triton.jit
@@ -251,6 +285,58 @@ def _act_mul_kernel(X, Out, stride_x, stride_o, n_cols, ACT: tl.constexpr, BLOCK
     up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + cols, act_and_mul(gate, up, ACT, Out.dtype.element_ty),
              mask=mask)
+
+
+@triton.jit
+def _act_mul_quant_kernel(X, Q, S, stride_x, stride_q, n_cols, ACT: tl.constexpr,
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """`_act_mul_kernel`'s rows as fp8 words and a scale, one program a row: the row's largest
+    magnitude first, then the values again, quantized."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        gate = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + n_cols + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y = act_and_mul(gate, up, ACT, X.dtype.element_ty).to(tl.float32)
+        acc = tl.maximum(acc, tl.abs(y))
+    amax = tl.maximum(tl.max(acc, 0), MIN_AMAX)
+    inv = tl.math.div_rn(FP8_MAX, amax)
+    words = tl.arange(0, BLOCK // 2)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        gate = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + n_cols + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y = act_and_mul(gate, up, ACT, X.dtype.element_ty).to(tl.float32)
+        q = tl.clamp(y * inv, -FP8_MAX, FP8_MAX)
+        tl.store(Q + row * stride_q + start // 2 + words, _fp8_words(q, BLOCK // 2),
+                 mask=start // 2 + words < n_cols // 2)
+    tl.store(S + row, tl.math.div_rn(amax, FP8_MAX))
+
+
+def act_and_mul_fp8(x: torch.Tensor, act: str) -> QuantizedRows:
+    """act(gate) * up of 2-D [gate | up] rows, as `QuantizedRows`: the same bits as
+    `fp8.quantize_rows` of `silu_and_mul(x)` / `gelu_tanh_and_mul(x)`. act: "silu" or
+    "gelu_tanh"."""
+    d = x.shape[-1] // 2
+    if x.dim() != 2 or d % 2:
+        raise ValueError(f"fp8 rows need 2-D rows of an even length, got shape {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(x.shape[0], d, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    words = q.view(torch.int16)
+    block = min(2048, triton.next_power_of_2(d))
+    use_pdl = pdl.enabled(x)
+    _act_mul_quant_kernel[(x.shape[0],)](x, words, scale, x.stride(0), words.stride(0), d, ACT=act,
+                                         BLOCK=block, num_warps=max(1, min(8, block // 256)),
+                                         USE_PDL=use_pdl, launch_pdl=use_pdl)
+    return QuantizedRows(q, scale, x.dtype)
 
 
 def _gated(act: str, x: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ class GemmaMLP(nn.Module):
         self.act = "gelu_tanh" if config.hidden_act == "gelu_pytorch_tanh" else "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_mlp_input(self.gate_up_proj, x, self.act))
+        return self.down_proj(gated_mlp_input(self.gate_up_proj, x, self.act, self.down_proj))
 
 
 class GemmaDecoderLayer(nn.Module):

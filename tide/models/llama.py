@@ -11,6 +11,7 @@ from torch import nn
 from tide.executor.forward_batch import ForwardBatch
 from tide.layers.activation import gated_mlp_input
 from tide.layers.attention.layer import Attention
+from tide.layers.fp8 import QuantizedRows
 from tide.layers.linear import (
     MergedLinear,
     ParallelLMHead,
@@ -83,8 +84,8 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch,
-        reduce: bool = True,
+        self, positions: torch.Tensor, x: torch.Tensor | QuantizedRows,
+        forward_batch: ForwardBatch, reduce: bool = True,
     ) -> torch.Tensor:
         """`reduce=False`: this rank's partial o_proj product (see `DecoderLayer`)."""
         qkv = self.qkv_proj(x)
@@ -101,8 +102,9 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
                                            bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(gated_mlp_input(self.gate_up_proj, x, "silu"), reduce=reduce)
+    def forward(self, x: torch.Tensor | QuantizedRows, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(gated_mlp_input(self.gate_up_proj, x, "silu", self.down_proj),
+                              reduce=reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -132,14 +134,17 @@ class DecoderLayer(nn.Module):
         per-rank partial products, summed over the ranks by the norm after them (with the
         residual add, one launch on GPUs): `hidden` comes in and goes out as such a partial."""
         tp = self.sum_in_norm
+        # With fp8 projections the norms hand their rows to qkv / gate_up already quantized.
+        quantize = self.self_attn.qkv_proj.takes_fp8_rows(hidden)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            normed = self.input_layernorm(hidden, quantize=quantize)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, tp)
-        hidden = self.self_attn(positions, hidden, forward_batch, reduce=tp is None)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, tp)
-        return self.mlp(hidden, reduce=tp is None), residual
+            normed, residual = self.input_layernorm(hidden, residual, tp, quantize=quantize)
+        hidden = self.self_attn(positions, normed, forward_batch, reduce=tp is None)
+        quantize = self.mlp.gate_up_proj.takes_fp8_rows(hidden)
+        normed, residual = self.post_attention_layernorm(hidden, residual, tp, quantize=quantize)
+        return self.mlp(normed, reduce=tp is None), residual
 
 
 class DecoderModel(nn.Module):
