@@ -29,7 +29,7 @@ DEFAULT_ROWS = [2, 4, 8, 12, 16, 24] + list(range(32, fp8_triton.MAX_ROWS + 1, 1
 def candidates(m: int, n: int, k: int) -> list[fp8_triton.GemmConfig]:
     """Tiles worth timing at m rows: swapped (weight rows on the 64- or 128-row side, a token tile
     no larger than m needs) or not (token rows there, 32+ output columns), BLOCK_K 128 or 256, as
-    many stages as fit 200 KB of shared memory (4, else 3)."""
+    many stages as fit 200 KB of shared memory (4, else 3; tiles that fit neither are left out)."""
     rows_p2 = max(16, triton.next_power_of_2(m))
     out = []
     for swap in (1, 0):
@@ -44,7 +44,10 @@ def candidates(m: int, n: int, k: int) -> list[fp8_triton.GemmConfig]:
                 if tiles > 1200:
                     continue
                 for block_k in (128, 256):
-                    stages = 4 if (block_r + block_q) * block_k * 4 <= 200_000 else 3
+                    stage_bytes = (block_r + block_q) * block_k
+                    if stage_bytes * 3 > 200_000:
+                        continue
+                    stages = 4 if stage_bytes * 4 <= 200_000 else 3
                     out.append((swap, block_r, block_q, block_k, 4 if block_r == 64 else 8, stages))
     return out
 
