@@ -39,6 +39,18 @@ def _fp8_words(q, HALF: tl.constexpr):
 
 
 @triton.jit
+def fp8_row(y, Q, S, row, stride_q, n_cols, fp8_max, min_amax, BLOCK: tl.constexpr):
+    """Store the row `y` [BLOCK] (fp32, zeros past n_cols) as `fp8.quantize_rows` does: e4m3
+    words at Q + row * stride_q, the scale at S + row. Shared by the quantizing launches (this
+    module's, and the norm's in `triton_ops`)."""
+    amax = tl.maximum(tl.max(tl.abs(y), 0), min_amax)
+    q = tl.clamp(y * tl.math.div_rn(fp8_max, amax), -fp8_max, fp8_max)
+    words = tl.arange(0, BLOCK // 2)
+    tl.store(Q + row * stride_q + words, _fp8_words(q, BLOCK // 2), mask=words < n_cols // 2)
+    tl.store(S + row, tl.math.div_rn(amax, fp8_max))
+
+
+@triton.jit
 def _quantize_rows_kernel(X, Q, S, stride_x, stride_q, n_cols, fp8_max, min_amax,
                           BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """One program a row. Q: the fp8 output as int16 words (`stride_q` in words)."""
@@ -49,10 +61,7 @@ def _quantize_rows_kernel(X, Q, S, stride_x, stride_q, n_cols, fp8_max, min_amax
     words = tl.arange(0, BLOCK // 2)
     if ONE_BLOCK:
         x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), 0), min_amax)
-        inv = tl.math.div_rn(fp8_max, amax)
-        q = tl.clamp(x * inv, -fp8_max, fp8_max)
-        tl.store(q_row + words, _fp8_words(q, BLOCK // 2), mask=words < n_cols // 2)
+        fp8_row(x, Q, S, row, stride_q, n_cols, fp8_max, min_amax, BLOCK)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
@@ -65,7 +74,7 @@ def _quantize_rows_kernel(X, Q, S, stride_x, stride_q, n_cols, fp8_max, min_amax
             q = tl.clamp(x.to(tl.float32) * inv, -fp8_max, fp8_max)
             tl.store(q_row + start // 2 + words, _fp8_words(q, BLOCK // 2),
                      mask=start // 2 + words < n_cols // 2)
-    tl.store(S + row, tl.math.div_rn(amax, fp8_max))
+        tl.store(S + row, tl.math.div_rn(amax, fp8_max))
 
 
 def quantize_rows(x: torch.Tensor, out: torch.Tensor | None = None,

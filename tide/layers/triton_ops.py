@@ -14,12 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tide.layers import pdl
+from tide.layers import fp8, pdl
 from tide.layers.fp8 import FP8, QuantizedRows
-from tide.layers.fp8_triton import _fp8_words
+from tide.layers.fp8_triton import _fp8_words, fp8_row
 
-FP8_MAX = tl.constexpr(448.0)  # tide.layers.fp8.FP8_MAX, MIN_AMAX
-MIN_AMAX = tl.constexpr(1e-12)
+FP8_MAX = tl.constexpr(fp8.FP8_MAX)
+MIN_AMAX = tl.constexpr(fp8.MIN_AMAX)
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -30,17 +30,6 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # the extend kernels again). Kernels taking them are not specialised on their alignment.
 INDEX_ARGS = ("Pos", "Loc", "ReqPoolIdx", "SeqLens", "PrefixLens", "ExtendLens", "ExtendStarts",
               "Order")
-
-
-@triton.jit
-def _fp8_row(y, Q, S, row, stride_q, n_cols, BLOCK: tl.constexpr):
-    """Store the row `y` [BLOCK] (fp32 values of the model dtype, zeros past n_cols) as
-    `fp8.quantize_rows` would: e4m3 words at Q + row * stride_q, the scale at S + row."""
-    amax = tl.maximum(tl.max(tl.abs(y), 0), MIN_AMAX)
-    q = tl.clamp(y * tl.math.div_rn(FP8_MAX, amax), -FP8_MAX, FP8_MAX)
-    words = tl.arange(0, BLOCK // 2)
-    tl.store(Q + row * stride_q + words, _fp8_words(q, BLOCK // 2), mask=words < n_cols // 2)
-    tl.store(S + row, tl.math.div_rn(amax, FP8_MAX))
 
 
 @triton.jit
@@ -63,7 +52,8 @@ def _rmsnorm_kernel(X, R, W, Out, ResOut, Q, S, stride_x, stride_r, stride_o, st
     normed = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
     w = tl.load(W + cols, mask=mask, other=0.0)
     if QUANT:
-        _fp8_row((w * normed).to(tl.float32), Q, S, row, stride_q, n_cols, BLOCK)
+        fp8_row((w * normed).to(tl.float32), Q, S, row, stride_q, n_cols, FP8_MAX, MIN_AMAX,
+                BLOCK)
     else:
         tl.store(Out + row * stride_o + cols, w * normed, mask=mask)
 
