@@ -264,6 +264,41 @@ def test_argmax_rows_matches_torch(vocab):
     assert out[1].item() == 500
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_memory_saver_makes_the_weights_in_their_region(quantization):
+    """With the memory saver every parameter is made in the weights region as it is registered:
+    the caching allocator's peak while the engine starts stays far below the weights (the
+    copy-after-load start held every weight twice), every parameter lies in the region, and the
+    tokens equal those of an engine without the memory saver (same dummy weights)."""
+    from benchmarks.shapes import config_dir
+
+    kw = dict(load_format="dummy", dtype="bfloat16", disable_cuda_graph=True,
+              max_running_requests=8, max_total_tokens=4096, quantization=quantization)
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    prompts = [[3, 17, 99, 5, 1000], list(range(7, 60))]
+    plain = tide.Engine(config_dir("qwen3-0.6b"), **kw)
+    expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    plain.shutdown()
+    del plain
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine = tide.Engine(config_dir("qwen3-0.6b"), enable_memory_saver=True, **kw)
+    peak = torch.cuda.max_memory_allocated() - base
+    runner = engine.model_runner
+    region = runner.weights_region
+    assert runner.use_vmm and region is not None
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert region.used >= weights > 1 << 30
+    largest = max(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert peak < largest + (200 << 20) < weights / 2, (peak, largest, weights)
+    assert all(region.ptr <= p.data_ptr() < region.ptr + region.used
+               for p in runner.model.parameters())
+    got = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    assert got == expected
+    engine.shutdown()
+
+
 def test_memory_saver_graph_release_runs_eager(gqa_checkpoint):
     """With `cuda_graph` released (alone, or after a staged resume of weights and kv_cache), decode
     runs eager and gives the same tokens; resuming it replays the same graphs again."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +25,7 @@ from tide.parallel import TpGroup, tp_context
 from tide.weights import init_dummy_weights, load_checkpoint
 
 if TYPE_CHECKING:
+    from tide.memory.placement import Placement
     from tide.memory.vmm import VmmRegion
 
 logger = logging.getLogger(__name__)
@@ -110,19 +113,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.closed = False  # close(): the device memory is given back, nothing runs any more
-        self.model = self._load_model()
-        if config.enable_deterministic_inference:
-            set_batch_invariant(self.model)
         # Memory saver on CUDA: weights and KV live in address-stable regions, so release/resume
-        # keeps every pointer a captured CUDA graph holds.
+        # keeps every pointer a captured CUDA graph holds. The weights are made in their region.
         self.use_vmm = False
-        self.weights_region = None
+        self.weights_region: VmmRegion | None = None
         if config.enable_memory_saver and self.device.type == "cuda":
             from tide.memory.vmm import vmm_available
 
             self.use_vmm = vmm_available()
-            if self.use_vmm:
-                self.weights_region = self._move_weights_to_vmm()
+        self.model = self._load_model()
+        if config.enable_deterministic_inference:
+            set_batch_invariant(self.model)
         # The backend first: its own device memory (the deterministic decode's split partials)
         # then counts as used when the KV pools are sized.
         fp8_capability = (torch.cuda.get_device_capability(self.device)
@@ -147,46 +148,70 @@ class ModelRunner:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
             self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
 
-    def _load_model(self) -> torch.nn.Module:
+    def _construct(self) -> torch.nn.Module:
+        """The model on the current default device, its weights uninitialised."""
         cls = get_model_class(self.model_config.architecture)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), tp_context(self.tp):
-                model = cls(self.model_config)
+            with tp_context(self.tp):
+                return cls(self.model_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        if self.config.load_format == "dummy":
-            init_dummy_weights(model, self.config.seed)
-        else:
-            load_checkpoint(model, self.config.model_path, self.config.show_progress)
-        if self.config.quantization == "fp8":
-            from tide.layers import fp8
 
-            count = fp8.quantize_model(model)
-            if count == 0:
-                logger.warning("quantization fp8: no projection of this model has dims that are "
-                               "multiples of 16; every product runs in %s", self.dtype)
+    def _derive(self, model: torch.nn.Module) -> int:
+        """Derived parameters from the loaded weights: with `quantization fp8`, the projections'
+        fp8 copies. Returns how many projections run in fp8."""
+        if self.config.quantization != "fp8":
+            return 0
+        from tide.layers import fp8
+
+        return fp8.quantize_model(model)
+
+    def _load_model(self) -> torch.nn.Module:
+        with contextlib.ExitStack() as stack:
+            placement = stack.enter_context(self._weights_region()) if self.use_vmm else None
+            with torch.device(self.device):
+                model = self._construct()
+            if self.config.load_format == "dummy":
+                init_dummy_weights(model, self.config.seed)
             else:
-                logger.info("quantization fp8: %d projections run in fp8", count)
+                load_checkpoint(model, self.config.model_path, self.config.show_progress)
+            fp8_count = self._derive(model)
+            if placement is not None:
+                placement.finish(model)
+        if placement is not None:
+            from tide.memory.release import empty_device_cache
+
+            # The blocks the parameters were first made in go back.
+            empty_device_cache(reason="memory_saver_setup", ledger=self.ledger)
+        if self.config.quantization == "fp8" and fp8_count == 0:
+            logger.warning("quantization fp8: no projection of this model has dims that are "
+                           "multiples of 16; every product runs in %s", self.dtype)
+        elif fp8_count:
+            logger.info("quantization fp8: %d projections run in fp8", fp8_count)
         return model.eval()
 
-    def _move_weights_to_vmm(self) -> "VmmRegion":
-        from tide.memory.release import empty_device_cache
+    @contextlib.contextmanager
+    def _weights_region(self) -> Iterator[Placement]:
+        """While open, every parameter is made in one `VmmRegion` (`self.weights_region`) as its
+        module registers it (`tide.memory.placement`), so the weights are never resident twice.
+        The region holds them in module order, checkpoint parameters first (a flattened update in
+        that order then lands in place) and derived ones (the fp8 copies) after them."""
+        from tide.memory.placement import placed, plan_layout
         from tide.memory.vmm import VmmRegion, region_nbytes
 
-        # Checkpoint parameters first, in module order (a flattened update in that order then
-        # lands in place), derived ones (fp8 copies) after them.
-        params = sorted(self.model.parameters(), key=lambda p: bool(getattr(p, "derived", False)))
-        region = VmmRegion(region_nbytes([(tuple(p.shape), p.dtype) for p in params]), self.device)
-        for p in params:
-            view = region.tensor(tuple(p.shape), p.dtype)
-            view.copy_(p.data)
-            p.data = view
-        torch.cuda.synchronize(self.device)
-        # The weights' first home goes back.
-        empty_device_cache(reason="memory_saver_setup", ledger=self.ledger)
-        return region
+        def build() -> torch.nn.Module:
+            model = self._construct()
+            self._derive(model)
+            return model
+
+        layout = plan_layout(build)
+        region = VmmRegion(region_nbytes(list(layout.shapes)), self.device)
+        homes = [region.tensor(shape, dtype) for shape, dtype in layout.shapes]
+        self.weights_region = region
+        with placed(layout, homes) as placement:
+            yield placement
 
     def _init_pools(self) -> None:
         """Size and allocate the KV pools. A hybrid model (full and sliding-window layers) gets two:
