@@ -275,6 +275,35 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
+def _index_scalars_as_later_tritons_do() -> None:
+    """Triton 3.6's interpreter (the GPU hosts' version) turns a scalar argument into a Python int
+    with `int()` of a one-element array, which NumPy >= 2.4 refuses, so a `range` over an int
+    argument fails there. Later Tritons squeeze the array first; the interpreter run of a 3.6
+    install gets the same fix."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "squeezes_scalars", False):
+        return
+    import inspect
+
+    if "squeeze()" in inspect.getsource(original):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_scalars = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _index_scalars_as_later_tritons_do()
+
+
 def rerun_under_interpreter(test_file: str) -> str:
     """Run `test_file` in a subprocess with TRITON_INTERPRET=1 and assert its tests pass (the
     calling test skips itself there); skips when this process is that run. Returns the run's

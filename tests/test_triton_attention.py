@@ -420,12 +420,12 @@ class _LoadProbe:
         real = interpreter.InterpreterBuilder.create_masked_load
         probe = self
 
-        def load(builder, ptrs, mask, other, cache_policy, is_volatile):
+        def load(builder, ptrs, mask, other, *flags):  # cache / eviction / volatile flags vary
             addrs = ptrs.data[mask.data.astype(bool)].astype("int64")
             hit = addrs[(addrs >= probe.base) & (addrs < probe.end)]
             if hit.size:
                 probe.loads.append({int(a) for a in (hit - probe.base) // probe.row_bytes})
-            return real(builder, ptrs, mask, other, cache_policy, is_volatile)
+            return real(builder, ptrs, mask, other, *flags)
 
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", load)
 
