@@ -152,3 +152,34 @@ def test_parameters_made_on_other_threads_are_left_alone():
     placement.finish(lin)
     assert _within(lin.weight, flat)
     assert not any(_within(p, flat) for p in made[0].parameters())
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1-8b", "qwen3-0.6b", "gemma-2-9b", "gemma-3-12b"])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_every_architecture_builds_in_place(shape, quantize):
+    """The benchmark shapes' architectures (shrunk): the meta plan matches the real build, every
+    registration is planned, and every parameter ends in its home."""
+    from benchmarks.shapes import SHAPES
+
+    hf = dict(SHAPES[shape], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+              max_position_embeddings=256)
+    config = ModelConfig.from_hf_dict(hf)
+    cls = get_model_class(config.architecture)
+
+    def build() -> nn.Module:
+        model = cls(config)
+        if quantize:
+            fp8.quantize_model(model)
+        return model
+
+    layout = plan_layout(build)
+    flat, homes = _homes(layout.shapes)
+    with placed(layout, homes) as placement:
+        model = build()
+    # The hook placed every parameter itself (`finish` has nothing to move).
+    assert all(_within(p, flat) for p in model.parameters())
+    placement.finish(model)
+    assert placement.count == len(layout.slot_of_registration)
+    assert [p.data_ptr() for p in module_order(model)] == [h.data_ptr() for h in homes]
+    assert any(getattr(p, "derived", False) for p in model.parameters()) == quantize
