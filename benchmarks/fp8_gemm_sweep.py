@@ -64,8 +64,8 @@ def run_tile(xq, xs, wq, ws, out, config: fp8_triton.GemmConfig) -> None:
     fp8_triton._w8a8_kernel[(tiles,)](
         TensorDescriptor(xq, [m, k], [k, 1], [x_rows, block_k]),
         TensorDescriptor(wq, [n, k], [k, 1], [w_rows, block_k]),
-        xs, ws, out, m, n, k, out.stride(0), BLOCK_R=block_r, BLOCK_Q=block_q, BLOCK_K=block_k,
-        SWAP=bool(swap), num_warps=warps, num_stages=stages)
+        xs, ws, out, out, m, n, k, out.stride(0), BLOCK_R=block_r, BLOCK_Q=block_q,
+        BLOCK_K=block_k, SWAP=bool(swap), HAS_BIAS=False, num_warps=warps, num_stages=stages)
 
 
 def per_product_us(fns: list) -> float:

@@ -62,7 +62,8 @@ def test_cpu_tensors_stay_with_the_torch_formula():
     (70, 96, 256, (0, 64, 32, 128, 4, 4)),     # tokens on the rows, ragged row tile
     (17, 64, 1024, (0, 64, 64, 256, 4, 4)),
 ])
-def test_kernel_computes_the_scaled_product(m, n, k, config):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_computes_the_scaled_product(m, n, k, config, with_bias):
     from tide.layers import fp8, fp8_triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -75,6 +76,9 @@ def test_kernel_computes_the_scaled_product(m, n, k, config):
     xs = torch.logspace(-3, 1, m).unsqueeze(1)
     ws = torch.rand(1, n, generator=gen) + 0.5
     exact = (xq.double() @ wq.double().t()) * xs.double() * ws.double()
+    bias = torch.linspace(-4, 4, n) if with_bias else None
+    if bias is not None:
+        exact = exact + bias.double()
     swap, block_r, block_q, block_k, _, _ = config
     x_rows, w_rows = (block_q, block_r) if swap else (block_r, block_q)
     tiles = (triton.cdiv(n, block_r) * triton.cdiv(m, block_q) if swap
@@ -83,11 +87,11 @@ def test_kernel_computes_the_scaled_product(m, n, k, config):
     fp8_triton._w8a8_kernel[(tiles,)](
         TensorDescriptor(xq, [m, k], [k, 1], [x_rows, block_k]),
         TensorDescriptor(wq, [n, k], [k, 1], [w_rows, block_k]),
-        xs, ws, out, m, n, k, out.stride(0), BLOCK_R=block_r, BLOCK_Q=block_q, BLOCK_K=block_k,
-        SWAP=bool(swap))
-    # Every element written once, with its row's and column's scales.
+        xs, ws, out, out if bias is None else bias, m, n, k, out.stride(0), BLOCK_R=block_r,
+        BLOCK_Q=block_q, BLOCK_K=block_k, SWAP=bool(swap), HAS_BIAS=bias is not None)
+    # Every element written once, with its row's and column's scales (and its column's bias).
     err = (out.double() - exact).abs()
-    bound = exact.abs() * 2.0 ** -22
+    bound = (exact.abs() + (0 if bias is None else bias.double().abs())) * 2.0 ** -22
     bad = ~(err <= bound)
     assert not bad.any(), f"{int(bad.sum())} elements off, e.g. {out[bad][:4]} for {exact[bad][:4]}"
 
@@ -107,8 +111,10 @@ def test_kernel_compiles_for_hopper():
             fp8_triton._w8a8_kernel,
             {"x_desc": f"tensordesc<fp8e4nv[{x_rows},{block_k}]>",
              "w_desc": f"tensordesc<fp8e4nv[{w_rows},{block_k}]>", "SX": "*fp32", "SW": "*fp32",
-             "C": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32"},
-            dict(BLOCK_R=block_r, BLOCK_Q=block_q, BLOCK_K=block_k, SWAP=bool(swap)),
+             "C": "*bf16", "BIAS": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+             "stride_cm": "i32"},
+            dict(BLOCK_R=block_r, BLOCK_Q=block_q, BLOCK_K=block_k, SWAP=bool(swap),
+                 HAS_BIAS=swap == 1),
             num_warps=warps, num_stages=stages)
         ptx = kernel.asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx, (swap, block_r, block_q, block_k)  # TMA loads

@@ -49,6 +49,19 @@ def test_quantize_rows_writes_into_given_buffers_and_rejects_other_ranks():
         fp8.quantize_rows(torch.randn(2, 3, 32))
 
 
+def test_a_bias_is_added_before_the_one_rounding_to_the_model_dtype():
+    torch.manual_seed(2)
+    xq, xs = fp8.quantize_rows(torch.randn(64, 128, dtype=torch.bfloat16))
+    wq, ws = fp8.quantize_rows(torch.randn(96, 128, dtype=torch.bfloat16) * 0.05)
+    ws = ws.t().contiguous()
+    bias = (torch.randn(96) * 3).to(torch.bfloat16)
+    exact = (xq.double() @ wq.double().t()) * xs.double() * ws.double() + bias.double()
+    got = fp8.scaled_product(xq, xs, wq, ws, torch.bfloat16, bias)
+    assert torch.equal(got, exact.float().to(torch.bfloat16))
+    twice = fp8.scaled_product(xq, xs, wq, ws, torch.bfloat16) + bias
+    assert not torch.equal(twice, got)  # rounding before the bias moves some values
+
+
 def test_fp8_product_is_the_scaled_integer_product_and_close_to_the_exact_one():
     torch.manual_seed(1)
     lin = Linear(64, 48, bias=True)

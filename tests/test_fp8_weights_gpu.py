@@ -133,6 +133,31 @@ def test_decode_size_products_are_as_close_to_the_formula_as_scaled_mm(n, k, row
     assert err <= max(1.25 * err_cublas, 2.0 ** -8), (err, err_cublas)
 
 
+@pytest.mark.parametrize("rows", [16, 300])  # tide's kernel on sm_90; torch._scaled_mm
+def test_bias_is_added_before_the_one_rounding(rows):
+    """With a bias the product rounds once, after adding it in fp32 (as the CPU formula does), on
+    both GPU paths."""
+    from tide.layers import fp8_triton
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(2048, 1024, dtype=torch.bfloat16, device="cuda") * 0.02
+    bias = torch.randn(2048, dtype=torch.bfloat16, device="cuda") * 3
+    xq, xs = fp8.quantize_rows(x)
+    wq, ws = fp8.quantize_rows(w)
+    ws = ws.t().contiguous()
+    on_sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert (fp8_triton.scaled_mm(xq, xs, wq, ws, torch.bfloat16, bias) is not None) == (
+        on_sm90 and rows <= fp8_triton.MAX_ROWS)
+    exact = (xq.double() @ wq.double().t()) * xs.double() * ws.double() + bias.double()
+    once = exact.to(torch.bfloat16)
+    got = fp8.scaled_product(xq, xs, wq, ws, torch.bfloat16, bias)
+    twice = fp8.scaled_product(xq, xs, wq, ws, torch.bfloat16) + bias
+    # Within the accumulation's error of the single rounding, and closer to it than two roundings.
+    assert (got.double() - exact).abs().max().item() <= 2.0 ** -7 * exact.abs().max().item()
+    assert (got != once).sum().item() < (twice != once).sum().item()
+
+
 @pytest.mark.parametrize("n,k,act", [(2048, 1024, ""), (4096, 14336, ""), (6144, 4096, "silu"),
                                       (4096, 3840, "")])
 def test_one_row_gemv_streams_the_fp8_weight_with_its_scales(n, k, act):

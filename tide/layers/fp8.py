@@ -68,32 +68,34 @@ def quantize_rows(x: torch.Tensor, out: torch.Tensor | None = None,
 
 
 def scaled_product(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
-                   w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`(xq @ wq.T) * x_scale * w_scale` in `dtype`: xq (M, K) and wq (N, K) fp8, x_scale (M, 1)
-    and w_scale (1, N) fp32."""
+                   w_scale: torch.Tensor, dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`(xq @ wq.T) * x_scale * w_scale (+ bias)` in `dtype`, rounded once: xq (M, K) and wq
+    (N, K) fp8, x_scale (M, 1) and w_scale (1, N) fp32, bias (N,)."""
     if xq.is_cuda:
         from tide.layers import fp8_triton
 
-        y = fp8_triton.scaled_mm(xq, x_scale, wq, w_scale, dtype)  # decode sizes on sm_90
+        y = fp8_triton.scaled_mm(xq, x_scale, wq, w_scale, dtype, bias)  # decode sizes on sm_90
         if y is not None:
             return y
-        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=dtype)
-    return (torch.mm(xq.float(), wq.float().t()) * x_scale * w_scale).to(dtype)
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, bias=bias,
+                                out_dtype=dtype)
+    y = torch.mm(xq.float(), wq.float().t()) * x_scale * w_scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
 
 
 def linear(x: torch.Tensor | QuantizedRows, wq: torch.Tensor, w_scale: torch.Tensor,
            bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) with W given as fp8 rows `wq` and their scales `w_scale` (1, N); `x` is
     quantized a row at a time first (unless it comes quantized). The result has x's dtype and
-    leading dims."""
+    leading dims; the bias is added before the one rounding to it."""
     if isinstance(x, QuantizedRows):
-        y = scaled_product(x.values, x.scale, wq, w_scale, x.dtype)
-        return y if bias is None else y + bias
+        return scaled_product(x.values, x.scale, wq, w_scale, x.dtype, bias)
     rows = x.reshape(-1, x.shape[-1])
     xq, x_scale = quantize_rows(rows.contiguous())
-    y = scaled_product(xq, x_scale, wq, w_scale, x.dtype)
-    if bias is not None:
-        y = y + bias
+    y = scaled_product(xq, x_scale, wq, w_scale, x.dtype, bias)
     return y.reshape(*x.shape[:-1], wq.shape[0])
 
 

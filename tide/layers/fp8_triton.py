@@ -94,9 +94,11 @@ def quantize_rows(x: torch.Tensor, out: torch.Tensor | None = None,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a8_kernel(x_desc, w_desc, SX, SW, C, M, N, K, stride_cm, BLOCK_R: tl.constexpr,
-                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
-    """C[m, n] = sum_k X[m, k] W[n, k] * SX[m] * SW[n], rounded to C's dtype; X [M, K] and W [N, K]
+def _w8a8_kernel(x_desc, w_desc, SX, SW, C, BIAS, M, N, K, stride_cm, BLOCK_R: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """C[m, n] = sum_k X[m, k] W[n, k] * SX[m] * SW[n] (+ BIAS[n]), rounded to C's dtype once;
+    X [M, K] and W [N, K]
     fp8 read through TMA descriptors (out-of-range rows and columns load as zeros). One program a
     BLOCK_R x BLOCK_Q tile whose rows are tokens and columns output features, or the reverse
     (SWAP)."""
@@ -125,6 +127,8 @@ def _w8a8_kernel(x_desc, w_desc, SX, SW, C, M, N, K, stride_cm, BLOCK_R: tl.cons
         m = r[:, None]
         n = q[None, :]
     acc = acc * tl.load(SX + m, mask=m < M, other=0.0) * tl.load(SW + n, mask=n < N, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(C + m.to(tl.int64) * stride_cm + n, acc.to(C.dtype.element_ty),
              mask=(m < M) & (n < N))
 
@@ -184,10 +188,11 @@ def _is_sm90(index: int) -> bool:
 
 
 def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-              dtype: torch.dtype) -> torch.Tensor | None:
-    """`(xq @ wq.T) * x_scale * w_scale` in `dtype` (xq (M, K), wq (N, K) fp8; x_scale (M, 1),
-    w_scale (1, N) fp32, contiguous) by `_w8a8_kernel`, or None where it does not take the product
-    (not sm_90, no config for the size, or operands TMA cannot address)."""
+              dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`(xq @ wq.T) * x_scale * w_scale (+ bias)` in `dtype`, rounded once (xq (M, K), wq (N, K)
+    fp8; x_scale (M, 1), w_scale (1, N) fp32, contiguous; bias (N,)) by `_w8a8_kernel`, or None
+    where it does not take the product (not sm_90, no config for the size, or operands TMA cannot
+    address)."""
     m, k = xq.shape
     n = wq.shape[0]
     if TensorDescriptor is None or not (xq.is_cuda and _is_sm90(xq.device.index or 0)):
@@ -205,6 +210,7 @@ def scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
     _w8a8_kernel[(tiles,)](
         TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [x_rows, block_k]),
         TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [w_rows, block_k]),
-        x_scale, w_scale, out, m, n, k, out.stride(0), BLOCK_R=block_r, BLOCK_Q=block_q,
-        BLOCK_K=block_k, SWAP=bool(swap), num_warps=num_warps, num_stages=num_stages)
+        x_scale, w_scale, out, out if bias is None else bias.contiguous(), m, n, k, out.stride(0),
+        BLOCK_R=block_r, BLOCK_Q=block_q, BLOCK_K=block_k, SWAP=bool(swap),
+        HAS_BIAS=bias is not None, num_warps=num_warps, num_stages=num_stages)
     return out
