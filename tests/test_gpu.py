@@ -299,6 +299,31 @@ def test_memory_saver_makes_the_weights_in_their_region(quantization):
     engine.shutdown()
 
 
+def test_memory_saver_start_that_fails_to_load_gives_the_region_back(tmp_path):
+    """A checkpoint that does not match its config fails the start with the memory saver on, and
+    the weights region made for it is freed at once (not held until the process ends)."""
+    import json
+
+    path = build_checkpoint(tmp_path / "ckpt", "llama", hidden_size=512, intermediate_size=4096,
+                            num_hidden_layers=4, max_position_embeddings=2048)
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] = 8192  # the checkpoint's MLP weights are half as wide
+    (path / "config.json").write_text(json.dumps(config))
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    with pytest.raises(ValueError, match="shape"):
+        tide.Engine(str(path), dtype="bfloat16", enable_memory_saver=True, max_total_tokens=4096)
+    import gc
+
+    from tide.memory.release import empty_device_cache
+
+    gc.collect()
+    empty_device_cache(reason="test_failed_start", ledger=None)
+    free_after, _ = torch.cuda.mem_get_info()
+    # The region would have been ~110 MB (4 layers of 3 x 512 x 8192 MLP weights and the rest).
+    assert free_before - free_after < 32 << 20, (free_before, free_after)
+
+
 def test_memory_saver_graph_release_runs_eager(gqa_checkpoint):
     """With `cuda_graph` released (alone, or after a staged resume of weights and kv_cache), decode
     runs eager and gives the same tokens; resuming it replays the same graphs again."""

@@ -197,7 +197,8 @@ class ModelRunner:
         """While open, every parameter is made in one `VmmRegion` (`self.weights_region`) as its
         module registers it (`tide.memory.placement`), so the weights are never resident twice.
         The region holds them in module order, checkpoint parameters first (a flattened update in
-        that order then lands in place) and derived ones (the fp8 copies) after them."""
+        that order then lands in place) and derived ones (the fp8 copies) after them. If the
+        build or load fails, the region is freed."""
         from tide.memory.placement import placed, plan_layout
         from tide.memory.vmm import VmmRegion, region_nbytes
 
@@ -210,8 +211,13 @@ class ModelRunner:
         region = VmmRegion(region_nbytes(list(layout.shapes)), self.device)
         homes = [region.tensor(shape, dtype) for shape, dtype in layout.shapes]
         self.weights_region = region
-        with placed(layout, homes) as placement:
-            yield placement
+        try:
+            with placed(layout, homes) as placement:
+                yield placement
+        except BaseException:  # a checkpoint that does not fit: the region's memory goes back now
+            self.weights_region = None
+            region.free()
+            raise
 
     def _init_pools(self) -> None:
         """Size and allocate the KV pools. A hybrid model (full and sliding-window layers) gets two:
