@@ -9,6 +9,7 @@ other threads meanwhile are left alone.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,8 +37,10 @@ def _homes(shapes) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return flat, homes
 
 
-def _builder(path, quantize: bool):
-    config = ModelConfig.from_dir(str(path))
+def _builder(config: ModelConfig | Path, quantize: bool):
+    """Builds the model of `config` (or of the checkpoint directory it names), with fp8 copies."""
+    if not isinstance(config, ModelConfig):
+        config = ModelConfig.from_dir(str(config))
     cls = get_model_class(config.architecture)
 
     def build() -> nn.Module:
@@ -164,15 +167,7 @@ def test_every_architecture_builds_in_place(shape, quantize):
     hf = dict(SHAPES[shape], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
               max_position_embeddings=256)
-    config = ModelConfig.from_hf_dict(hf)
-    cls = get_model_class(config.architecture)
-
-    def build() -> nn.Module:
-        model = cls(config)
-        if quantize:
-            fp8.quantize_model(model)
-        return model
-
+    build = _builder(ModelConfig.from_hf_dict(hf), quantize)
     layout = plan_layout(build)
     flat, homes = _homes(layout.shapes)
     with placed(layout, homes) as placement:
