@@ -98,10 +98,9 @@ def _w8a8_kernel(x_desc, w_desc, SX, SW, C, BIAS, M, N, K, stride_cm, BLOCK_R: t
                  BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
     """C[m, n] = sum_k X[m, k] W[n, k] * SX[m] * SW[n] (+ BIAS[n]), rounded to C's dtype once;
-    X [M, K] and W [N, K]
-    fp8 read through TMA descriptors (out-of-range rows and columns load as zeros). One program a
-    BLOCK_R x BLOCK_Q tile whose rows are tokens and columns output features, or the reverse
-    (SWAP)."""
+    X [M, K] and W [N, K] fp8 read through TMA descriptors (out-of-range rows and columns load as
+    zeros). One program a BLOCK_R x BLOCK_Q tile whose rows are tokens and columns output
+    features, or the reverse (SWAP)."""
     pid = tl.program_id(0)
     if SWAP:
         tiles_q = tl.cdiv(M, BLOCK_Q)
