@@ -178,3 +178,40 @@ def test_every_architecture_builds_in_place(shape, quantize):
     assert placement.count == len(layout.slot_of_registration)
     assert [p.data_ptr() for p in module_order(model)] == [h.data_ptr() for h in homes]
     assert any(getattr(p, "derived", False) for p in model.parameters()) == quantize
+
+
+def test_a_parameter_in_another_ones_home_is_refused():
+    """A real build that registers same-shaped parameters in another order than planned would put
+    one in the other's home: `finish` refuses instead of copying over it."""
+
+    class Holder(nn.Module):
+        pass
+
+    class Two(nn.Module):
+        def __init__(self, flip: bool) -> None:
+            super().__init__()
+            self.c1, self.c2 = Holder(), Holder()  # module order: c1.w, then c2.w
+            first, second = (self.c2, self.c1) if flip else (self.c1, self.c2)
+            first.w = nn.Parameter(torch.full((4,), 1.0))
+            second.w = nn.Parameter(torch.full((4,), 2.0))
+
+    layout = plan_layout(lambda: Two(flip=False))
+    _, homes = _homes(layout.shapes)
+    with placed(layout, homes) as placement:
+        model = Two(flip=True)
+    with pytest.raises(RuntimeError, match="in the home of parameter"):
+        placement.finish(model)
+
+
+def test_one_build_at_a_time_on_a_thread():
+    layout = plan_layout(lambda: nn.Linear(8, 4, bias=False))
+    _, homes = _homes(layout.shapes)
+    with placed(layout, homes):
+        with pytest.raises(RuntimeError, match="already being placed"):
+            with placed(layout, homes):
+                pass
+    with placed(layout, homes) as placement:  # the first one closed cleanly
+        lin = nn.Linear(8, 4, bias=False)
+    placement.finish(lin)
+    assert lin.weight.data_ptr() == homes[0].data_ptr()
+

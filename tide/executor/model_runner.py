@@ -181,10 +181,13 @@ class ModelRunner:
             if placement is not None:
                 placement.finish(model)
         if placement is not None:
+            from tide.memory.placement import buffers_on_host
             from tide.memory.release import empty_device_cache
 
-            # The blocks the parameters were first made in go back.
-            empty_device_cache(reason="memory_saver_setup", ledger=self.ledger)
+            # The blocks the parameters were first made in go back, including those that buffers
+            # made during construction share (the buffers wait on the host meanwhile).
+            with buffers_on_host(model):
+                empty_device_cache(reason="memory_saver_setup", ledger=self.ledger)
         if self.config.quantization == "fp8" and fp8_count == 0:
             logger.warning("quantization fp8: no projection of this model has dims that are "
                            "multiples of 16; every product runs in %s", self.dtype)
@@ -209,12 +212,12 @@ class ModelRunner:
 
         layout = plan_layout(build)
         region = VmmRegion(region_nbytes(list(layout.shapes)), self.device)
-        homes = [region.tensor(shape, dtype) for shape, dtype in layout.shapes]
-        self.weights_region = region
         try:
+            homes = [region.tensor(shape, dtype) for shape, dtype in layout.shapes]
+            self.weights_region = region
             with placed(layout, homes) as placement:
                 yield placement
-        except BaseException:  # a checkpoint that does not fit: the region's memory goes back now
+        except BaseException:  # e.g. a checkpoint that does not fit: the memory goes back now
             self.weights_region = None
             region.free()
             raise
