@@ -339,6 +339,27 @@ def test_memory_saver_start_that_fails_to_load_gives_the_region_back(tmp_path):
     assert free_before - free_after < 32 << 20, (free_before, free_after)
 
 
+def test_memory_saver_start_that_fails_after_the_load_gives_the_region_back(tmp_path):
+    """A start that fails after the weights are in their region (here: no room for the KV cache)
+    frees that region before the error reaches the caller, so a retry with other settings in the
+    same process finds the memory."""
+    from tide.memory.release import empty_device_cache
+
+    path = build_checkpoint(tmp_path / "ckpt", "llama", hidden_size=512, intermediate_size=4096,
+                            num_hidden_layers=4, max_position_embeddings=2048)
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    with pytest.raises(ValueError, match="KV cache"):
+        tide.Engine(str(path), dtype="bfloat16", enable_memory_saver=True,
+                    mem_fraction_static=0.01)
+    import gc
+
+    gc.collect()
+    empty_device_cache(reason="test_failed_start", ledger=None)
+    free_after, _ = torch.cuda.mem_get_info()
+    assert free_before - free_after < 32 << 20, (free_before, free_after)  # the region is ~60 MB
+
+
 def test_memory_saver_graph_release_runs_eager(gqa_checkpoint):
     """With `cuda_graph` released (alone, or after a staged resume of weights and kv_cache), decode
     runs eager and gives the same tokens; resuming it replays the same graphs again."""

@@ -122,31 +122,44 @@ class ModelRunner:
 
             self.use_vmm = vmm_available()
         self.model = self._load_model()
-        if config.enable_deterministic_inference:
-            set_batch_invariant(self.model)
-        # The backend first: its own device memory (the deterministic decode's split partials)
-        # then counts as used when the KV pools are sized.
-        fp8_capability = (torch.cuda.get_device_capability(self.device)
-                          if self.device.type == "cuda" and self.kv_dtype == torch.float8_e4m3fn
-                          else None)
-        backend_cls = select_attention_backend(
-            config.attention_backend, self.device.type, model_config, fp8_capability
-        )
-        self.attn_backend = backend_cls.create(self)
-        self._init_pools()
-        self.cuda_graph_runner: CudaGraphRunner | None = None
-        self.last_greedy_ids: torch.Tensor | None = None
-        self._staging: torch.Tensor | None = None
-        if self.device.type == "cuda":
-            self._staging = torch.empty(4 * 1024, dtype=torch.int64, pin_memory=True)
-            self._staging_copied = torch.cuda.Event()
-        if (
-            self.device.type == "cuda"
-            and backend_cls.supports_cuda_graph
-            and not config.disable_cuda_graph
-        ):
-            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-            self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
+        try:
+            if config.enable_deterministic_inference:
+                set_batch_invariant(self.model)
+            # The backend first: its own device memory (the deterministic decode's split partials)
+            # then counts as used when the KV pools are sized.
+            fp8_capability = (torch.cuda.get_device_capability(self.device)
+                              if self.device.type == "cuda" and self.kv_dtype == torch.float8_e4m3fn
+                              else None)
+            backend_cls = select_attention_backend(
+                config.attention_backend, self.device.type, model_config, fp8_capability
+            )
+            self.attn_backend = backend_cls.create(self)
+            self._init_pools()
+            self.cuda_graph_runner: CudaGraphRunner | None = None
+            self.last_greedy_ids: torch.Tensor | None = None
+            self._staging: torch.Tensor | None = None
+            if self.device.type == "cuda":
+                self._staging = torch.empty(4 * 1024, dtype=torch.int64, pin_memory=True)
+                self._staging_copied = torch.cuda.Event()
+            if (
+                self.device.type == "cuda"
+                and backend_cls.supports_cuda_graph
+                and not config.disable_cuda_graph
+            ):
+                max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+                self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
+        except BaseException:  # e.g. too little memory for the KV cache: the regions go back now
+            self._free_regions()
+            raise
+
+    def _free_regions(self) -> None:
+        """Free the address-stable regions a failed start has made (the weights', the KV
+        cache's); the runner is unusable afterwards."""
+        pool = getattr(self, "token_to_kv_pool", None)
+        for region in (self.weights_region, getattr(pool, "region", None)):
+            if region is not None:
+                region.free()
+        self.weights_region = None
 
     def _construct(self) -> torch.nn.Module:
         """The model on the current default device, its weights uninitialised."""
