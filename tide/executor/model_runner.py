@@ -121,8 +121,8 @@ class ModelRunner:
             from tide.memory.vmm import vmm_available
 
             self.use_vmm = vmm_available()
-        self.model = self._load_model()
         try:
+            self.model = self._load_model()
             if config.enable_deterministic_inference:
                 set_batch_invariant(self.model)
             # The backend first: its own device memory (the deterministic decode's split partials)
@@ -148,13 +148,13 @@ class ModelRunner:
             ):
                 max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
                 self.cuda_graph_runner = CudaGraphRunner(self, default_batch_sizes(max_bs))
-        except BaseException:  # e.g. too little memory for the KV cache: the regions go back now
+        except BaseException:  # e.g. a checkpoint that does not fit, or no room for the KV cache
             self._free_regions()
             raise
 
     def _free_regions(self) -> None:
         """Free the address-stable regions a failed start has made (the weights', the KV
-        cache's); the runner is unusable afterwards."""
+        cache's), so their memory goes back now; the runner is unusable afterwards."""
         pool = getattr(self, "token_to_kv_pool", None)
         for region in (self.weights_region, getattr(pool, "region", None)):
             if region is not None:
@@ -213,8 +213,7 @@ class ModelRunner:
         """While open, every parameter is made in one `VmmRegion` (`self.weights_region`) as its
         module registers it (`tide.memory.placement`), so the weights are never resident twice.
         The region holds them in module order, checkpoint parameters first (a flattened update in
-        that order then lands in place) and derived ones (the fp8 copies) after them. If the
-        build or load fails, the region is freed."""
+        that order then lands in place) and derived ones (the fp8 copies) after them."""
         from tide.memory.placement import placed, plan_layout
         from tide.memory.vmm import VmmRegion, region_nbytes
 
@@ -224,16 +223,11 @@ class ModelRunner:
             return model
 
         layout = plan_layout(build)
-        region = VmmRegion(region_nbytes(list(layout.shapes)), self.device)
-        try:
-            homes = [region.tensor(shape, dtype) for shape, dtype in layout.shapes]
-            self.weights_region = region
-            with placed(layout, homes) as placement:
-                yield placement
-        except BaseException:  # e.g. a checkpoint that does not fit: the memory goes back now
-            self.weights_region = None
-            region.free()
-            raise
+        # Set at once: a start that fails from here on frees it (`_free_regions`).
+        self.weights_region = VmmRegion(region_nbytes(list(layout.shapes)), self.device)
+        homes = [self.weights_region.tensor(shape, dtype) for shape, dtype in layout.shapes]
+        with placed(layout, homes) as placement:
+            yield placement
 
     def _init_pools(self) -> None:
         """Size and allocate the KV pools. A hybrid model (full and sliding-window layers) gets two:
