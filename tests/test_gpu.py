@@ -285,7 +285,9 @@ def test_memory_saver_makes_the_weights_in_their_region(quantization, monkeypatc
     torch.cuda.reset_peak_memory_stats()
     # Blocks the allocator still reserves but does not use when the KV pool is sized: memory the
     # pool does not get. The parameters' first homes must all have gone back, including those
-    # that buffers made during construction (the rotary tables) had shared.
+    # that buffers made during construction (the rotary tables) had shared. A live tensor of 1 to
+    # 10 MB keeps its whole 20 MiB segment (the allocator's granularity): 20.2 MiB measured here,
+    # against 258 MiB while the rotary tables still held a parameter's block (H100, 2026-11-27).
     from tide.executor import model_runner
 
     stranded = []
@@ -299,7 +301,7 @@ def test_memory_saver_makes_the_weights_in_their_region(quantization, monkeypatc
     engine = tide.Engine(config_dir("qwen3-0.6b"), enable_memory_saver=True, **kw)
     monkeypatch.undo()
     peak = torch.cuda.max_memory_allocated() - base
-    assert stranded and stranded[0] < 16 << 20, stranded
+    assert stranded and stranded[0] < 48 << 20, stranded
     runner = engine.model_runner
     region = runner.weights_region
     assert runner.use_vmm and region is not None
