@@ -26,6 +26,7 @@ MODEL = "tide-demo"
 BODY_READ_TIMEOUT = 2.0
 CHARS_PER_TOKEN = 1024
 MAX_BATCH = 64
+MAX_LOGPROB_ENTRIES = 10_000
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def server(tmp_path_factory):
                         "--body-read-timeout", str(BODY_READ_TIMEOUT),
                         "--prompt-chars-per-token", str(CHARS_PER_TOKEN),
                         "--max-batch-size", str(MAX_BATCH),
+                        "--max-logprob-entries", str(MAX_LOGPROB_ENTRIES),
                         log_dir=tmp_path_factory.mktemp("server-log")) as srv:
         yield srv
 
@@ -179,6 +181,79 @@ def test_bad_input_is_400_naming_the_field(server, path, raw, param):
     assert err["message"] and err["type"] == "invalid_request_error"
     assert resp.headers.get("connection") != "close"  # a 4xx keeps the connection
     assert _server_info(server)["num_http_requests_in_flight"] == 0  # nothing registered
+
+
+# Sequences x max new tokens x (1 + top logprobs) past MAX_LOGPROB_ENTRIES, and the param each names.
+LOGPROB_HEAVY = [
+    ("/generate", {"input_ids": [[5, 6]] * 50, "top_logprobs_num": 100,
+                   "sampling_params": {"max_new_tokens": 2}}, "top_logprobs_num"),  # 50*2*101
+    ("/generate", {"input_ids": [5, 6], "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": 200, "n": 60}}, "return_logprob"),
+    ("/generate", {"input_ids": [5, 6], "return_logprob": True, "stream": True,
+                   "sampling_params": {"max_new_tokens": 150}}, "return_logprob"),  # 150*151/2
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 6], "max_tokens": 100, "n": 5,
+                         "logprobs": 20}, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 100, "n": 10, "logprobs": True, "top_logprobs": 20},
+     "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", LOGPROB_HEAVY,
+                         ids=[f"{i}-{p}" for i, (p, _, _) in enumerate(LOGPROB_HEAVY)])
+def test_logprob_entries_are_bounded_before_queueing(server, path, body, param):
+    """Each limit alone allows these; their product (what the HTTP process holds and writes) is
+    refused up front, naming the field that asked for logprobs."""
+    resp = _raw_post(server, path, json.dumps(body))
+    assert resp.status_code == 400, (resp.status_code, resp.text)
+    err = resp.json()["error"]
+    assert (err["param"], err["code"]) == (param, "limit_exceeded"), err
+    assert str(MAX_LOGPROB_ENTRIES) in err["message"]
+    _assert_clean(server)
+    # Under the bound the same shape is served, with every entry.
+    small = json.loads(json.dumps(body))
+    small.pop("stream", None)
+    if path == "/generate":
+        small["sampling_params"].update(max_new_tokens=3, n=1)
+        small["input_ids"] = small["input_ids"][:3] if isinstance(small["input_ids"][0], list) \
+            else small["input_ids"]
+    else:
+        small.update(max_tokens=3, n=1)
+    resp = _raw_post(server, path, json.dumps(small))
+    assert resp.status_code == 200, resp.text
+
+
+def test_millions_of_tiny_lists_are_refused_quickly(server):
+    """A body of ~1M empty lists (under the body limit) is a 400 after a bounded walk, and the
+    event loop answers others meanwhile, instead of seconds of validation per request."""
+    raw = '{"input_ids": [' + ",".join(["[]"] * 1_000_000) + "]}"
+    t = time.monotonic()
+    resp = _raw_post(server, "/generate", raw)
+    took = time.monotonic() - t
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "invalid_json"
+    assert "arrays and objects" in resp.json()["error"]["message"]
+    assert took < 1.0, took
+    _assert_clean(server)
+
+
+def test_a_client_gone_before_its_body_is_a_quiet_499():
+    """`read_body`: a disconnect while the body streams in is the client's doing: a 499 with no
+    traceback, not the last-resort 500 of a bug."""
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    from tide.server.errors import APIError
+    from tide.server.utils import read_body
+
+    class Gone:
+        async def body(self) -> bytes:
+            raise ClientDisconnect()
+
+    with pytest.raises(APIError) as caught:
+        asyncio.run(read_body(Gone()))  # type: ignore[arg-type]
+    assert (caught.value.status_code, caught.value.code) == (499, "client_closed_request")
 
 
 def test_chat_template_variables_still_reach_the_template(server):
@@ -554,7 +629,8 @@ def test_request_limits_are_validated():
     assert limits.body_limit("/update_weights_from_tensor") == 1 << 30
     assert limits.max_prompt_chars(512) == 512 * 32
     for bad in ({"max_request_body_bytes": 0}, {"body_read_timeout": 0},
-                {"max_n": -1}, {"tokenizer_threads": 1.5}, {"max_json_depth": True}):
+                {"max_n": -1}, {"tokenizer_threads": 1.5}, {"max_json_depth": True},
+                {"max_logprob_entries": 0}, {"max_json_containers": 2.0}):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             RequestLimits(**bad)

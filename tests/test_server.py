@@ -591,6 +591,7 @@ def test_malformed_bodies_and_routes(server):
     assert_error(server.get("/v1/completions"), 405)
     assert_error(server.post("/abort_request", {}), 400, "rid")
     assert_error(server.get("/flush_cache", params={"timeout": "soon"}), 400, "timeout")
+    assert_error(server.get("/flush_cache", params={"x": "1"}), 400, "x")  # the unknown one
     assert_error(server.get("/v1/models/nope"), 404, "model")
 
 

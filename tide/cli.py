@@ -132,7 +132,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             kwargs[key] = getattr(args, key)
     log_level = kwargs.pop("log_level", None) or "info"
     limit_keys = ("max_request_body_bytes", "max_weight_update_body_bytes", "body_read_timeout",
-                  "prompt_chars_per_token", "max_batch_size", "tokenizer_threads")
+                  "prompt_chars_per_token", "max_batch_size", "max_logprob_entries",
+                  "tokenizer_threads")
     limits = RequestLimits(**{k: getattr(args, k) for k in limit_keys
                               if getattr(args, k, None) is not None})
     server_args = ServerArgs(
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "before tokenization (default: 32)")
     limits.add_argument("--max-batch-size", type=int, default=None, metavar="N",
                         help="most sequences one request may ask for, prompts x n (default: 4096)")
+    limits.add_argument("--max-logprob-entries", type=int, default=None, metavar="N",
+                        help="most logprob entries one request may ask for, sequences x max new "
+                             "tokens x (1 + top logprobs) (default: 4194304)")
     limits.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
                         help="threads that tokenize off the event loop (default: 2)")
     _engine_option(srv, "tokenizer_path", metavar="DIR")

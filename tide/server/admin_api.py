@@ -80,7 +80,7 @@ from tide.server.protocol import (
     UpdateWeightVersionInput,
 )
 from tide.server.tokenizer_manager import TokenizerManager
-from tide.server.utils import parse_body
+from tide.server.utils import parse_body, read_body
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -287,7 +287,7 @@ def add_admin_routes(app: FastAPI, tm: TokenizerManager, weight_roots: list[str]
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"],
                    openapi_extra=json_body(GetWeightsByNameInput, required=False))
     async def get_weights_by_name(request: Request) -> Response:
-        raw = await request.body()
+        raw = await read_body(request)
         if request.method == "GET" and not raw.strip():
             try:
                 body = GetWeightsByNameInput.model_validate(dict(request.query_params))

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tide.sampling_params import SamplingParams
 from tide.server.admin_api import ADMIN_HANDOVER_PATHS, add_admin_routes
 from tide.server.auth import ADMIN, INTERNAL, PUBLIC, Caller, caller_of, key_identity, set_caller
-from tide.server.errors import APIError
+from tide.server.errors import APIError, from_validation_error
 from tide.server.limits import BodyLimitMiddleware
 from tide.server.metrics import CONTENT_TYPE, ServerMetrics
 from tide.server.native_api import NativeServing
@@ -264,9 +264,8 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
         else:
             try:
                 body = FlushCacheInput.model_validate(dict(request.query_params))
-            except ValidationError:
-                raise APIError("Invalid value for 'timeout': must be a number of seconds in "
-                               "[0, 3600]", 400, param="timeout", code="invalid_value") from None
+            except ValidationError as e:
+                raise from_validation_error(e) from None  # names the parameter at fault
         ok, message = await tm.flush_cache(body.timeout)
         if ok:
             return PlainTextResponse("Cache flushed.\n", status_code=200)

@@ -55,6 +55,13 @@ class RequestLimits:
     # OpenAI `logprobs` (completions) and `top_logprobs` (chat); native `top_logprobs_num`.
     max_top_logprobs: int = 20
     max_top_logprobs_num: int = 100
+    # Logprob entries one request may ask for: sequences x max new tokens x (1 + top logprobs). The
+    # HTTP process holds each entry as a small list until the response is written (~200 bytes),
+    # and the body carries it as JSON: at this default a response is at most ~150 MB.
+    max_logprob_entries: int = 1 << 22
+    # JSON arrays and objects one body may hold: a body of many tiny lists costs the event loop
+    # time per container (validation) long before a count check could refuse it.
+    max_json_containers: int = 1 << 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024
@@ -88,6 +95,16 @@ def check_at_most(value: int, limit: int, param: str, what: str = "") -> None:
         noun = f" {what}" if what else ""
         raise APIError(f"'{param}' may have at most {limit}{noun}, got {value}", 400, param=param,
                        code="limit_exceeded")
+
+
+def check_logprob_entries(entries: int, limit: int, param: str) -> None:
+    """A 400 naming `param` when a request's logprob entries (sequences x max new tokens x (1 + top
+    logprobs), summed over its sequences) exceed `limit`: checked before the request is queued."""
+    if entries > limit:
+        raise APIError(
+            f"'{param}': the request asks for {entries} logprob entries (sequences x max new tokens "
+            f"x (1 + top logprobs)), more than this server's limit of {limit}; ask for fewer "
+            "sequences, tokens or top logprobs", 400, param=param, code="limit_exceeded")
 
 
 class BodyLimitMiddleware:

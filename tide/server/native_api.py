@@ -24,7 +24,7 @@ from starlette.requests import Request
 from tide.sampling_params import SamplingParams
 from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
-from tide.server.limits import check_at_most
+from tide.server.limits import check_at_most, check_logprob_entries
 from tide.server.protocol import GenerateReqInput
 from tide.server.tokenizer_manager import (
     ClientDisconnected,
@@ -178,18 +178,26 @@ class NativeServing:
             for k, p in enumerate(prompts):
                 tm.check_input_ids(p, "input_ids" if single else f"input_ids.{k}")
         items: list[_Item] = []
+        entries = 0
         for k, ids in enumerate(prompts):
             sfx = "" if single else f".{k}"
             params = params_list[k]
             if params.stop_strs:
                 tm.require_tokenizer(f"sampling_params{sfx}.stop")
-            tm.resolve_max_new_tokens(len(ids), params.max_new_tokens, prompt_param + sfx,
-                                      f"sampling_params{sfx}.max_new_tokens")
+            budget = tm.resolve_max_new_tokens(len(ids), params.max_new_tokens, prompt_param + sfx,
+                                               f"sampling_params{sfx}.max_new_tokens")
+            if lp_flags[k] or tops[k] > 0:
+                # A stream's every event carries the logprobs so far (sglang's cumulative
+                # streaming): up to budget * (budget + 1) / 2 entries a sequence in all.
+                written = budget * (budget + 1) // 2 if req.stream else budget
+                entries += params.n * written * (1 + int(tops[k]))
             if lp_flags[k] and starts[k] not in (-1, None) and starts[k] < len(ids):
                 raise invalid_request(
                     "input token logprobs are not supported; use logprob_start_len=-1",
                     "logprob_start_len" + sfx, "unsupported")
             items.append(_Item(list(ids), params, rids[k], bool(lp_flags[k]), int(tops[k])))
+        check_logprob_entries(entries, limits.max_logprob_entries,
+                              "top_logprobs_num" if any(t > 0 for t in tops) else "return_logprob")
         user_rids = [it.rid for it in items if it.rid is not None]
         if len(set(user_rids)) != len(user_rids):
             raise invalid_request("'rid' values must be unique", "rid", "duplicate_rid")

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from tide.sampling_params import SamplingParams
 from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
-from tide.server.limits import check_at_most
+from tide.server.limits import check_at_most, check_logprob_entries
 from tide.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from tide.server.tokenizer_manager import (
     ClientDisconnected,
@@ -230,6 +230,11 @@ class OpenAIServingCompletion(OpenAIServingBase):
         max_tokens = min(self.tm.resolve_max_new_tokens(len(p.ids), req.max_tokens, "prompt",
                                                         "max_tokens") for p in prompts)
         params = dataclasses.replace(params, max_new_tokens=max_tokens)
+        if req.logprobs is not None:
+            echoed = sum(len(p.ids) for p in prompts) if req.echo else 0
+            check_logprob_entries(
+                (len(prompts) * max_tokens * (1 + req.logprobs) + echoed) * req.n,
+                self.tm.limits.max_logprob_entries, "logprobs")
         if req.echo:
             for p in prompts:
                 if p.text is None:
@@ -409,6 +414,9 @@ class OpenAIServingChat(OpenAIServingBase):
         max_new = self.tm.resolve_max_new_tokens(len(prompt_ids), max_new, "messages", max_param)
         params = dataclasses.replace(params, max_new_tokens=max_new)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if logprobs is not None:
+            check_logprob_entries(req.n * max_new * (1 + logprobs), self.tm.limits.max_logprob_entries,
+                                  "top_logprobs" if logprobs else "logprobs")
         owner = caller_of(raw_request).identity
         self._reserve_rid(req.rid, req.n, owner)
         prompts = [_Prompt(prompt_ids, None)]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from typing import Any, TypeVar
 
 import msgspec
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from tide.sampling_params import SamplingParams
 from tide.server.errors import APIError, from_validation_error, invalid_request
@@ -31,7 +32,7 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
     """Read a JSON object body into `model`; every problem is a 400 naming the field (a 415 for a
     body not declared `application/json`)."""
     require_json_content_type(request, allow_empty)
-    raw = await request.body()
+    raw = await read_body(request)
     if not raw.strip():
         if allow_empty:
             data: Any = {}
@@ -40,7 +41,7 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
                            code="invalid_json")
     else:
         limits = getattr(request.app.state, "limits", _DEFAULT_LIMITS)
-        data = load_json(raw, limits.max_json_depth)
+        data = load_json(raw, limits.max_json_depth, limits.max_json_containers)
     if not isinstance(data, dict):
         raise APIError(f"The request body must be a JSON object, got {_json_name(data)}", 400,
                        code="invalid_json")
@@ -50,30 +51,59 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
         raise from_validation_error(e) from None
 
 
-def load_json(raw: bytes, max_depth: int) -> Any:
-    """Strict JSON (RFC 8259: UTF-8, no NaN/Infinity, no lone UTF-16 surrogates) nested at most
-    `max_depth` deep, whose integers fit in 64 bits (no field takes more; larger ones would overflow
-    torch and the wire), or a 400 (`invalid_json`, or `invalid_value` naming the field). The checks
-    after parsing run only when the text could fail them (more brackets than `max_depth`, a run of
-    19 digits), at C speed over long flat lists."""
+async def read_body(request: Request) -> bytes:
+    """The request's body; a client that hangs up before sending all of it gets a quiet 499 (there
+    is nobody to answer, and nothing went wrong on this side: no 500, no traceback in the log)."""
     try:
-        data = _json_decoder.decode(raw)  # recursion-safe: a RecursionError, never a crash
+        return await request.body()
+    except ClientDisconnect:
+        raise APIError("The client closed the connection before sending the whole body", 499,
+                       code="client_closed_request", close_connection=True) from None
+
+
+def load_json(raw: bytes, max_depth: int, max_containers: int = 1 << 16) -> Any:
+    """Strict JSON (RFC 8259: UTF-8, no NaN/Infinity, no lone UTF-16 surrogates) nested at most
+    `max_depth` deep, with at most `max_containers` arrays and objects, whose integers fit in 64
+    bits (no field takes more; larger ones would overflow torch and the wire), or a 400
+    (`invalid_json`, or `invalid_value` naming the field). The checks after parsing run only when
+    the text could fail them (more brackets than `max_depth` or `max_containers`, a run of 19
+    digits), at C speed over long flat lists; the walk stops at the container past the bound, so a
+    body of millions of tiny lists is refused after `max_containers` steps."""
+    try:
+        data = _decode(raw)
     except RecursionError:
         raise _too_deep(max_depth) from None
     except (msgspec.DecodeError, ValueError) as e:
         raise _json_error(raw, e) from None
-    deep = raw.count(b"[") + raw.count(b"{") > max_depth  # brackets in strings count too
+    brackets = raw.count(b"[") + raw.count(b"{")  # at least the containers: strings' count too
     long_digits = _LONG_DIGIT_RUN in raw.translate(_DIGIT_MAP)  # 2**63 has 19 digits
-    if deep or long_digits:
-        error = _check_parsed(data, max_depth)
+    if brackets > min(max_depth, max_containers) or long_digits:
+        error = _check_parsed(data, max_depth, max_containers)
         if error is not None:
             raise error
     return data
 
 
-def _check_parsed(data: Any, max_depth: int) -> APIError | None:
-    """The first nesting beyond `max_depth` or integer outside int64 in parsed JSON, as a 400."""
+def _decode(raw: bytes) -> Any:
+    """msgspec's strict decode (recursion-safe: a RecursionError, never a crash) with the cyclic
+    garbage collector paused: a body of a million small lists would otherwise trigger full
+    collections over the whole process's objects while it is built (0.66 s against 0.06 s for
+    1M empty lists). Parsed JSON holds no cycles, so nothing is left for the collector."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _json_decoder.decode(raw)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _check_parsed(data: Any, max_depth: int, max_containers: int) -> APIError | None:
+    """The first nesting beyond `max_depth`, container past `max_containers` or integer outside
+    int64 in parsed JSON, as a 400."""
     stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    containers = 1
     while stack:
         value, path, depth = stack.pop()
         if not isinstance(value, (dict, list)):
@@ -93,6 +123,10 @@ def _check_parsed(data: Any, max_depth: int) -> APIError | None:
             entries = enumerate(value)
         for key, item in entries:
             if isinstance(item, (dict, list)):
+                containers += 1
+                if containers > max_containers:
+                    return APIError(f"The request body holds more than {max_containers} JSON "
+                                    "arrays and objects", 400, code="invalid_json")
                 stack.append((item, _join(path, key), depth + 1))
             elif _int64_problem(item) is not None:
                 return _bad_value(_join(path, key), _INT64_PROBLEM)
