@@ -237,6 +237,26 @@ def test_millions_of_tiny_lists_are_refused_quickly(server):
     _assert_clean(server)
 
 
+@pytest.mark.parametrize("content", [
+    {"id": "x", "choices": [{"text": "é\u2028\"", "logprobs": {"top": [{"a": -0.5}, None]}}],
+     "usage": {"n": 2**62}, "flags": [True, False, None, 1e300, -0.0]},
+    [[{"meta_info": {"output_top_logprobs": [[[-1.25, 7, "ü"]]]}}], []],
+    {}, [], "plain", 3,
+])
+def test_large_json_response_has_json_response_bytes(content):
+    """Responses with logprobs are encoded a piece at a time (the event loop runs between
+    pieces); the bytes are exactly starlette's `JSONResponse`'s."""
+    from starlette.responses import JSONResponse
+
+    from tide.server.utils import large_json_response
+
+    resp = large_json_response(content)
+    assert resp.body == JSONResponse(content).body
+    assert resp.media_type == "application/json"
+    with pytest.raises(ValueError):
+        large_json_response({"choices": [{"logprob": float("nan")}]})
+
+
 def test_a_client_gone_before_its_body_is_a_quiet_499():
     """`read_body`: a disconnect while the body streams in is the client's doing: a 499 with no
     traceback, not the last-resort 500 of a bug."""

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from tide.sampling_params import SamplingParams
@@ -32,7 +32,13 @@ from tide.server.tokenizer_manager import (
     ReqState,
     TokenizerManager,
 )
-from tide.server.utils import SSE_DONE, SSE_HEADERS, make_sampling_params, sse
+from tide.server.utils import (
+    SSE_DONE,
+    SSE_HEADERS,
+    large_json_response,
+    make_sampling_params,
+    sse,
+)
 
 
 @dataclasses.dataclass
@@ -70,8 +76,16 @@ class NativeServing:
             return Response(status_code=499)
         finally:
             self.tm.abort_states(states, "client disconnected")
-        outs = [self._output(s, req.return_text_in_logprobs) for s in states]
-        return JSONResponse(outs[0] if single and len(outs) == 1 else outs)
+
+        def render() -> Response:
+            outs = [self._output(s, req.return_text_in_logprobs) for s in states]
+            return large_json_response(outs[0] if single and len(outs) == 1 else outs)
+
+        if any(s.return_logprob for s in states):
+            # Up to `max_logprob_entries` entries to build and encode: off the event loop, which
+            # goes on serving others meanwhile.
+            return await asyncio.to_thread(render)
+        return render()
 
     def _submit(self, items: list[_Item], event: asyncio.Event, owner: str) -> list[ReqState]:
         """Every sequence to the scheduler; the rids' reservations (`_normalize`) end here."""
@@ -221,7 +235,15 @@ class NativeServing:
             else self.tm.weight_version,
         }
         if s.return_logprob:
-            decode = self._token_text if text_in_logprobs else (lambda _t: None)
+            texts: dict[int, str | None] = {}  # the top logprobs repeat tokens: decode each once
+
+            def decode(t: int) -> str | None:
+                if not text_in_logprobs:
+                    return None
+                if t not in texts:
+                    texts[t] = self._token_text(t)
+                return texts[t]
+
             meta["output_token_logprobs"] = [
                 [lp, t, decode(t)] for lp, t in zip(s.output_token_logprobs, s.output_ids, strict=False)
             ]

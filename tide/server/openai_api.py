@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from tide.sampling_params import SamplingParams
@@ -42,7 +42,13 @@ from tide.server.tokenizer_manager import (
     ReqState,
     TokenizerManager,
 )
-from tide.server.utils import SSE_DONE, SSE_HEADERS, make_sampling_params, sse
+from tide.server.utils import (
+    SSE_DONE,
+    SSE_HEADERS,
+    large_json_response,
+    make_sampling_params,
+    sse,
+)
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
 
@@ -252,24 +258,28 @@ class OpenAIServingCompletion(OpenAIServingBase):
         states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner)
         if not await self.wait_all(states, event, raw_request):
             return Response(status_code=499)
-        choices = []
-        for idx, s in enumerate(states):
-            source = prompts[idx // req.n]
-            text = s.text
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = self._logprobs(s, 0, len(s.output_ids), req.echo, source,
-                                          len(source.text or "") if req.echo else 0)
-            if req.echo:
-                text = (source.text or "") + text
-            choices.append({"index": idx, "text": text, "logprobs": logprobs,
-                            "finish_reason": finish_reason_name(s.finished_reason)})
-        body = {
-            "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-            "choices": choices, "usage": self.usage(states, req.n),
-            "system_fingerprint": None, "metadata": self.metadata(states),
-        }
-        return JSONResponse(body)
+
+        def render() -> Response:
+            choices = []
+            for idx, s in enumerate(states):
+                source = prompts[idx // req.n]
+                text = s.text
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._logprobs(s, 0, len(s.output_ids), req.echo, source,
+                                              len(source.text or "") if req.echo else 0)
+                if req.echo:
+                    text = (source.text or "") + text
+                choices.append({"index": idx, "text": text, "logprobs": logprobs,
+                                "finish_reason": finish_reason_name(s.finished_reason)})
+            return large_json_response({
+                "id": cid, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": self.usage(states, req.n),
+                "system_fingerprint": None, "metadata": self.metadata(states),
+            })
+
+        # Logprobs are up to `max_logprob_entries` entries to build: off the event loop.
+        return await asyncio.to_thread(render) if req.logprobs is not None else render()
 
     async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
@@ -430,20 +440,26 @@ class OpenAIServingChat(OpenAIServingBase):
         states = self.submit(prompts, params, req.n, event, req.rid, logprobs, owner)
         if not await self.wait_all(states, event, raw_request):
             return Response(status_code=499)
-        choices = []
-        for idx, s in enumerate(states):
-            choices.append({
-                "index": idx,
-                "message": {"role": "assistant", "content": s.text, "refusal": None},
-                "logprobs": ({"content": self._logprobs(s, 0, len(s.output_ids)), "refusal": None}
-                             if logprobs is not None else None),
-                "finish_reason": finish_reason_name(s.finished_reason),
+
+        def render() -> Response:
+            choices = []
+            for idx, s in enumerate(states):
+                choices.append({
+                    "index": idx,
+                    "message": {"role": "assistant", "content": s.text, "refusal": None},
+                    "logprobs": ({"content": self._logprobs(s, 0, len(s.output_ids)),
+                                  "refusal": None} if logprobs is not None else None),
+                    "finish_reason": finish_reason_name(s.finished_reason),
+                })
+            return large_json_response({
+                "id": cid, "object": "chat.completion", "created": created,
+                "model": self.model_name, "choices": choices,
+                "usage": self.usage(states, len(states)),
+                "system_fingerprint": None, "metadata": self.metadata(states),
             })
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": self.model_name,
-            "choices": choices, "usage": self.usage(states, len(states)),
-            "system_fingerprint": None, "metadata": self.metadata(states),
-        })
+
+        # Logprobs are up to `max_logprob_entries` entries to build: off the event loop.
+        return await asyncio.to_thread(render) if logprobs is not None else render()
 
     async def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
         """Render the chat template and tokenize, on a tokenizer thread, after bounding the

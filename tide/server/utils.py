@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from tide.sampling_params import SamplingParams
 from tide.server.errors import APIError, from_validation_error, invalid_request
@@ -49,6 +50,24 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def large_json_response(content: Any, levels: int = 3) -> Response:
+    """`JSONResponse(content)` with the same bytes, encoded a piece at a time: lists and objects
+    down to `levels` deep are joined from their items' encodings. `json.dumps` holds the GIL for
+    a whole call, so one call on a 100 MB body (a request's logprobs) would stall the event loop
+    for seconds even when run on another thread; between pieces the loop gets its turn."""
+    return Response(_encode_pieces(content, levels), media_type="application/json")
+
+
+def _encode_pieces(value: Any, levels: int) -> bytes:
+    if levels > 0 and isinstance(value, list):
+        return b"[" + b",".join(_encode_pieces(v, levels - 1) for v in value) + b"]"
+    if levels > 0 and isinstance(value, dict):
+        return b"{" + b",".join(_encode_pieces(str(k), 0) + b":" + _encode_pieces(v, levels - 1)
+                                for k, v in value.items()) + b"}"
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 async def read_body(request: Request) -> bytes:
