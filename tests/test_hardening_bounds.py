@@ -241,7 +241,7 @@ def test_millions_of_tiny_lists_are_refused_quickly(server):
     {"id": "x", "choices": [{"text": "é\u2028\"", "logprobs": {"top": [{"a": -0.5}, None]}}],
      "usage": {"n": 2**62}, "flags": [True, False, None, 1e300, -0.0]},
     [[{"meta_info": {"output_top_logprobs": [[[-1.25, 7, "ü"]]]}}], []],
-    {}, [], "plain", 3,
+    {}, [], "plain", 3, {"choices": [{True: 1, None: [2], 3: "x"}]},
 ])
 def test_large_json_response_has_json_response_bytes(content):
     """Responses with logprobs are encoded a piece at a time (the event loop runs between

@@ -63,9 +63,10 @@ def large_json_response(content: Any, levels: int = 3) -> Response:
 def _encode_pieces(value: Any, levels: int) -> bytes:
     if levels > 0 and isinstance(value, list):
         return b"[" + b",".join(_encode_pieces(v, levels - 1) for v in value) + b"]"
-    if levels > 0 and isinstance(value, dict):
-        return b"{" + b",".join(_encode_pieces(str(k), 0) + b":" + _encode_pieces(v, levels - 1)
+    if levels > 0 and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return b"{" + b",".join(_encode_pieces(k, 0) + b":" + _encode_pieces(v, levels - 1)
                                 for k, v in value.items()) + b"}"
+    # Anything else (other keys json.dumps renders its own way: True -> "true") in one piece.
     return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
                       separators=(",", ":")).encode("utf-8")
 
