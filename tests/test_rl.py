@@ -173,6 +173,22 @@ def test_rl_logprobs_follow_weight_changes(hf_model_for, checkpoints):
     assert before != after
 
 
+def test_rl_logprobs_follow_a_dtype_change(checkpoints):
+    """A module cast after a first call (`model.to(bfloat16)`) is scored in its new dtype: the
+    same as a module loaded in bf16 (before, the first call's fp32 reference stayed in use)."""
+    import transformers
+
+    def load(dtype):
+        return transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"],
+                                                                 dtype=dtype).eval()
+
+    cast = load(torch.float32)
+    in_fp32 = tide.rl.logprobs(cast, TARGETS[1], [3, 4, 5])
+    cast.to(torch.bfloat16)
+    in_bf16 = tide.rl.logprobs(load(torch.bfloat16), TARGETS[1], [3, 4, 5])
+    assert tide.rl.logprobs(cast, TARGETS[1], [3, 4, 5]) == in_bf16 != in_fp32
+
+
 def test_rl_logprobs_bad_input(hf_model_for):
     hf = hf_model_for("llama")
     with pytest.raises(ValueError, match="output_ids"):

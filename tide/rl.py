@@ -166,7 +166,10 @@ def logprobs(model: nn.Module, input_ids: list[int], output_ids: list[int],
     if temperature < GREEDY_TEMPERATURE:
         temperature = 0.0  # greedy, as the engine stores it: logprobs at temperature 1
     ref = _REFERENCES.get(model)
-    if ref is None:
+    first = next(model.parameters(), None)
+    if ref is None or first is None or (ref.dtype, ref.device) != (first.dtype, first.device):
+        # A module moved to another dtype or device since the last call (`model.to(...)`) gets a
+        # reference of its new dtype and device: the engine it must equal computes in those.
         ref = _Reference(model)
         _REFERENCES[model] = ref
     vocab = ref.model_config.vocab_size
