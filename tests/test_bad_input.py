@@ -100,6 +100,38 @@ def test_a_stop_token_set_after_construction_is_honoured(llama_engine, baseline)
     assert out["output_ids"] == baseline[:2]
 
 
+def test_handover_calls_refuse_wrong_types(llama_engine, baseline):
+    """A string where a flag belongs is truthy: "false" aborted every running request."""
+    for call, kwargs, name in [
+        (llama_engine.update_weight_version, {"new_version": "v2", "abort_all_requests": "false"},
+         "abort_all_requests"),
+        (llama_engine.continue_generation, {"torch_empty_cache": "no"}, "torch_empty_cache"),
+        (llama_engine.flush_cache, {"empty_cache": "no"}, "empty_cache"),
+        (llama_engine.release_memory_occupation, {"tags": 5}, "tags"),
+        (llama_engine.resume_memory_occupation, {"tags": {"weights": 1}}, "tags"),
+        (llama_engine.get_weights_by_name, {"name": 5}, "name"),
+        (llama_engine.get_weights_by_name, {"name": "model.norm.weight", "truncate_size": "3"},
+         "truncate_size"),
+        (llama_engine.init_weights_update_group,
+         {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+          "timeout": "3"}, "timeout"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            call(**kwargs)
+    _still_works(llama_engine, baseline)
+
+
+def test_too_many_sequences_are_refused_before_any_request_exists(llama_engine, baseline):
+    from tide.engine_io import MAX_SEQUENCES
+
+    with pytest.raises(ValueError, match="^n: "):
+        llama_engine.generate(input_ids=[3, 4, 5], sampling_params={**OK, "n": 2**31 - 1})
+    with pytest.raises(ValueError, match="^n: "):
+        llama_engine.generate(input_ids=[[3, 4]] * 2,
+                              sampling_params={**OK, "n": MAX_SEQUENCES // 2 + 1})
+    _still_works(llama_engine, baseline)
+
+
 def test_bad_per_request_options(llama_engine, baseline):
     with pytest.raises(ValueError, match="return_logprob"):
         llama_engine.generate(input_ids=[3, 4, 5], sampling_params=OK, return_logprob="no")
@@ -228,6 +260,9 @@ def test_unknown_engine_option(llama_path):
         ("log_level", "loud"),
         ("log_level", 3),
         ("device", "tpu"),
+        ("device", "meta"),  # every request aborted at its first step
+        ("attention_backend", "triton"),  # on CPU (no interpreter): every request aborted
+        ("max_total_tokens", 10**12),  # a KV cache larger than the host, allocated
         ("tokenizer_path", "/nonexistent"),
         ("enable_cpu_backup", True),  # without enable_memory_saver
     ],

@@ -134,10 +134,11 @@ class EngineConfig:
             import torch
 
             try:
-                torch.device(self.device)
+                kind = torch.device(self.device).type
             except (RuntimeError, TypeError):
-                raise ValueError(f"device must be auto, cpu, cuda or cuda:N (a torch device), got "
-                                 f"{self.device!r}") from None
+                kind = None
+            if kind not in ("cpu", "cuda"):
+                raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):

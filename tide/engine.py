@@ -172,6 +172,7 @@ class Engine:
         """Reset radix cache, request pool and KV allocator when fully idle (and, if `empty_cache`,
         empty the device allocator cache); False with a log line of the queued/running counts
         otherwise."""
+        _check_flag(empty_cache, "empty_cache")
         with self._control():  # also after shutdown: the accounting can still be checked
             ok, message = self.scheduler.flush_cache(empty_cache)
         if not ok:
@@ -209,6 +210,7 @@ class Engine:
 
     def continue_generation(self, torch_empty_cache: bool = True) -> HandoverReply:
         """Resume; with `torch_empty_cache`, empty the allocator cache first, while still paused."""
+        _check_flag(torch_empty_cache, "torch_empty_cache")
         with self._open():
             return self.handover.continue_generation(torch_empty_cache).to_dict()
 
@@ -270,6 +272,8 @@ class Engine:
         """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0); fails
         (keeping nothing of the attempt) if the trainer has not joined within `timeout` seconds
         (at most 600)."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError(f"timeout must be a number of seconds, got {timeout!r}")
         return self.handover.init_weights_update_group(
             master_address, master_port, rank_offset, world_size, group_name, backend,
             timeout).to_dict()
@@ -280,11 +284,16 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         """The first `truncate_size` values of checkpoint tensor `name`, flattened."""
+        if not isinstance(name, str):
+            raise ValueError(f"name must be a string, got {type(name).__name__}")
+        if isinstance(truncate_size, bool) or not isinstance(truncate_size, int) or truncate_size < 0:
+            raise ValueError(f"truncate_size must be an int >= 0, got {truncate_size!r}")
         with self._open():
             return self.handover.get_weights_by_name(name, truncate_size)
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True
                               ) -> HandoverReply:
+        _check_flag(abort_all_requests, "abort_all_requests")
         with self._open():
             return self.handover.update_weight_version(new_version, abort_all_requests).to_dict()
 
@@ -292,11 +301,13 @@ class Engine:
     def release_memory_occupation(self, tags: list[str] | None = None) -> HandoverReply:
         """Give back the memory of `tags` (None: kv_cache, weights, cuda_graph); needs
         `enable_memory_saver` and the engine idle or paused."""
+        _check_tags(tags)
         with self._open():
             return self.handover.release_memory_occupation(tags).to_dict()
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> HandoverReply:
         """Take the memory of `tags` again (`weights` first lets the trainer push into them)."""
+        _check_tags(tags)
         with self._open():
             return self.handover.resume_memory_occupation(tags).to_dict()
 
@@ -334,3 +345,16 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _check_flag(value: object, name: str) -> None:
+    """ValueError naming `name` unless `value` is a bool (a string such as "false" is truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_tags(tags: object) -> None:
+    """ValueError unless `tags` is None or a list/tuple of strings."""
+    if tags is not None and (not isinstance(tags, (list, tuple))
+                             or not all(isinstance(t, str) for t in tags)):
+        raise ValueError(f"tags must be a list of strings or None, got {tags!r}")

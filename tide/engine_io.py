@@ -29,6 +29,12 @@ class GenerateOutput(TypedDict, total=False):
     meta_info: Required[dict[str, Any]]
 
 
+# Sequences (prompts x n) one `generate` call may ask for, and prompt tokens over those sequences
+# (each sequence holds its own copy of its prompt's ids): checked before any request is made.
+MAX_SEQUENCES = 1 << 16
+MAX_SEQUENCE_TOKENS = 1 << 26
+
+
 @dataclass(frozen=True)
 class InputLimits:
     """What a request must fit: the vocabulary, the context, the KV cache; and why there is no
@@ -66,6 +72,7 @@ def build_requests(
     if len(set(given)) != len(given):
         raise ValueError("rid values must be unique")
     reqs: list[Req] = []
+    sequences = tokens = 0
     for i, ids in enumerate(token_lists):
         sp = SamplingParams.from_dict(params[i])
         vocab = limits.vocab_size
@@ -77,6 +84,12 @@ def build_requests(
         top_n = top_nums[i]
         if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:
             raise ValueError(f"top_logprobs_num must be an integer in [0, {vocab}], got {top_n!r}")
+        sequences += sp.n
+        tokens += sp.n * len(ids)
+        if sequences > MAX_SEQUENCES or tokens > MAX_SEQUENCE_TOKENS:
+            raise ValueError(
+                f"n: one generate call may ask for at most {MAX_SEQUENCES} sequences (prompts x n) "
+                f"and {MAX_SEQUENCE_TOKENS} prompt tokens over them; split the batch")
         base = rids[i] or uuid.uuid4().hex
         for j in range(sp.n):
             # n copies of a seeded request draw different samples, reproducibly.

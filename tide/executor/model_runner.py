@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -262,6 +263,10 @@ class ModelRunner:
                 tokens = min(tokens, self.config.max_total_tokens)
         else:
             tokens = self.config.max_total_tokens or _CPU_DEFAULT_MAX_TOTAL_TOKENS
+            need, host = tokens * (full_bytes + swa_bytes), _host_memory_bytes()
+            if host and need > host:
+                raise ValueError(f"max_total_tokens {tokens} needs {need / 1e9:.1f} GB of KV cache, "
+                                 f"more than this host's {host / 1e9:.1f} GB of memory")
         if tokens < 16:
             raise ValueError(
                 f"not enough memory for the KV cache ({tokens} tokens); raise mem_fraction_static "
@@ -479,3 +484,11 @@ class ModelRunner:
                          positions, [1] * bucket, out_cache_loc)
         logits, self.last_greedy_ids = graphs.replay(fb, bs)
         return logits
+
+
+def _host_memory_bytes() -> int:
+    """This host's physical memory in bytes (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

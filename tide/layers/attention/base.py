@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -138,6 +139,10 @@ def select_attention_backend(
                         too_old or f"does not support {' or '.join(missing)} yet")
         return get_attention_backend_class("torch_native")
     cls = get_attention_backend_class(name)
+    if name == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend 'triton' runs on CUDA devices (or under Triton's "
+                         f"interpreter, TRITON_INTERPRET=1), not {device_type}; use "
+                         "attention_backend='auto' or 'torch_native'")
     missing = _missing(cls, needs)
     if missing:
         raise ValueError(
