@@ -106,11 +106,6 @@ class ModelRunner:
             if self.dtype != torch.bfloat16:
                 raise ValueError("quantization fp8 on CUDA needs dtype bfloat16 (the fp8 GEMM's "
                                  f"row-wise scales write bf16), got {self.dtype}")
-        if config.enable_deterministic_inference and self.device.type not in ("cpu", "cuda"):
-            raise ValueError(
-                "enable_deterministic_inference is supported on CPU and CUDA only (no "
-                f"batch-invariant kernels for device {self.device.type!r})"
-            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.closed = False  # close(): the device memory is given back, nothing runs any more
