@@ -747,3 +747,22 @@ def test_tensor_update_naming_a_weight_twice_changes_nothing(base_restored):
     res = engine.update_weights_from_tensor(named_tensors=payload, weight_version="dup")
     assert not res["success"] and name in res["message"] and "more than once" in res["message"]
     _assert_unchanged(engine, snap)
+
+
+def test_tied_output_head_in_an_update_is_checked_like_the_embedding():
+    """A tied model's `lm_head.weight` is its embedding: not written, but a tensor of the wrong
+    shape or dtype is refused (it was dropped unchecked and the update reported success)."""
+    engine = tide.Engine(dtype="float32", max_total_tokens=2048)  # the demo model: tied
+    try:
+        embedding = engine.get_weights_by_name("model.embed_tokens.weight", 16)
+        shape = tuple(engine.model_runner.model.model.embed_tokens.weight.shape)
+        for bad in (torch.zeros(3), torch.zeros(shape[0] + 1, shape[1]),
+                    torch.zeros(shape, dtype=torch.int32)):
+            out = engine.update_weights_from_tensor([("lm_head.weight", bad)], weight_version="v9")
+            assert not out["success"] and "lm_head.weight" in out["message"], out
+        ok = engine.update_weights_from_tensor([("lm_head.weight", torch.ones(shape))],
+                                               weight_version="v10")
+        assert ok["success"], ok
+        assert engine.get_weights_by_name("model.embed_tokens.weight", 16) == embedding
+    finally:
+        engine.shutdown()

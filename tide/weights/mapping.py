@@ -106,6 +106,11 @@ class WeightMap:
         for name, shape, dtype in shapes:
             target = self.resolve(name)
             if target is None:
+                # A tied model's output head is its embedding: not written (the embedding's own
+                # tensor is), but checked like it, so a wrong tensor is not reported as taken.
+                target = self._tied_head(name)
+                if target is not None:
+                    _check_shape_dtype(name, shape, dtype, target, sharded)
                 continue
             other = written_by.setdefault((target.param_name, target.shard), name)
             if other != name:
@@ -113,14 +118,7 @@ class WeightMap:
                     f"weights {other!r} and {name!r} both map to {target.param_name!r}"
                     + (f" shard {target.shard!r}" if target.shard is not None else "")
                 )
-            expected = target.local_shape if sharded else target.shape
-            if tuple(shape) != expected:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(shape)}, expected {expected}"
-                    + (" (this rank's part)" if sharded and target.split is not None else "")
-                )
-            if not dtype.is_floating_point:
-                raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating dtype")
+            _check_shape_dtype(name, shape, dtype, target, sharded)
             targets.append(target)
         if require_complete:
             missing = self.required() - {(t.param_name, t.shard) for t in targets}
@@ -129,6 +127,14 @@ class WeightMap:
                 raise ValueError(f"checkpoint is missing weight(s) {names[:8]}" + (
                     f" and {len(names) - 8} more" if len(names) > 8 else ""))
         return targets
+
+    def _tied_head(self, name: str) -> WeightTarget | None:
+        """The embedding's target, for the output head `name` of a tied model; else None."""
+        key = self.rename(name) if self.rename is not None else name
+        if not (self.tied and key == "lm_head.weight"):
+            return None
+        embedding = next((n for n in self.params if n.endswith("embed_tokens.weight")), None)
+        return None if embedding is None else self.resolve(embedding)
 
     def rows(self, target: WeightTarget) -> torch.Tensor:
         """The parameter memory `target` writes to (a view)."""
@@ -167,3 +173,17 @@ def _describe(param_name: str, shard: str | int | None) -> str:
         if sid == shard and f".{fused}." in param_name:
             return param_name.replace(f".{fused}.", f".{part}.")
     return f"{param_name}[{shard}]"
+
+
+def _check_shape_dtype(name: str, shape: tuple[int, ...], dtype: torch.dtype, target: WeightTarget,
+                       sharded: bool) -> None:
+    """ValueError naming checkpoint tensor `name` unless it has `target`'s shape (this rank's part
+    with `sharded`) and a floating dtype."""
+    expected = target.local_shape if sharded else target.shape
+    if tuple(shape) != expected:
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(shape)}, expected {expected}"
+            + (" (this rank's part)" if sharded and target.split is not None else "")
+        )
+    if not dtype.is_floating_point:
+        raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating dtype")
