@@ -282,6 +282,26 @@ def _copy(src, dst):
     return dst
 
 
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\udcff"])
+def test_unreadable_config_json_is_named(llama_path, tmp_path, text):
+    path = _copy(llama_path, tmp_path / "m")
+    (path / "config.json").write_text(text, errors="surrogateescape")
+    with pytest.raises(ValueError, match="config.json"):
+        tide.Engine(str(path))
+
+
+def test_path_objects_and_prompt_items_are_taken_or_named(llama_engine, baseline, llama_path):
+    import pathlib
+
+    with pytest.raises(ValueError, match="type int"):
+        llama_engine.generate(prompt=["fine", 3], sampling_params=OK)
+    out = llama_engine.update_weights_from_disk(pathlib.Path(llama_path))
+    assert out["success"], out
+    with pytest.raises(ValueError, match="model_path must be a path"):
+        llama_engine.update_weights_from_disk(5)
+    _still_works(llama_engine, baseline)
+
+
 def test_unknown_architecture(llama_path, tmp_path):
     path = _copy(llama_path, tmp_path / "foo")
     cfg = json.loads((path / "config.json").read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -218,6 +219,11 @@ class Engine:
                                  **options: UpdateOption) -> HandoverReply:
         """Load an HF safetensors directory (same names as the initial load) into the live model.
         `options`: `WeightUpdateOptions` fields, here and in every `update_weights_*`."""
+        if isinstance(model_path, os.PathLike):
+            model_path = os.fspath(model_path)
+        if not isinstance(model_path, str):
+            raise ValueError(f"model_path must be a path (str or os.PathLike), got "
+                             f"{type(model_path).__name__}")
         return self._update_weights(DiskUpdate(model_path, load_format), options)
 
     def update_weights_from_tensor(

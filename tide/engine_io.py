@@ -145,7 +145,10 @@ def _token_lists(prompt: Prompt, input_ids: InputIds, tokenizer: Tokenizer | Non
             raise ValueError("prompt must be a non-empty string or a non-empty list of strings")
         lists: list[list[int]] = []
         for p in prompts:
-            if not isinstance(p, str) or not p:
+            if not isinstance(p, str):
+                raise ValueError(f"prompt must be a string or a list of strings, got an item of "
+                                 f"type {type(p).__name__}")
+            if not p:
                 raise ValueError("prompt must be a non-empty string (got an empty prompt)")
             try:
                 p.encode("utf-8")

@@ -166,13 +166,9 @@ class ModelConfig:
         path = os.path.join(model_path, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"model_path {model_path!r} has no config.json")
-        with open(path) as f:
-            hf = json.load(f)
+        hf = _read_json(path)
         gen_path = os.path.join(model_path, "generation_config.json")
-        gen: dict[str, Any] = {}
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                gen = json.load(f)
+        gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
         return cls.from_hf_dict(hf, gen)
 
     @classmethod
@@ -367,3 +363,15 @@ def _req(hf: dict[str, Any], key: str) -> Any:
     if key not in hf:
         raise ValueError(f"config.json is missing required field {key!r}")
     return hf[key]
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    """A JSON object file, or a ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
