@@ -257,6 +257,36 @@ def test_large_json_response_has_json_response_bytes(content):
         large_json_response({"choices": [{"logprob": float("nan")}]})
 
 
+@pytest.mark.parametrize("shape", ["generate", "generate_batch", "chat"])
+def test_large_json_response_encodes_small_pieces(shape, monkeypatch):
+    """No single `json.dumps` call (which holds the GIL throughout) encodes more than a small piece
+    of a large logprob response, whatever its nesting."""
+    from starlette.responses import JSONResponse
+
+    from tide.server import utils
+
+    rows, top = 3000, 50
+    out = {"text": "x", "output_ids": list(range(rows)), "meta_info": {
+        "id": "a", "output_token_logprobs": [[-0.5, t, "tok"] for t in range(rows)],
+        "output_top_logprobs": [[[-1.25, t, "w"] for t in range(top)] for _ in range(rows)]}}
+    content = {"generate": out, "generate_batch": [out, out], "chat": {"id": "c", "choices": [{
+        "index": 0, "logprobs": {"content": [
+            {"token": "a", "logprob": -0.1, "bytes": [97],
+             "top_logprobs": [{"token": "b", "logprob": -1.0, "bytes": [98]}] * 20}] * rows}}]}}[shape]
+    sizes: list[int] = []
+    dumps = utils._dumps
+
+    def recording(value):
+        encoded = dumps(value)
+        sizes.append(len(encoded))
+        return encoded
+
+    monkeypatch.setattr(utils, "_dumps", recording)
+    body = utils.large_json_response(content).body
+    assert body == JSONResponse(content).body
+    assert len(body) > 2_000_000 and max(sizes) < 100_000, (len(body), max(sizes))
+
+
 def test_a_client_gone_before_its_body_is_a_quiet_499():
     """`read_body`: a disconnect while the body streams in is the client's doing: a 499 with no
     traceback, not the last-resort 500 of a bug."""

@@ -370,8 +370,8 @@ def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise ValueError(f"{path} cannot be read as JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data

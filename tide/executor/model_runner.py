@@ -258,7 +258,9 @@ class ModelRunner:
                 tokens = min(tokens, self.config.max_total_tokens)
         else:
             tokens = self.config.max_total_tokens or _CPU_DEFAULT_MAX_TOTAL_TOKENS
-            need, host = tokens * (full_bytes + swa_bytes), _host_memory_bytes()
+            # The SWA pool of a hybrid model holds about `ratio` as many slots (below).
+            need = tokens * full_bytes + int(tokens * ratio) * swa_bytes
+            host = _host_memory_bytes()
             if host and need > host:
                 raise ValueError(f"max_total_tokens {tokens} needs {need / 1e9:.1f} GB of KV cache, "
                                  f"more than this host's {host / 1e9:.1f} GB of memory")

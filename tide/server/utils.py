@@ -52,23 +52,48 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
         raise from_validation_error(e) from None
 
 
-def large_json_response(content: Any, levels: int = 3) -> Response:
-    """`JSONResponse(content)` with the same bytes, encoded a piece at a time: lists and objects
-    down to `levels` deep are joined from their items' encodings. `json.dumps` holds the GIL for
-    a whole call, so one call on a 100 MB body (a request's logprobs) would stall the event loop
-    for seconds even when run on another thread; between pieces the loop gets its turn."""
-    return Response(_encode_pieces(content, levels), media_type="application/json")
+def large_json_response(content: Any) -> Response:
+    """`JSONResponse(content)` with the same bytes, encoded a piece of about `_PIECE` values at a
+    time. `json.dumps` holds the GIL for a whole call, so one call on a 100 MB body (a request's
+    logprobs) would stall the event loop for seconds even when run on another thread; between
+    pieces the loop gets its turn."""
+    return Response(_encode_pieces(content), media_type="application/json")
 
 
-def _encode_pieces(value: Any, levels: int) -> bytes:
-    if levels > 0 and isinstance(value, list):
-        return b"[" + b",".join(_encode_pieces(v, levels - 1) for v in value) + b"]"
-    if levels > 0 and isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return b"{" + b",".join(_encode_pieces(k, 0) + b":" + _encode_pieces(v, levels - 1)
-                                for k, v in value.items()) + b"}"
-    # Anything else (other keys json.dumps renders its own way: True -> "true") in one piece.
+_PIECE = 1024  # values one json.dumps call of `_encode_pieces` encodes, roughly
+
+
+def _dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
                       separators=(",", ":")).encode("utf-8")
+
+
+def _weight(value: Any, depth: int = 6) -> int:
+    """Roughly how many values `value` holds, looking `depth` levels down: an object's values
+    summed, a list's length times its first item's weight (the rows of a list are alike)."""
+    if not isinstance(value, (list, dict)) or not value:
+        return 1
+    if depth == 0:
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_weight(v, depth - 1) for v in value.values())
+    return len(value) * _weight(value[0], depth - 1)
+
+
+def _encode_pieces(value: Any) -> bytes:
+    if _weight(value) <= _PIECE:
+        return _dumps(value)
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return _dumps(value)  # json.dumps renders other keys its own way (True -> "true")
+        return b"{" + b",".join(_dumps(k) + b":" + _encode_pieces(v)
+                                for k, v in value.items()) + b"}"
+    if len(value) > _PIECE and not isinstance(value[0], dict):
+        # Many rows (a sequence's per-token logprobs): slices of them per call.
+        step = max(1, _PIECE * len(value) // _weight(value))
+        return b"[" + b",".join(_dumps(value[i:i + step])[1:-1]
+                                for i in range(0, len(value), step)) + b"]"
+    return b"[" + b",".join(_encode_pieces(v) for v in value) + b"]"
 
 
 async def read_body(request: Request) -> bytes:
