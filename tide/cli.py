@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most sequences one request may ask for, prompts x n (default: 4096)")
     limits.add_argument("--max-logprob-entries", type=int, default=None, metavar="N",
                         help="most logprob entries one request may ask for, sequences x max new "
-                             "tokens x (1 + top logprobs) (default: 16777216)")
+                             "tokens x (1 + top logprobs) (default: 8388608)")
     limits.add_argument("--tokenizer-threads", type=int, default=None, metavar="N",
                         help="threads that tokenize off the event loop (default: 2)")
     _engine_option(srv, "tokenizer_path", metavar="DIR")
