@@ -704,3 +704,35 @@ def test_flush_cache_busy_then_timeout(server):
     busy, waited = asyncio.run(run())
     assert busy == 400  # requests running: not flushed, says so
     assert waited == 200  # waited for idle, then flushed
+
+
+def test_incremental_streaming_output(server, model_path, tmp_path):
+    """`--incremental-streaming-output`: each /generate stream event carries what the sequence
+    added since the last one; together they are the cumulative stream's last event (the same
+    greedy text, ids and logprobs), and a logprob stream is bounded by its entries, not by every
+    event's copy of them."""
+    body = {"text": "The quick brown fox", "return_logprob": True, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True, "stream": True,
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
+
+    def stream(srv) -> list:
+        resp = httpx.post(srv.url + "/generate", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        events = [e for e in _sse_events(resp.text) if e != "[DONE]"]
+        assert events and all("error" not in e for e in events), events
+        return events
+
+    full = stream(server)[-1]
+    with running_server(model_path, "--served-model-name", "tide-test",
+                        "--incremental-streaming-output", "--max-logprob-entries", "200",
+                        log_dir=tmp_path) as srv:
+        parts = stream(srv)
+        assert len(parts) > 1
+        meta = parts[-1]["meta_info"]
+        assert meta["completion_tokens"] == 40
+        assert "".join(p["text"] for p in parts) == full["text"]
+        assert sum((p["output_ids"] for p in parts), []) == full["output_ids"]
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            assert sum((p["meta_info"][key] for p in parts), []) == full["meta_info"][key]
+        # It was served under a bound of 200 entries: 40 tokens x 3 fit, where a cumulative
+        # stream counts 40 * 41 / 2 x 3 = 2,460 and is refused.

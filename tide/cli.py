@@ -148,6 +148,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
         limits=limits,
         allow_unauthenticated_admin=args.allow_unauthenticated_admin,
+        incremental_streaming_output=args.incremental_streaming_output,
         scheduler_health_timeout=args.scheduler_health_timeout,
         scheduler_abort_timeout=args.scheduler_abort_timeout,
         startup_timeout=args.startup_timeout,
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--admin-api-key", default=None,
                      help="require this key on admin routes (flush_cache, abort_all, weight updates, "
                           "pause/continue, ...) (default: none: admin routes only on a loopback --host)")
+    srv.add_argument("--incremental-streaming-output", action="store_true",
+                     help="each /generate stream event carries only what the sequence added since "
+                          "the last one (new text, output ids, logprobs), not all of it so far")
     srv.add_argument("--allow-unauthenticated-admin", action="store_true",
                      help="serve the admin routes without --admin-api-key on a --host that is not "
                           "loopback (refused by default)")

@@ -181,7 +181,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     auth = Auth(args.api_keys, args.admin_api_key)
     completions = OpenAIServingCompletion(tm, args.model_names)
     chat = OpenAIServingChat(tm, args.model_names)
-    native = NativeServing(tm)
+    native = NativeServing(tm, incremental=args.incremental_streaming_output)
     started = int(time.time())
 
     app.state.limits = args.limits

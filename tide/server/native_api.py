@@ -53,8 +53,11 @@ class _Item:
 class NativeServing:
     """Implements `/generate` on top of the TokenizerManager."""
 
-    def __init__(self, tm: TokenizerManager) -> None:
+    def __init__(self, tm: TokenizerManager, incremental: bool = False) -> None:
         self.tm = tm
+        # Stream events carry what a sequence added since the last event (sglang's
+        # `incremental_streaming_output`), else all of it so far (sglang's default).
+        self.incremental = incremental
 
     async def generate(self, req: GenerateReqInput, raw_request: Request) -> Response:
         owner = caller_of(raw_request).identity
@@ -120,14 +123,18 @@ class NativeServing:
             yield sse(e.body())
             return
         reported = [(0, False)] * len(states)  # (tokens, finished) last sent per sequence
+        sent_text = [0] * len(states)  # characters of text sent (incremental streams)
         try:
             while True:
                 all_finished = all(s.finished for s in states)  # before the scan: none is missed
                 for i, s in enumerate(states):
                     mark = (len(s.output_ids), s.finished)
                     if mark != reported[i]:
+                        start = reported[i][0] if self.incremental else 0
                         reported[i] = mark
-                        out = self._output(s, text_in_logprobs)
+                        out = self._output(s, text_in_logprobs, start, sent_text[i])
+                        if self.incremental:
+                            sent_text[i] += len(out.get("text", ""))
                         out["index"] = i
                         yield sse(out)
                 if all_finished:
@@ -201,9 +208,10 @@ class NativeServing:
             budget = tm.resolve_max_new_tokens(len(ids), params.max_new_tokens, prompt_param + sfx,
                                                f"sampling_params{sfx}.max_new_tokens")
             if lp_flags[k] or tops[k] > 0:
-                # A stream's every event carries the logprobs so far (sglang's cumulative
-                # streaming): up to budget * (budget + 1) / 2 entries a sequence in all.
-                written = budget * (budget + 1) // 2 if req.stream else budget
+                # A cumulative stream's every event carries the logprobs so far (sglang's
+                # default): up to budget * (budget + 1) / 2 entries a sequence in all.
+                cumulative = req.stream and not self.incremental
+                written = budget * (budget + 1) // 2 if cumulative else budget
                 entries += params.n * written * (1 + int(tops[k]))
             if lp_flags[k] and starts[k] not in (-1, None) and starts[k] < len(ids):
                 raise invalid_request(
@@ -223,7 +231,11 @@ class NativeServing:
         return single, items
 
     # ---- output
-    def _output(self, s: ReqState, text_in_logprobs: bool) -> dict[str, Any]:
+    def _output(self, s: ReqState, text_in_logprobs: bool, start: int = 0,
+                text_start: int = 0) -> dict[str, Any]:
+        """sglang's output of sequence `s`: its text, output ids and logprobs from output token
+        `start` and text character `text_start` on (both 0: everything so far); the counts in
+        `meta_info` are always the whole sequence's."""
         meta: dict[str, Any] = {
             "id": s.rid,
             "finish_reason": s.finished_reason,
@@ -245,15 +257,16 @@ class NativeServing:
                 return texts[t]
 
             meta["output_token_logprobs"] = [
-                [lp, t, decode(t)] for lp, t in zip(s.output_token_logprobs, s.output_ids, strict=False)
+                [lp, t, decode(t)] for lp, t in zip(s.output_token_logprobs[start:],
+                                                    s.output_ids[start:], strict=False)
             ]
             if s.top_logprobs_num > 0:
                 meta["output_top_logprobs"] = [
-                    [[lp, t, decode(t)] for lp, t in row] for row in s.output_top_logprobs
+                    [[lp, t, decode(t)] for lp, t in row] for row in s.output_top_logprobs[start:]
                 ]
         if self.tm.tokenizer is None:  # as sglang with skip_tokenizer_init: ids, no text
-            return {"output_ids": list(s.output_ids), "meta_info": meta}
-        return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": meta}
+            return {"output_ids": s.output_ids[start:], "meta_info": meta}
+        return {"text": s.text[text_start:], "output_ids": s.output_ids[start:], "meta_info": meta}
 
     def _token_text(self, token_id: int) -> str | None:
         tok = self.tm.tokenizer

@@ -41,6 +41,9 @@ class ServerArgs:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Serve admin routes without an admin key on a non-loopback host (see the class docstring).
     allow_unauthenticated_admin: bool = False
+    # `/generate` streams: each event carries what the sequence added since the last one (its new
+    # text, output ids and logprobs), not all of it so far (sglang's option of the same name).
+    incremental_streaming_output: bool = False
     # Liveness: /health is 503 and new requests are refused once the scheduler has neither stepped
     # nor answered for `scheduler_health_timeout` seconds (a declared long operation, such as a
     # weight update, counts as answering); in-flight requests are aborted after
@@ -82,6 +85,9 @@ class ServerArgs:
             raise ValueError(f"dp_size must be an integer in [1, 64], got {self.dp_size!r}")
         if not isinstance(self.weight_version, str) or not self.weight_version:
             raise ValueError("weight_version must be a non-empty string")
+        if not isinstance(self.incremental_streaming_output, bool):
+            raise ValueError("incremental_streaming_output must be a bool, got "
+                             f"{self.incremental_streaming_output!r}")
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         if (not is_loopback_host(self.host) and self.admin_api_key is None
