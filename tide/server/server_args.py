@@ -85,9 +85,9 @@ class ServerArgs:
             raise ValueError(f"dp_size must be an integer in [1, 64], got {self.dp_size!r}")
         if not isinstance(self.weight_version, str) or not self.weight_version:
             raise ValueError("weight_version must be a non-empty string")
-        if not isinstance(self.incremental_streaming_output, bool):
-            raise ValueError("incremental_streaming_output must be a bool, got "
-                             f"{self.incremental_streaming_output!r}")
+        for name in ("allow_unauthenticated_admin", "incremental_streaming_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         if (not is_loopback_host(self.host) and self.admin_api_key is None
