@@ -37,6 +37,7 @@ from tide.server.utils import (
     SSE_HEADERS,
     large_json_response,
     make_sampling_params,
+    rendered,
     sse,
 )
 
@@ -84,11 +85,7 @@ class NativeServing:
             outs = [self._output(s, req.return_text_in_logprobs) for s in states]
             return large_json_response(outs[0] if single and len(outs) == 1 else outs)
 
-        if any(s.return_logprob for s in states):
-            # Up to `max_logprob_entries` entries to build and encode: off the event loop, which
-            # goes on serving others meanwhile.
-            return await asyncio.to_thread(render)
-        return render()
+        return await rendered(render, any(s.return_logprob for s in states))
 
     def _submit(self, items: list[_Item], event: asyncio.Event, owner: str) -> list[ReqState]:
         """Every sequence to the scheduler; the rids' reservations (`_normalize`) end here."""

@@ -47,6 +47,7 @@ from tide.server.utils import (
     SSE_HEADERS,
     large_json_response,
     make_sampling_params,
+    rendered,
     sse,
 )
 
@@ -278,8 +279,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 "system_fingerprint": None, "metadata": self.metadata(states),
             })
 
-        # Logprobs are up to `max_logprob_entries` entries to build: off the event loop.
-        return await asyncio.to_thread(render) if req.logprobs is not None else render()
+        return await rendered(render, req.logprobs is not None)
 
     async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         prompt = req.prompt
@@ -458,8 +458,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 "system_fingerprint": None, "metadata": self.metadata(states),
             })
 
-        # Logprobs are up to `max_logprob_entries` entries to build: off the event loop.
-        return await asyncio.to_thread(render) if logprobs is not None else render()
+        return await rendered(render, logprobs is not None)
 
     async def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
         """Render the chat template and tokenize, on a tokenizer thread, after bounding the

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import math
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -50,6 +52,12 @@ async def parse_body(request: Request, model: type[M], allow_empty: bool = False
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+async def rendered(render: Callable[[], Response], with_logprobs: bool) -> Response:
+    """`render()`'s response; with logprobs (up to `max_logprob_entries` entries to build and
+    encode) on a worker thread, while the event loop goes on serving others."""
+    return await asyncio.to_thread(render) if with_logprobs else render()
 
 
 def large_json_response(content: Any) -> Response:
