@@ -56,3 +56,8 @@ def test_text_inputs_are_value_errors(ids_engine):
 def test_missing_tokenizer_files_name_the_option(no_tokenizer_checkpoint):
     with pytest.raises(ValueError, match="no tokenizer files.*skip_tokenizer_init=True"):
         tide.Engine(str(no_tokenizer_checkpoint))
+
+
+def test_tokenizer_path_without_files_names_tokenizer_path(no_tokenizer_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match=r"^tokenizer_path .*no tokenizer files"):
+        tide.Engine(str(no_tokenizer_checkpoint), tokenizer_path=str(tmp_path))

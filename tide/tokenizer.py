@@ -39,7 +39,8 @@ def load_tokenizer(config: EngineConfig) -> Tokenizer | None:
     if not has_files:
         if config.load_format == "dummy":
             return None
-        raise ValueError(f"model_path {path!r} has no tokenizer files (tokenizer.json); pass "
+        field = "tokenizer_path" if config.tokenizer_path else "model_path"
+        raise ValueError(f"{field} {path!r} has no tokenizer files (tokenizer.json); pass "
                          "skip_tokenizer_init=True (--skip-tokenizer-init) to serve token ids only")
     tokenizer = AutoTokenizer.from_pretrained(path)
     # tide bounds prompt length itself (context_length, with a clear error); the tokenizer's own
