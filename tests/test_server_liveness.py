@@ -167,6 +167,14 @@ def test_process_group_join_is_validated_bounded_and_leaves_nothing():
     assert _threads() == before
 
 
+def test_process_group_join_keeps_its_deadline_with_no_trainer():
+    # torch's store client alone retried its connect past the deadline (about twice the timeout).
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="nothing accepted a connection"):
+        init_custom_process_group("gloo", "127.0.0.1", free_port(), 1, 2, "g", join_timeout_s=2.0)
+    assert 1.9 < time.monotonic() - start < 3.0
+
+
 # ---------------------------------------------------------------- rid scoping
 def test_rids_are_scoped_to_the_callers_key(server):
     long_body = {"text": "Hello", "rid": "shared",

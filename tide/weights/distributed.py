@@ -47,6 +47,8 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import re
+import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -322,6 +324,21 @@ class WeightUpdateGroup:
                                  for i in range(count)])
 
 
+def _wait_for_listener(address: str, port: int, deadline: float) -> float:
+    """Seconds left before `deadline` (`time.monotonic`) once something accepts a TCP connection at
+    `address:port` (the connection is closed at once); TimeoutError naming the address past it."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"nothing accepted a connection at {address}:{port} (is rank 0's "
+                               "side of the group up?)")
+        try:
+            socket.create_connection((address, port), timeout=min(remaining, 1.0)).close()
+            return max(deadline - time.monotonic(), 0.001)
+        except OSError:
+            time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+
+
 def init_custom_process_group(
     backend: str,
     master_address: str,
@@ -373,6 +390,12 @@ def init_custom_process_group(
     pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None = None
     prefixed: dist.PrefixStore | None = None
     try:
+        if rank != 0:
+            # torch's store client retries its connect with a back-off that can run to twice the
+            # timeout (and logs each try's C++ stack); a plain connect loop keeps the deadline.
+            remaining = _wait_for_listener(master_address, master_port,
+                                           time.monotonic() + join_s)
+            join_timeout = timedelta(seconds=remaining)
         store = dist.TCPStore(master_address, master_port, world_size, rank == 0,
                               timeout=join_timeout)
         prefixed = dist.PrefixStore(f"tide/{group_name}", store)
