@@ -223,6 +223,21 @@ def test_logprob_entries_are_bounded_before_queueing(server, path, body, param):
     assert resp.status_code == 200, resp.text
 
 
+def test_input_logprob_entries_count_against_the_bound(server):
+    """Input logprobs add (prompt length - logprob_start_len) x (1 + top) entries a sequence."""
+    body = {"input_ids": [[5] * 400] * 20, "return_logprob": True, "top_logprobs_num": 1,
+            "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 1}}  # 20 * 400 * 2
+    resp = _raw_post(server, "/generate", json.dumps(body))
+    assert resp.status_code == 400, resp.text
+    assert (resp.json()["error"]["param"], resp.json()["error"]["code"]) == (
+        "top_logprobs_num", "limit_exceeded")
+    _assert_clean(server)
+    body["logprob_start_len"] = 300  # 20 * 100 * 2
+    resp = _raw_post(server, "/generate", json.dumps(body))
+    assert resp.status_code == 200, resp.text
+    assert all(len(o["meta_info"]["input_token_logprobs"]) == 100 for o in resp.json())
+
+
 def test_millions_of_tiny_lists_are_refused_quickly(server):
     """A body of ~1M empty lists (under the body limit) is a 400 after a bounded walk, and the
     event loop answers others meanwhile, instead of seconds of validation per request."""

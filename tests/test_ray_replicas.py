@@ -107,6 +107,19 @@ def test_batches_spread_over_replicas_and_match_one_engine(replicas, ref):
     assert isinstance(single, dict) and len(single["output_ids"]) == 8
     with pytest.raises(ValueError, match="max_new_tokens"):
         replicas.generate(prompt=PROMPTS[:2], sampling_params={"max_new_tokens": -1})
+    # Input logprobs pass through, per item (scoring only: max_new_tokens = 0).
+    scored = replicas.generate(prompt=PROMPTS, return_logprob=True,
+                               logprob_start_len=[0, 1, 0, 2],
+                               sampling_params={"max_new_tokens": 0})
+    want = ref.generate(prompt=PROMPTS, return_logprob=True, logprob_start_len=[0, 1, 0, 2],
+                        sampling_params={"max_new_tokens": 0})
+    for got, exp in zip(scored, want, strict=True):
+        assert got["output_ids"] == []
+        g, e = got["meta_info"]["input_token_logprobs"], exp["meta_info"]["input_token_logprobs"]
+        assert [t for _, t in g] == [t for _, t in e]
+        assert [v is None for v, _ in g] == [v is None for v, _ in e]
+        assert [v for v, _ in g if v is not None] == pytest.approx(
+            [v for v, _ in e if v is not None], abs=1e-5)
     assert all(r["outstanding_requests"] == 0 for r in replicas.router.describe())
 
 

@@ -250,6 +250,27 @@ def test_completion_echo(client, server):
     lp = out.choices[0].logprobs
     assert lp.token_logprobs[0] is None
     assert len(lp.tokens) == out.usage.prompt_tokens + out.usage.completion_tokens
+    # The prompt is scored (OpenAI's legacy echo): its logprobs are /generate's input logprobs.
+    native = server.post("/generate", {"text": PROMPTS[1], "return_logprob": True,
+                                       "top_logprobs_num": 1, "logprob_start_len": 0,
+                                       "sampling_params": {"max_new_tokens": 0}}).json()
+    scored = native["meta_info"]["input_token_logprobs"]
+    prompt_tokens = out.usage.prompt_tokens
+    assert len(scored) == prompt_tokens
+    got = lp.token_logprobs[1:prompt_tokens]
+    assert all(abs(g - e[0]) < 1e-4 for g, e in zip(got, scored[1:], strict=True))
+    assert lp.top_logprobs[0] is None and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # Streamed, the echoed prompt (sent once prefilled) carries the same logprobs.
+    streamed = [c for chunk in client.completions.create(
+        model="tide-test", prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True, logprobs=1,
+        stream=True) for c in chunk.choices]
+    assert streamed[0].text == PROMPTS[1]
+    assert streamed[0].logprobs.token_logprobs == lp.token_logprobs[:prompt_tokens]
+    # max_tokens=0 with echo scores a text (the legacy scoring idiom).
+    only = client.completions.create(model="tide-test", prompt=PROMPTS[1], max_tokens=0,
+                                     temperature=0, echo=True, logprobs=0)
+    assert only.choices[0].text == PROMPTS[1] and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:prompt_tokens]
 
 
 def test_token_id_prompts(client, engine):
@@ -344,6 +365,40 @@ def test_generate_logprobs_match_engine(server, engine):
     assert all(abs(g[0] - e[0]) < 1e-4 for g, e in zip(got, exp, strict=False))
     assert all(isinstance(g[2], str) for g in got)
     assert len(out["meta_info"]["output_top_logprobs"]) == len(got)
+
+
+def test_generate_input_logprobs_match_engine(server, engine):
+    params = {"max_new_tokens": 3, "temperature": 0}
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    ref = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True,
+                          top_logprobs_num=2, logprob_start_len=0)["meta_info"]
+    body = {"input_ids": ids, "sampling_params": params, "return_logprob": True,
+            "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True}
+    meta = server.post("/generate", body).json()["meta_info"]
+    got, exp = meta["input_token_logprobs"], ref["input_token_logprobs"]
+    assert [g[1] for g in got] == ids == [e[1] for e in exp]
+    assert got[0][0] is None and exp[0][0] is None
+    assert all(abs(g[0] - e[0]) < 1e-4 for g, e in zip(got[1:], exp[1:], strict=True))
+    assert all(isinstance(g[2], str) for g in got)
+    tops = meta["input_top_logprobs"]
+    assert tops[0] is None and len(tops) == len(ids)
+    assert [[t[1] for t in row] for row in tops[1:]] == [
+        [t for _, t in row] for row in ref["input_top_logprobs"][1:]]
+    # A stream carries them once, in its last event; max_new_tokens = 0 only scores.
+    events = [e for e in _sse_events(server.post("/generate", {**body, "stream": True}).text)
+              if e != "[DONE]"]
+    assert [("input_token_logprobs" in e["meta_info"]) for e in events] == [False] * (
+        len(events) - 1) + [True]
+    assert events[-1]["meta_info"]["input_token_logprobs"] == got
+    scored = server.post("/generate", {**body, "sampling_params": {"max_new_tokens": 0},
+                                       "logprob_start_len": 2}).json()
+    assert scored["output_ids"] == [] and scored["meta_info"]["input_token_logprobs"] == got[2:]
+    bad = server.post("/generate", {**body, "logprob_start_len": -2})
+    assert_error(bad, 400, "logprob_start_len")
+    past = server.post("/generate", {**body, "logprob_start_len": 10**12})  # past the prompt
+    assert past.status_code == 200 and "input_token_logprobs" not in past.json()["meta_info"]
+    assert_error(server.post("/generate", {**body, "logprob_start_len": 10**24}), 400,
+                 "logprob_start_len")
 
 
 def test_generate_n_and_rid(server):
@@ -570,7 +625,8 @@ BAD_GENERATE = [
     ({"text": ["a", "b"], "rid": "same"}, 400, "rid"),
     ({"text": "hi", "return_logprob": "yes"}, 400, "return_logprob"),
     ({"text": "hi", "unknown": True}, 400, "unknown"),
-    ({"text": "hi", "return_logprob": True, "logprob_start_len": 0}, 400, "logprob_start_len"),
+    ({"text": "hi", "return_logprob": True, "logprob_start_len": -3}, 400, "logprob_start_len"),
+    ({"text": "hi", "return_logprob": True, "logprob_start_len": "0"}, 400, "logprob_start_len"),
 ]
 
 

@@ -502,6 +502,9 @@ def test_final_soft_cap_is_the_same_into_the_graphs_logits_buffer(arch, swa_chec
             def last_token_indices(self) -> torch.Tensor:
                 return torch.arange(hidden.shape[0])
 
+            def keep_scored_hidden(self, hidden: torch.Tensor) -> None:
+                pass
+
         eager = model(None, None, Batch())
         written = []
         for dtype in (torch.bfloat16, torch.float32):
@@ -572,3 +575,22 @@ def test_gated_mlp_input_applies_the_named_activation(bias):
     assert (want["gelu"] - want["gelu_tanh"]).abs().max() > 1e-6  # the names differ in the math
     with pytest.raises(ValueError, match="act must be"):
         gated_mlp_input(proj, x, "relu")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_input_logprobs_match_hf(arch, swa_checkpoints, hf_swa_model):
+    """Input logprobs of a prompt longer than the window, in chunks (two pools, a windowed
+    prefix match, the final soft cap on the scored rows): transformers' full forward."""
+    ids = random_prompts(31, [3 * WINDOW + 5])[0]
+    with torch.no_grad():
+        logits = hf_swa_model(arch)(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    with tide.Engine(str(swa_checkpoints[arch]), chunked_prefill_size=WINDOW,
+                     max_prefill_tokens=WINDOW) as engine:
+        engine.generate(input_ids=ids[:WINDOW + 3], sampling_params={"max_new_tokens": 1})
+        out = engine.generate(input_ids=ids, return_logprob=True, logprob_start_len=WINDOW,
+                              sampling_params={"max_new_tokens": 1})
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in entries] == ids[WINDOW:]
+    want = [logp[p - 1, ids[p]].item() for p in range(WINDOW, len(ids))]
+    assert [v for v, _ in entries] == pytest.approx(want, abs=2e-4)

@@ -622,7 +622,7 @@ def _prefill_batch():
 
     return SimpleNamespace(out_cache_loc=torch.tensor([4]), is_decode=False, input_ids=[9],
                            mode=ForwardMode.EXTEND, positions=[0], req_pool_indices=[0],
-                           prefix_lens=[0], extend_lens=[1])
+                           prefix_lens=[0], extend_lens=[1], score=None)
 
 
 def test_a_forward_that_fails_on_a_child_stops_every_later_step():

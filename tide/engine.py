@@ -106,8 +106,17 @@ class Engine:
         return_logprob: bool | list[bool] = False,
         top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
+        logprob_start_len: int | list[int] = -1,
     ) -> GenerateOutput | list[GenerateOutput]:
         """Generate for one item (returns a dict) or a list of items (returns a list of dicts).
+
+        With `return_logprob`, `logprob_start_len` >= 0 (sglang's name) also scores the prompt:
+        `meta_info["input_token_logprobs"]` holds (logprob, token id) for every prompt position
+        from it on (None for position 0, which nothing predicts), and with `top_logprobs_num`
+        `input_top_logprobs` the best alternatives. They use the request's temperature, as output
+        logprobs do (penalties are not applied), so scoring prompt + output gives the logprobs the
+        output was generated with. `max_new_tokens=0` only scores. The scored positions are
+        computed even when the prompt's prefix is cached.
 
         Every item is validated before any is submitted, so bad input raises `ValueError` and leaves
         the engine as it was.
@@ -118,7 +127,8 @@ class Engine:
         if blocked is not None:
             raise ValueError(blocked)
         single, reqs = build_requests(prompt, input_ids, sampling_params, return_logprob,
-                                      top_logprobs_num, rid, self.tokenizer, self._limits)
+                                      top_logprobs_num, rid, self.tokenizer, self._limits,
+                                      logprob_start_len)
         start = time.perf_counter()
         with self._cond:
             for req in reqs:

@@ -55,6 +55,7 @@ def build_requests(
     rid: str | list[str] | None,
     tokenizer: Tokenizer | None,
     limits: InputLimits,
+    logprob_start_len: int | list[int] = -1,
 ) -> tuple[bool, list[Req]]:
     """(whether one item was given, the requests: `n` per item, in order)."""
     single, token_lists = _token_lists(prompt, input_ids, tokenizer, limits)
@@ -62,6 +63,11 @@ def build_requests(
     params = _per_item(sampling_params, count, "sampling_params")
     logprob_flags = _per_item(return_logprob, count, "return_logprob")
     top_nums = _per_item(top_logprobs_num, count, "top_logprobs_num")
+    starts = _per_item(logprob_start_len, count, "logprob_start_len")
+    for start in starts:
+        if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+            raise ValueError(f"logprob_start_len must be an integer >= -1 (-1: no input "
+                             f"logprobs), got {start!r}")
     rids = _per_item(rid, count, "rid")
     for name, flags in (("return_logprob", logprob_flags),):
         if not all(isinstance(f, bool) for f in flags):
@@ -84,12 +90,17 @@ def build_requests(
         top_n = top_nums[i]
         if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:
             raise ValueError(f"top_logprobs_num must be an integer in [0, {vocab}], got {top_n!r}")
+        wants_input = bool(logprob_flags[i]) or top_n > 0
+        if wants_input and 0 <= starts[i] < len(ids):
+            # Input logprob entries count against the same bound as the tokens' copies.
+            tokens += sp.n * (len(ids) - starts[i]) * (1 + top_n)
         sequences += sp.n
         tokens += sp.n * len(ids)
         if sequences > MAX_SEQUENCES or tokens > MAX_SEQUENCE_TOKENS:
             raise ValueError(
                 f"n: one generate call may ask for at most {MAX_SEQUENCES} sequences (prompts x n) "
-                f"and {MAX_SEQUENCE_TOKENS} prompt tokens over them; split the batch")
+                f"and {MAX_SEQUENCE_TOKENS} prompt tokens over them (input logprob entries "
+                "included); split the batch")
         base = rids[i] or uuid.uuid4().hex
         for j in range(sp.n):
             # n copies of a seeded request draw different samples, reproducibly.
@@ -102,6 +113,7 @@ def build_requests(
                 sampling_params=sp_j,
                 return_logprob=bool(logprob_flags[i]) or top_n > 0,
                 top_logprobs_num=top_n,
+                logprob_start_len=starts[i],
             ))
     return single, reqs
 
@@ -130,6 +142,10 @@ def make_output(req: Req, tokenizer: Tokenizer | None, latency: float) -> Genera
         meta["output_token_logprobs"] = list(req.output_token_logprobs)
         if req.top_logprobs_num > 0:
             meta["output_top_logprobs"] = list(req.output_top_logprobs)
+        if req.wants_input_logprobs and req.input_score_first() is None:  # complete (not aborted)
+            meta["input_token_logprobs"] = list(req.input_token_logprobs)
+            if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = list(req.input_top_logprobs)
     out["meta_info"] = meta
     return out
 

@@ -26,6 +26,7 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag=True):
     sampling_params: dict[str, Any]
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # input logprobs from this prompt position on (-1: none)
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -248,6 +249,10 @@ class BatchTokenIDOut(msgspec.Struct, tag=True):
     finished_reasons: list[dict[str, Any] | None]
     cached_tokens: list[int]
     weight_versions: list[str | None] = []
+    # A request's input logprobs (None for prompt position 0) and top logprobs, sent once, in the
+    # first output after its prefill; empty lists otherwise (or an empty list for the whole batch).
+    input_token_logprobs: list[list[float | None]] = []
+    input_top_logprobs: list[list[list[tuple[float, int]] | None]] = []
 
 
 class ControlReqOutput(msgspec.Struct, tag=True):

@@ -202,6 +202,7 @@ class RayEngine:
         return_logprob: bool | list[bool] = False,
         top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
+        logprob_start_len: int | list[int] = -1,
     ) -> GenerateOutput | list[GenerateOutput]:
         """`Engine.generate`, with the items of a batch spread over the replicas (least
         outstanding requests first). Items on a replica that dies come back with finish reason
@@ -215,7 +216,8 @@ class RayEngine:
         if not items:
             raise ValueError("prompt / input_ids must not be empty")
         per_item = {"sampling_params": sampling_params, "return_logprob": return_logprob,
-                    "top_logprobs_num": top_logprobs_num, "rid": rid}
+                    "top_logprobs_num": top_logprobs_num, "rid": rid,
+                    "logprob_start_len": logprob_start_len}
         for name, value in per_item.items():
             if isinstance(value, list) and len(value) != len(items):
                 raise ValueError(f"{name} has {len(value)} entries but there are {len(items)} "

@@ -50,6 +50,10 @@ class ForwardBatch:
     # Hybrid models: the SWA-pool slots (int32) of `out_cache_loc`, translated once per forward
     # (`SWAKVPool.translate`); sliding layers write there. None for a single pool.
     out_cache_loc_swa: torch.Tensor | None = None
+    # Input logprobs: flat rows whose final hidden states the model keeps in `scored_hidden` (the
+    # runner turns them into logits a piece at a time); None: none.
+    score_rows: torch.Tensor | None = None
+    scored_hidden: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -86,6 +90,12 @@ class ForwardBatch:
             if self.out_cache_loc_swa is None:
                 raise ValueError("a two-pool decode batch needs out_cache_loc_swa")
             swa_table.index_put_(index, self.out_cache_loc_swa.to(swa_table.dtype))
+
+    def keep_scored_hidden(self, hidden: torch.Tensor) -> None:
+        """Keep the final hidden states of `score_rows` (models call this before they select the
+        last tokens)."""
+        if self.score_rows is not None:
+            self.scored_hidden = hidden.index_select(0, self.score_rows)
 
     def last_token_indices(self) -> torch.Tensor:
         """Index in the flat token layout of each request's last new token."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from tide.executor.cuda_graph_runner import CudaGraphRunner, default_batch_sizes
 from tide.executor.forward_batch import ForwardBatch, ForwardMode
 from tide.layers.attention import select_attention_backend
 from tide.layers.batch_invariant import set_batch_invariant
+from tide.layers.sampler import PromptScoring, score_logits
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import available_device_memory
 from tide.memory.pools import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+# Input logprobs go through the output head in pieces of at most this many logits (128 MiB in fp32).
+SCORE_PIECE_LOGITS = 1 << 25
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -434,13 +437,43 @@ class ModelRunner:
         prefix_lens: list[int],
         extend_lens: list[int],
         out_cache_loc: torch.Tensor,
+        score: PromptScoring | None = None,
     ) -> torch.Tensor:
-        """Prefill/extend: fp32 logits [B, vocab] of each request's last new token."""
+        """Prefill/extend: fp32 logits [B, vocab] of each request's last new token. `score`: input
+        logprobs to compute on the way (filled in place; every tensor-parallel rank runs the same
+        pieces, since the output head gathers the vocabulary across ranks)."""
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         fb = self._batch(ForwardMode.EXTEND, input_ids, positions, req_pool_indices, seq_lens,
                          prefix_lens, extend_lens, out_cache_loc)
+        if score is not None and score.rows:
+            fb.score_rows = self._to_device(score.rows)
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb)
+        logits = self.model(fb.input_ids, fb.positions, fb)
+        if fb.scored_hidden is not None and score is not None:
+            self._score(fb.scored_hidden, score)
+        return logits
+
+    def _score(self, hidden: torch.Tensor, score: PromptScoring) -> None:
+        """`score`'s logprobs from the final hidden states of its rows, through the output head a
+        piece of at most SCORE_PIECE_LOGITS logits at a time (a long prompt's [rows, vocab] logits
+        would not fit beside the KV cache)."""
+        targets = self._to_device(score.targets)
+        temps = torch.tensor(score.temperatures, dtype=torch.float32).to(self.device,
+                                                                          non_blocking=True)
+        step = max(1, SCORE_PIECE_LOGITS // self.model_config.vocab_size)
+        deterministic = self.config.enable_deterministic_inference
+        # Every model class has it (tide/models); nn.Module's attribute type does not say so.
+        compute_logits = cast(Callable[[torch.Tensor], torch.Tensor], self.model.compute_logits)
+        parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        for i in range(0, hidden.shape[0], step):
+            logits = compute_logits(hidden[i : i + step])
+            parts.append(score_logits(logits, targets[i : i + step], temps[i : i + step],
+                                      score.top, deterministic))
+            del logits
+        score.logprobs = torch.cat([p[0] for p in parts])
+        if score.top > 0:
+            score.top_vals = torch.cat([p[1] for p in parts])  # type: ignore[misc]
+            score.top_ids = torch.cat([p[2] for p in parts])  # type: ignore[misc]
 
     @torch.inference_mode()
     def forward_decode(

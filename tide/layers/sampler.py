@@ -82,14 +82,59 @@ ARGMAX_ONLY = SamplingBatchInfo([], [], [], [], [], argmax_only=True)
 
 
 @dataclass
+class PromptScoring:
+    """Input logprobs an extend forward computes: flat token `rows` of the batch, row i scored
+    against `targets[i]` (the prompt token after it) at `temperatures[i]` (the request's; greedy
+    counts as 1, as for output logprobs), with the `top` best tokens of each row (the most any of
+    them asks for; 0: none). The runner fills `logprobs` [rows] and, with `top`, `top_vals` /
+    `top_ids` [rows, top], on the device."""
+
+    rows: list[int]
+    targets: list[int]
+    temperatures: list[float]
+    top: int = 0
+    logprobs: torch.Tensor | None = None
+    top_vals: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def to_host(self) -> tuple[list[float], list[list[tuple[float, int]]] | None]:
+        """(logprob of each row's target, each row's `top` best (logprob, token id) or None)."""
+        if self.logprobs is None:
+            raise RuntimeError("the forward has not scored these rows")
+        logprobs = self.logprobs.tolist()
+        if self.top_vals is None or self.top_ids is None:
+            return logprobs, None
+        return logprobs, [list(zip(v, t)) for v, t in zip(self.top_vals.tolist(),
+                                                           self.top_ids.tolist())]
+
+
+def score_logits(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
+                 top: int, deterministic: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`log_softmax(logits / temperature)` of each row at its target, and its `top` best values and
+    token ids: the same arithmetic as an output token's logprob (`Sampler`)."""
+    scaled = logits.float() / temperatures.unsqueeze(1)
+    logp = (batch_invariant.log_softmax(scaled) if deterministic
+            else torch.log_softmax(scaled, dim=-1))
+    picked = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    if top <= 0:
+        return picked, None, None
+    vals, ids = logp.topk(top, dim=-1)
+    return picked, vals, ids
+
+
+@dataclass
 class SampleOutput:
     """Row i's next token, and its logprob and top logprobs when any row asked for them. `failed`:
-    rows that could not be sampled (their entries are placeholders), with the error."""
+    rows that could not be sampled (their entries are placeholders), with the error.
+    `input_logprobs`: an extend batch's `PromptScoring` results (the logprob of each scored row's
+    target, and its top logprobs), in the order of its rows."""
 
     next_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[float, int]]] | None
     failed: dict[int, str] | None = None
+    input_logprobs: tuple[list[float], list[list[tuple[float, int]]] | None] | None = None
 
 
 @dataclass

@@ -154,20 +154,27 @@ class Gemma2ForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Logits of each request's last new token, [B, vocab]: fp32, or the model's dtype when
-        written into `forward_batch.logits_out` (a decode graph's buffer)."""
+        written into `forward_batch.logits_out` (a decode graph's buffer). The hidden states of
+        `forward_batch.score_rows` are kept in `forward_batch.scored_hidden` (input logprobs)."""
         hidden = self.model(input_ids, positions, forward_batch)
+        forward_batch.keep_scored_hidden(hidden)
         hidden = hidden[forward_batch.last_token_indices()]
         cap = self.final_logit_cap
         out = forward_batch.logits_out
         if out is None:
-            logits = self.lm_head(hidden)
-            if cap is not None:  # in the model dtype, as transformers does
-                logits = torch.tanh(logits / cap) * cap
-            return logits.float()
+            return self.compute_logits(hidden)
         logits = self.lm_head(hidden, out=out)  # model-dtype values in the graphs' buffer
         if cap is not None:  # capped in the model dtype too, so a graph replay equals eager
             logits.copy_(torch.tanh(logits.to(hidden.dtype) / cap) * cap)
         return logits
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of final hidden states, soft-capped in the model dtype as
+        transformers does."""
+        logits = self.lm_head(hidden)
+        if self.final_logit_cap is not None:
+            logits = torch.tanh(logits / self.final_logit_cap) * self.final_logit_cap
+        return logits.float()
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -191,10 +191,16 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Logits of each request's last new token, [B, vocab]: fp32, or the model's dtype when
-        written into `forward_batch.logits_out` (a decode graph's buffer)."""
+        written into `forward_batch.logits_out` (a decode graph's buffer). The hidden states of
+        `forward_batch.score_rows` are kept in `forward_batch.scored_hidden` (input logprobs)."""
         hidden = self.model(input_ids, positions, forward_batch)
+        forward_batch.keep_scored_hidden(hidden)
         hidden = hidden[forward_batch.last_token_indices()]
         out = forward_batch.logits_out
         if out is None:
-            return self.lm_head(hidden).float()
+            return self.compute_logits(hidden)
         return self.lm_head(hidden, out=out)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of final hidden states (the last norm applied)."""
+        return self.lm_head(hidden).float()

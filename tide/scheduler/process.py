@@ -464,6 +464,7 @@ class SchedulerProcess:
             sampling_params=params,
             return_logprob=msg.return_logprob or msg.top_logprobs_num > 0,
             top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
         )
         self.sent_len[req.rid] = 0
         self.live[req.rid] = req
@@ -605,7 +606,19 @@ class SchedulerProcess:
         reasons: list[FinishReason | None] = []
         cached: list[int] = []
         versions: list[str | None] = []
+        input_lps: list[list[float | None]] = []
+        input_tops: list[list[list[tuple[float, int]] | None]] = []
         for req in reqs:
+            # Input logprobs are complete once the prompt is prefilled: sent with the first output
+            # (nothing of a request aborted before that).
+            if (req.wants_input_logprobs and req.input_score_first() is None
+                    and self.sent_len.get(req.rid, 0) == 0):
+                input_lps.append([lp for lp, _ in req.input_token_logprobs])
+                input_tops.append([None if t is None else list(t)
+                                   for t in req.input_top_logprobs])
+            else:
+                input_lps.append([])
+                input_tops.append([])
             start = self.sent_len.get(req.rid, 0)
             rids.append(req.rid)
             new_ids.append(req.output_ids[start:])
@@ -628,7 +641,10 @@ class SchedulerProcess:
                 self.live.pop(req.rid, None)
             else:
                 self.sent_len[req.rid] = len(req.output_ids)
-        out = BatchTokenIDOut(rids, new_ids, new_lps, new_tops, reasons, cached, versions)
+        if not any(input_lps):
+            input_lps, input_tops = [], []
+        out = BatchTokenIDOut(rids, new_ids, new_lps, new_tops, reasons, cached, versions,
+                              input_lps, input_tops)
         self.send_sock.send(encode_message(out))
 
     # ---- info

@@ -29,6 +29,10 @@ class Req:
     sampling_params: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Input logprobs (sglang's `logprob_start_len`) from this prompt position on; -1: none. With
+    # `return_logprob`, the prompt's tokens at positions >= it get their logprob under the model's
+    # prediction from the tokens before them (the first prompt token has none: None).
+    logprob_start_len: int = -1
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
     # KV state
@@ -47,6 +51,9 @@ class Req:
     num_retractions: int = 0
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # One entry per prompt position from `logprob_start_len` on, filled as the prefill runs.
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     # Decodes the output as it grows, to find stop strings (set by the scheduler when there are any).
     stop_detokenizer: IncrementalDetokenizer | None = None
 
@@ -67,6 +74,24 @@ class Req:
         p = self.sampling_params
         return p.is_greedy and not p.has_penalties and not self.return_logprob
 
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids)
+
+    def input_score_first(self) -> int | None:
+        """The first prompt position whose logits the prefill must still score (its prediction of
+        the next prompt token), or None when no input logprob is pending. Entries come in position
+        order, so this moves on as chunks are scored."""
+        if not self.wants_input_logprobs:
+            return None
+        start = self.logprob_start_len
+        # Entries cover positions start, start+1, ...; the entry for position p comes from the
+        # logits at p - 1 (position 0 has none: its entry is None and needs no logits).
+        next_position = start + len(self.input_token_logprobs)
+        if next_position >= len(self.origin_input_ids):
+            return None
+        return max(next_position, 1) - 1
+
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)
 
@@ -74,3 +99,8 @@ class Req:
         self.kv_len = 0
         self.swa_evicted_len = 0
         self.num_retractions += 1
+        if self.input_score_first() is not None:
+            # Retracted mid-prompt: its prompt is recomputed, maybe with new weights (a pause that
+            # retracts, then an update), so its input logprobs are all scored again.
+            self.input_token_logprobs.clear()
+            self.input_top_logprobs.clear()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tide.executor.forward_batch import ForwardMode
-from tide.layers.sampler import ARGMAX_ONLY, SamplingBatchInfo
+from tide.layers.sampler import ARGMAX_ONLY, PromptScoring, SamplingBatchInfo
 from tide.scheduler.request import Req
 
 
@@ -25,6 +25,7 @@ class ScheduleBatch:
     requests decoding one token each alongside the prefill.
     `input_ids_device` (overlap schedule, decode only): the input ids as a device tensor, the
     previous step's sampled tokens that never went to the host; `input_ids` is then empty.
+    `score` (extend only): the prompt rows whose input logprobs this step computes.
     """
 
     mode: ForwardMode
@@ -39,6 +40,10 @@ class ScheduleBatch:
     sampling: SamplingBatchInfo = ARGMAX_ONLY
     input_ids_device: torch.Tensor | None = None
     num_decode: int = 0
+    # Input logprobs this extend computes (None: none), and how many of its rows belong to each
+    # request, in request order.
+    score: PromptScoring | None = None
+    score_counts: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:

@@ -28,7 +28,7 @@ import torch
 from tide.config import EngineConfig
 from tide.detokenizer import IncrementalDetokenizer
 from tide.executor.forward_batch import ForwardMode
-from tide.layers.sampler import SampleOutput
+from tide.layers.sampler import PromptScoring, SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
 from tide.memory.swa import SWATokenToKVPoolAllocator, swa_page
@@ -191,7 +191,7 @@ class Scheduler:
             req.weight_version = self.handover.weight_version  # as every finished request
             return
         params = req.sampling_params
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0 and not req.wants_input_logprobs:
             req.finished_reason = {"type": "length", "length": 0}
             req.weight_version = self.handover.weight_version
             return
@@ -657,6 +657,9 @@ class Scheduler:
         if self.tree_cache.disable or not batch:
             return False
         key = req.all_token_ids()[: req.seq_len - 1]
+        first = req.input_score_first()
+        if first is not None:  # as `_match_prefix`: no cached prefix past it is used
+            key = key[:first]
         need = req.kv_len + IN_BATCH_PREFIX_MIN
         if len(key) < need:
             return False
@@ -666,6 +669,9 @@ class Scheduler:
 
     def _match_prefix(self, req: Req) -> None:
         key = req.all_token_ids()[: req.seq_len - 1]  # always compute at least one token
+        first = req.input_score_first()
+        if first is not None:  # the positions whose input logprobs are pending are computed
+            key = key[:first]
         indices, node = self.tree_cache.match_prefix(key)
         self.tree_cache.inc_lock_ref(node)
         req.tree = self.tree_cache
@@ -753,6 +759,7 @@ class Scheduler:
             return
         offset = 0
         sample_rows: list[int] = []
+        score = PromptScoring([], [], [])
         for i, (req, n) in enumerate(zip(reqs, batch.extend_lens)):
             if req.req_pool_idx is None:
                 slot = self.req_to_token_pool.alloc()
@@ -768,12 +775,40 @@ class Scheduler:
             batch.positions.extend(range(start, start + n))
             batch.req_pool_indices.append(req.req_pool_idx)
             batch.prefix_lens.append(start)
-            if start + n == req.seq_len:  # its prompt completes: it gets a token
-                sample_rows.append(i)
+            if start + n == req.seq_len and req.sampling_params.max_new_tokens > 0:
+                sample_rows.append(i)  # its prompt completes: it gets a token
+            batch.score_counts.append(self._add_scored_rows(score, req, offset, start, n))
             offset += n
         sampled = reqs if len(sample_rows) == len(reqs) else [reqs[i] for i in sample_rows]
         batch.sample_rows = None if sampled is reqs else sample_rows
         batch.sampling = sampling_info(sampled)
+        if score.rows:
+            score.top = max(r.top_logprobs_num for r, c in zip(reqs, batch.score_counts) if c)
+            batch.score = score
+
+    @staticmethod
+    def _add_scored_rows(score: PromptScoring, req: Req, offset: int, start: int, n: int) -> int:
+        """Add the rows of `req`'s new tokens [start, start + n) (flat from `offset`) whose input
+        logprobs are pending to `score`; returns how many. Position p's row predicts the prompt
+        token at p + 1; a prompt scored from position 0 gets its first entry (None) here."""
+        first = req.input_score_first()
+        if first is None:
+            return 0
+        prompt = req.origin_input_ids
+        if first == 0 and not req.input_token_logprobs and req.logprob_start_len == 0:
+            req.input_token_logprobs.append((None, prompt[0]))
+            if req.top_logprobs_num > 0:
+                req.input_top_logprobs.append(None)
+        if first < start:  # the prefix match stops at `first`, and chunks go in order
+            raise RuntimeError(f"request {req.rid}: input logprobs pending from position {first} "
+                               f"but its KV already reaches {start}")
+        last = min(len(prompt) - 2, start + n - 1)
+        temperature = req.sampling_params.temperature or 1.0
+        for q in range(first, last + 1):
+            score.rows.append(offset + q - start)
+            score.targets.append(prompt[q + 1])
+            score.temperatures.append(temperature)
+        return max(last + 1 - first, 0)
 
     def process_results(self, batch: ScheduleBatch, out: SampleOutput) -> list[Req]:
         """Apply one forward's outcome: KV lengths grow, a chunked prompt is cached and waits for its
@@ -820,10 +855,38 @@ class Scheduler:
                     # first decode step, a whole prompt's SWA slots would cap admission at
                     # SWA slots / prompt length while prefills run first.
                     self._release_swa(req)
+            self._apply_input_logprobs(batch, out)
         reqs = batch.sampled_reqs()
         riders = set(map(id, batch.reqs[len(batch.reqs) - batch.num_decode:]))
-        return self._apply_tokens(reqs, out, range(len(reqs)), newly_prefilled=not batch.is_decode,
-                                  riders=riders)
+        got = self._apply_tokens(reqs, out, range(len(reqs)), newly_prefilled=not batch.is_decode,
+                                 riders=riders)
+        if not batch.is_decode:
+            # A prompt scored for its input logprobs with max_new_tokens = 0 ends with its prefill.
+            scored = [r for r in batch.reqs if r.kv_len == r.seq_len and not r.finished
+                      and r.sampling_params.max_new_tokens == 0]
+            for req in scored:
+                req.finished_reason = {"type": "length", "length": 0}
+                req.weight_version = self.handover.weight_version
+                self._release_kv(req)
+            got = _merge(got, scored)
+        return got
+
+    @staticmethod
+    def _apply_input_logprobs(batch: ScheduleBatch, out: SampleOutput) -> None:
+        """Each request takes its scored rows' input logprobs, in position order."""
+        if batch.score is None:
+            return
+        if out.input_logprobs is None:
+            raise RuntimeError("the worker returned no input logprobs for a scored batch")
+        logprobs, top = out.input_logprobs
+        row = 0
+        for req, count in zip(batch.reqs, batch.score_counts):
+            targets = batch.score.targets[row : row + count]
+            req.input_token_logprobs.extend(zip(logprobs[row : row + count], targets))
+            if req.top_logprobs_num > 0 and top is not None:
+                req.input_top_logprobs.extend(t[: req.top_logprobs_num]
+                                              for t in top[row : row + count])
+            row += count
 
     def _apply_tokens(self, reqs: list[Req], out: SampleOutput, rows: Any, newly_prefilled: bool,
                       on_finish: Any = None, riders: set[int] | None = None) -> list[Req]:

@@ -48,7 +48,7 @@ import torch
 from tide.config import EngineConfig
 from tide.executor.forward_batch import ForwardMode
 from tide.executor.model_runner import resolve_device
-from tide.layers.sampler import SampleOutput
+from tide.layers.sampler import PromptScoring, SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import device_memory_stats
 from tide.memory.pools import ReqToTokenPool, TokenToKVPoolAllocator
@@ -121,9 +121,11 @@ class RankRuntime:
         if batch["mode"] == ForwardMode.DECODE.value:
             runner.forward_decode(ids, batch["positions"], batch["req_pool_indices"], loc)
         else:
+            score = batch["score"]
             runner.forward_extend(batch["input_ids"], batch["positions"],
                                   batch["req_pool_indices"], batch["prefix_lens"],
-                                  batch["extend_lens"], loc)
+                                  batch["extend_lens"], loc,
+                                  None if score is None else PromptScoring(*score))
 
     # weight updates: prepare (validate) on all, then apply on all or discard on all
     def prepare(self, uid: int, kind: str, arg: Any) -> None:
@@ -514,6 +516,9 @@ class TpWorkerGroup(ModelWorker):
             "req_pool_indices": batch.req_pool_indices,
             "prefix_lens": batch.prefix_lens,
             "extend_lens": batch.extend_lens,
+            # Input logprobs: the output head runs the same pieces on every rank (it gathers).
+            "score": None if batch.score is None else (
+                batch.score.rows, batch.score.targets, batch.score.temperatures, batch.score.top),
         }
         writes = self.req_to_token_pool.take_writes()  # type: ignore[attr-defined]
         message["writes"] = [(slot, start, int(slots.numel())) for slot, start, slots in writes]

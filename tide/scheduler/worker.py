@@ -171,7 +171,8 @@ class TpModelWorker(ModelWorker):
                                            batch.out_cache_loc)
             return logits, runner.last_greedy_ids
         logits = runner.forward_extend(batch.input_ids, batch.positions, batch.req_pool_indices,
-                                       batch.prefix_lens, batch.extend_lens, batch.out_cache_loc)
+                                       batch.prefix_lens, batch.extend_lens, batch.out_cache_loc,
+                                       batch.score)
         rows = batch.sample_rows
         if rows is not None:
             if not rows:  # every request is mid-prompt: nothing to sample
@@ -182,8 +183,12 @@ class TpModelWorker(ModelWorker):
     def forward(self, batch: ScheduleBatch) -> SampleOutput:
         logits, greedy_ids = self._run_model(batch)
         if logits is None:
-            return SampleOutput([], None, None)
-        return self.sample(logits, batch.sampling, greedy_ids)
+            out = SampleOutput([], None, None)
+        else:
+            out = self.sample(logits, batch.sampling, greedy_ids)
+        if batch.score is not None:
+            out.input_logprobs = batch.score.to_host()
+        return out
 
     def forward_launch(self, batch: ScheduleBatch) -> SampleFuture:
         """Queue the forward and the sampling on the device and start copying the tokens to pinned

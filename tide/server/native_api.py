@@ -5,7 +5,10 @@ Output per sequence (as sglang; no `text` when the server has no tokenizer, `--s
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", "weight_version",
 "output_token_logprobs", "output_top_logprobs"}}` (`weight_version`: the weights the tokens so far were
 generated with; once finished, the version it finished with); logprob entries are
-`[logprob, token_id, token_text_or_null]`. A single item with `n == 1` returns one object, anything else
+`[logprob, token_id, token_text_or_null]`. With `return_logprob` and `logprob_start_len` >= 0 (sglang's
+names), `meta_info` also holds `input_token_logprobs` (prompt positions from `logprob_start_len` on;
+position 0's logprob is null) and, with `top_logprobs_num`, `input_top_logprobs`: in the response, or
+in a stream's last event only. A single item with `n == 1` returns one object, anything else
 a list. Streaming sends `data: {...}` events whose `text`
 and `output_ids` are cumulative (each event also has `index`, the sequence's place in the list), then
 `data: [DONE]`.
@@ -49,6 +52,7 @@ class _Item:
     rid: str | None
     return_logprob: bool
     top_logprobs_num: int
+    logprob_start_len: int = -1
 
 
 class NativeServing:
@@ -104,6 +108,7 @@ class NativeServing:
                         rid=base if n == 1 else f"{base}-{j}", user_rid=item.rid,
                         return_logprob=item.return_logprob,
                         top_logprobs_num=item.top_logprobs_num, owner=owner,
+                        logprob_start_len=item.logprob_start_len,
                     ))
         except BaseException:
             self.tm.abort_states(states, "request failed")
@@ -210,11 +215,17 @@ class NativeServing:
                 cumulative = req.stream and not self.incremental
                 written = budget * (budget + 1) // 2 if cumulative else budget
                 entries += params.n * written * (1 + int(tops[k]))
-            if lp_flags[k] and starts[k] not in (-1, None) and starts[k] < len(ids):
-                raise invalid_request(
-                    "input token logprobs are not supported; use logprob_start_len=-1",
-                    "logprob_start_len" + sfx, "unsupported")
-            items.append(_Item(list(ids), params, rids[k], bool(lp_flags[k]), int(tops[k])))
+            start = starts[k]
+            if start < -1:
+                raise invalid_request("'logprob_start_len' must be >= -1 (-1: no input logprobs)",
+                                      "logprob_start_len" + sfx, "invalid_value")
+            if (lp_flags[k] or tops[k] > 0) and 0 <= start < len(ids):
+                # Input logprobs: once a sequence, in its last stream event or its response.
+                entries += params.n * (len(ids) - start) * (1 + int(tops[k]))
+            else:
+                start = -1  # none asked for (a start past the prompt need not fit the wire)
+            items.append(_Item(list(ids), params, rids[k], bool(lp_flags[k]), int(tops[k]),
+                               start))
         check_logprob_entries(entries, limits.max_logprob_entries,
                               "top_logprobs_num" if any(t > 0 for t in tops) else "return_logprob")
         user_rids = [it.rid for it in items if it.rid is not None]
@@ -261,6 +272,17 @@ class NativeServing:
                 meta["output_top_logprobs"] = [
                     [[lp, t, decode(t)] for lp, t in row] for row in s.output_top_logprobs[start:]
                 ]
+            if s.finished and s.input_token_logprobs:  # once: the response, or a stream's end
+                first = s.logprob_start_len
+                meta["input_token_logprobs"] = [
+                    [lp, t, decode(t)] for lp, t in zip(s.input_token_logprobs,
+                                                        s.prompt_ids[first:], strict=False)
+                ]
+                if s.top_logprobs_num > 0:
+                    meta["input_top_logprobs"] = [
+                        None if row is None else [[lp, t, decode(t)] for lp, t in row]
+                        for row in s.input_top_logprobs
+                    ]
         if self.tm.tokenizer is None:  # as sglang with skip_tokenizer_init: ids, no text
             return {"output_ids": s.output_ids[start:], "meta_info": meta}
         return {"text": s.text[text_start:], "output_ids": s.output_ids[start:], "meta_info": meta}

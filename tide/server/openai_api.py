@@ -12,8 +12,11 @@ Non-streaming responses carry sglang's `"metadata": {"weight_version": ...}` (st
 Without a tokenizer (`--skip-tokenizer-init`) completions take token-id prompts only and return empty
 `text`; chat, text prompts and stop strings are a 400 naming the field.
 
-Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`, prompt logprobs with `echo`
-beyond `null` entries for prompt tokens.
+Completions with `echo` and `logprobs` score the prompt (its first token's logprob is null), as
+OpenAI's legacy completions do; with `logprobs`, a stream sends a choice's echoed prompt once its
+prompt is prefilled (without, at once).
+
+Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`.
 """
 
 from __future__ import annotations
@@ -125,9 +128,11 @@ class OpenAIServingBase:
             self.tm.check_rids_free(_sequence_rids(rid, count), owner, reserve=True)
 
     def submit(self, prompts: list[_Prompt], params: SamplingParams, n: int, event: asyncio.Event,
-               rid: str | None, logprobs: int | None, owner: str) -> list[ReqState]:
-        """n sequences per prompt (prompt-major); seeded requests get seed + j for copy j. The
-        rids' reservations (`_reserve_rid`) end here, submitted or not."""
+               rid: str | None, logprobs: int | None, owner: str,
+               score_prompt: bool = False) -> list[ReqState]:
+        """n sequences per prompt (prompt-major); seeded requests get seed + j for copy j;
+        `score_prompt` (with `logprobs`): input logprobs of the whole prompt. The rids'
+        reservations (`_reserve_rid`) end here, submitted or not."""
         states: list[ReqState] = []
         subs = _sequence_rids(rid, len(prompts) * n) if rid else []
         reserved = [(owner, r) for r in subs]
@@ -140,6 +145,7 @@ class OpenAIServingBase:
                         prompt.ids, dataclasses.replace(params, seed=seed), event, rid=sub,
                         user_rid=rid, return_logprob=logprobs is not None,
                         top_logprobs_num=logprobs or 0, owner=owner,
+                        logprob_start_len=0 if score_prompt else -1,
                     ))
         except BaseException:
             self.tm.abort_states(states, "request failed")
@@ -240,7 +246,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if req.logprobs is not None:
             echoed = sum(len(p.ids) for p in prompts) if req.echo else 0
             check_logprob_entries(
-                (len(prompts) * max_tokens * (1 + req.logprobs) + echoed) * req.n,
+                (len(prompts) * max_tokens + echoed) * (1 + req.logprobs) * req.n,
                 self.tm.limits.max_logprob_entries, "logprobs")
         if req.echo:
             for p in prompts:
@@ -256,7 +262,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if req.stream:
             return StreamingResponse(self._stream(req, prompts, params, event, cid, created, owner),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner)
+        states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner,
+                             score_prompt=req.echo)
         if not await self.wait_all(states, event, raw_request):
             return Response(status_code=499)
 
@@ -313,7 +320,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
     def _logprobs(self, s: ReqState, start: int, end: int, echo: bool, prompt: _Prompt,
                   base: int) -> dict[str, Any]:
         """OpenAI completions logprobs for output tokens [start, end); with `echo` (and start == 0)
-        the prompt tokens come first with null logprobs. `base` is the text offset of the first
+        the prompt tokens come first, with their input logprobs (null for the first token, and for
+        all of them if the request ended before its prefill). `base` is the text offset of the first
         output token (the echoed prompt's length, else 0). A token's `text_offset` is where its
         text starts in the returned text: the length of the text the tokens before it decode to
         (special tokens skipped as in the text), the same whether streamed or not."""
@@ -321,19 +329,19 @@ class OpenAIServingCompletion(OpenAIServingBase):
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
         if echo and start == 0:
-            for t in prompt.ids:
+            scored = s.input_token_logprobs
+            scored_top = s.input_top_logprobs
+            for k, t in enumerate(prompt.ids):
                 tokens.append(self.token_str(t))
-                token_logprobs.append(None)
-                top.append(None)
+                token_logprobs.append(scored[k] if k < len(scored) else None)
+                row = scored_top[k] if k < len(scored_top) else None
+                top.append(None if row is None else self._top_entry(row))
         for k in range(start, end):
             tokens.append(self.token_str(s.output_ids[k]))
             token_logprobs.append(s.output_token_logprobs[k] if k < len(s.output_token_logprobs)
                                   else None)
             if s.top_logprobs_num > 0 and k < len(s.output_top_logprobs):
-                entry: dict[str, float] = {}
-                for lp, t in s.output_top_logprobs[k]:  # best first: keep it when texts collide
-                    entry.setdefault(self.token_str(t), lp)
-                top.append(entry)
+                top.append(self._top_entry(s.output_top_logprobs[k]))
             else:
                 top.append(None)
         text_offset = []
@@ -345,6 +353,14 @@ class OpenAIServingCompletion(OpenAIServingBase):
         text_offset += [base + s.text_offsets[k] for k in range(start, end)]
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": text_offset}
+
+    def _top_entry(self, row: list[tuple[float, int]]) -> dict[str, float]:
+        """OpenAI's `{token text: logprob}` of one position's top logprobs (best first: the best
+        one is kept when two tokens have the same text)."""
+        entry: dict[str, float] = {}
+        for lp, t in row:
+            entry.setdefault(self.token_str(t), lp)
+        return entry
 
     def _text_lengths(self, ids: list[int], lengths: list[int], upto: int, skip: bool) -> None:
         """Extend `lengths` so that lengths[k], k <= upto, is the length of the text ids[:k] decode
@@ -367,7 +383,8 @@ class OpenAIServingCompletion(OpenAIServingBase):
                       params: SamplingParams, event: asyncio.Event, cid: str,
                       created: int, owner: str) -> AsyncIterator[bytes]:
         try:
-            states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner)
+            states = self.submit(prompts, params, req.n, event, req.rid, req.logprobs, owner,
+                                 score_prompt=req.echo)
         except APIError as e:
             yield sse(e.body())
             return
@@ -382,16 +399,26 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 body["usage"] = usage
             return sse(body)
 
+        def echo_chunk(i: int) -> bytes:
+            prompt = prompts[i // n]
+            lp = (self._logprobs(states[i], 0, 0, True, prompt, 0)
+                  if req.logprobs is not None else None)
+            return chunk([{"index": i, "text": prompt.text or "", "logprobs": lp,
+                           "finish_reason": None}])
+
+        # With logprobs a choice's echo waits for its first output: its prompt's logprobs come
+        # with it (the prefill computes them).
+        echo_pending = set(range(len(states))) if req.echo else set()
         try:
-            if req.echo:
+            if req.echo and req.logprobs is None:
                 for i in range(len(states)):
-                    prompt = prompts[i // n]
-                    lp = (self._logprobs(states[i], 0, 0, True, prompt, 0)
-                          if req.logprobs is not None else None)
-                    yield chunk([{"index": i, "text": prompt.text or "", "logprobs": lp,
-                                  "finish_reason": None}])
+                    yield echo_chunk(i)
+                echo_pending.clear()
             finished_count = 0
             async for i, s, delta, start, end, finished in self.deltas(states, event):
+                if i in echo_pending:
+                    echo_pending.discard(i)
+                    yield echo_chunk(i)
                 lp = None
                 if req.logprobs is not None:
                     lp = self._logprobs(s, start, end, False, prompts[i // n], base[i])

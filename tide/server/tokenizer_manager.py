@@ -108,6 +108,7 @@ class ReqState:
         top_logprobs_num: int,
         detok: IncrementalDetokenizer | None,
         event: asyncio.Event,
+        logprob_start_len: int = -1,
     ) -> None:
         self.owner = owner  # the identity whose scope `rid` lives in
         self.rid = rid
@@ -122,6 +123,11 @@ class ReqState:
         self.output_ids: list[int] = []
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # Input logprobs of prompt positions logprob_start_len.. (None for position 0), once the
+        # prompt is prefilled.
+        self.logprob_start_len = logprob_start_len
+        self.input_token_logprobs: list[float | None] = []
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] = []
         # Text length of output_ids[:k] for each k computed so far (completions' text_offset).
         self.text_offsets: list[int] = []
         self.finished_reason: dict[str, Any] | None = None
@@ -360,6 +366,7 @@ class TokenizerManager:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         owner: str = INTERNAL.identity,
+        logprob_start_len: int = -1,
     ) -> ReqState:
         """Send one sequence (params.n must be 1) to the scheduler and start tracking it under
         `owner`'s scope (the caller's identity)."""
@@ -378,7 +385,7 @@ class TokenizerManager:
         self._wire_seq += 1
         wire_rid = f"{rid}@{self._wire_seq}"
         state = ReqState(owner, rid, user_rid, wire_rid, prompt_ids, params, return_logprob,
-                         top_logprobs_num, detok, event)
+                         top_logprobs_num, detok, event, logprob_start_len)
         wire_params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
         wire_params["n"] = 1
         # Encoded before the state is registered: a message that cannot be encoded (or sent)
@@ -390,6 +397,7 @@ class TokenizerManager:
                 sampling_params=wire_params,
                 return_logprob=state.return_logprob,
                 top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
             )
         )
         self._send_sock.send(data)
@@ -624,6 +632,13 @@ class TokenizerManager:
                         )
                 if state.detok is not None:
                     state.detok.add(new_ids)
+            if msg.input_token_logprobs and msg.input_token_logprobs[i]:
+                state.input_token_logprobs = [None if x is None else _finite(x)
+                                              for x in msg.input_token_logprobs[i]]
+                if state.top_logprobs_num > 0:
+                    state.input_top_logprobs = [
+                        None if row is None else [(_finite(lp), int(t)) for lp, t in row]
+                        for row in msg.input_top_logprobs[i]]
             state.cached_tokens = msg.cached_tokens[i]
             if msg.weight_versions:
                 state.weight_version = msg.weight_versions[i]
