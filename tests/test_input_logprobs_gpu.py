@@ -60,3 +60,24 @@ def test_input_logprobs_on_cuda_match_hf_and_replay_outputs(llama_dir, monkeypat
         got = again["meta_info"]["input_token_logprobs"]
         assert [t for _, t in got] == [t for _, t in want]
         assert [v for v, _ in got] == pytest.approx([v for v, _ in want], abs=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_input_logprobs_under_tensor_parallel_on_cuda(llama_dir):
+    """Two ranks over NCCL: the output head's pieces gather the vocabulary on both ranks in step;
+    the entries equal one GPU's."""
+    prompts = random_prompts(22, [50, 9])
+    kwargs = dict(input_ids=prompts, return_logprob=True, top_logprobs_num=3,
+                  logprob_start_len=[0, 4], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    options = dict(device="cuda", dtype="float32", chunked_prefill_size=16, max_prefill_tokens=16)
+    with tide.Engine(str(llama_dir), **options) as one:
+        want = one.generate(**kwargs)
+    with tide.Engine(str(llama_dir), tp_size=2, **options) as two:
+        got = two.generate(**kwargs)
+    for g, w in zip(got, want, strict=True):
+        ge, we = g["meta_info"]["input_token_logprobs"], w["meta_info"]["input_token_logprobs"]
+        assert [t for _, t in ge] == [t for _, t in we]
+        assert [v is None for v, _ in ge] == [v is None for v, _ in we]
+        assert [v for v, _ in ge if v is not None] == pytest.approx(
+            [v for v, _ in we if v is not None], abs=1e-4)
+        assert g["output_ids"] == w["output_ids"]
