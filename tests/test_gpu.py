@@ -166,6 +166,55 @@ def test_update_weights_from_ipc(gqa_checkpoint):
         proc.join(60)
 
 
+def test_ipc_struct_claiming_past_its_allocation_is_refused(gqa_checkpoint):
+    """A CUDA IPC struct whose storage_size_bytes runs past the allocation its handle maps is a
+    ValueError (torch would map the claimed size, and a read past the allocation kills the CUDA
+    context); the honest struct opens, and the engine goes on serving."""
+    import base64
+
+    import msgspec
+    import torch.multiprocessing as mp
+
+    from tide.weights import wire
+
+    engine = tide.Engine(str(gqa_checkpoint), dtype="bfloat16", max_total_tokens=65536,
+                         max_running_requests=64)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    shape = tuple(engine.worker.weight_updater.weight_map.resolve(name).shape)
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_ipc_sender, args=([(name, shape)], queue, done))
+    proc.start()
+    try:
+        payload, _ = queue.get(timeout=120)
+        raw = base64.b64decode(payload)
+        decoded = msgspec.msgpack.Decoder(wire.Payload).decode(raw[len(wire.MAGIC):])
+        buckets = decoded.buckets if isinstance(decoded, wire.BucketListPayload) else [decoded.bucket]
+        flat = buckets[0].flattened_tensor
+        assert isinstance(flat, wire.CudaIpcTensor)
+        numel = flat.storage_size_bytes // 2
+        huge = msgspec.structs.replace(flat, storage_size_bytes=flat.storage_size_bytes + (1 << 30),
+                                       size=[numel + (1 << 29)])
+        with pytest.raises(ValueError, match="storage_size_bytes .* runs past the end"):
+            wire.tensor_from_wire(huge)
+        assert wire.tensor_from_wire(flat).numel() == flat.size[0]
+        # The same forgery through the engine: refused, nothing written, still serving.
+        entry = msgspec.structs.replace(buckets[0].metadata[0], offset=numel + (1 << 29) - 16,
+                                        shape=[16], numel=16)
+        forged = wire.BucketPayload(wire.Bucket(huge, [entry]))
+        body = base64.b64encode(wire.MAGIC + msgspec.msgpack.encode(forged)).decode()
+        before = engine.get_weights_by_name(name, truncate_size=8)
+        res = engine.update_weights_from_ipc(body)
+        assert not res["success"] and "runs past the end" in res["message"], res
+        assert engine.get_weights_by_name(name, truncate_size=8) == before
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})
+        assert len(out["output_ids"]) == 4
+    finally:
+        done.set()
+        proc.join(60)
+        engine.shutdown()
+
+
 def test_memory_saver_keeps_addresses_and_graphs(gqa_checkpoint):
     """release -> resume of every tag maps memory back at the same addresses: the captured graphs
     are the same objects (no re-capture) and greedy decoding through them is unchanged."""

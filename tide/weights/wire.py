@@ -381,9 +381,55 @@ def _open_cuda_ipc(wire: CudaIpcTensor, where: str) -> torch.Tensor:
     from torch.multiprocessing import reductions
 
     try:
-        return reductions.rebuild_cuda_tensor(*rebuild_cuda_tensor_args(wire))
+        tensor = reductions.rebuild_cuda_tensor(*rebuild_cuda_tensor_args(wire))
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"{where}: the CUDA IPC handle could not be opened: {e}") from None
+    _check_within_allocation(tensor, wire, where)
+    return tensor
+
+
+def _check_within_allocation(tensor: torch.Tensor, wire: CudaIpcTensor, where: str) -> None:
+    """ValueError naming `storage_size_bytes` when the storage the struct claims runs past the end
+    of the device allocation its handle maps (the driver's address range of the storage's first
+    byte). torch maps `storage_size_bytes` as told: reading past the allocation is an illegal
+    address, which ends the process's CUDA context. Unchecked where the driver API is not at hand."""
+    start = tensor.untyped_storage().data_ptr()
+    span = _allocation_range(start, wire.device)
+    if span is None:
+        return
+    base, size = span
+    if start + wire.storage_size_bytes > base + size:
+        raise ValueError(f"{where}: storage_size_bytes {wire.storage_size_bytes} runs past the end "
+                         f"of the CUDA allocation its handle maps ({base + size - start} bytes "
+                         "from the storage's start)")
+
+
+def _allocation_range(ptr: int, device: int) -> tuple[int, int] | None:
+    """(base, size) of the device allocation holding `ptr` (`cuMemGetAddressRange`), or None where
+    neither `cuda.bindings` nor the driver library can be loaded."""
+    with torch.cuda.device(device):
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError:
+            return _allocation_range_ctypes(ptr)
+        err, base, size = cu.cuMemGetAddressRange(ptr)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise ValueError(f"the CUDA driver does not know the address the handle maps ({err})")
+        return int(base), int(size)
+
+
+def _allocation_range_ctypes(ptr: int) -> tuple[int, int] | None:
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise ValueError(f"the CUDA driver does not know the address the handle maps (CUresult {rc})")
+    return base.value, size.value
 
 
 __all__ = [
