@@ -184,7 +184,7 @@ def run(app, scenario):
         await app.state.batcher.start()
         try:
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=60) as http:
                 return await scenario(http)
         finally:
             await app.state.batcher.stop()

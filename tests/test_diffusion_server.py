@@ -344,7 +344,7 @@ def test_an_api_key_given_as_a_string_is_one_key_not_its_characters(engine):
 
     async def status(token: str) -> int:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
             resp = await http.get("/v1/models", headers={"Authorization": f"Bearer {token}"})
             return resp.status_code
 

@@ -24,6 +24,7 @@ from tide.server.limits import RequestLimits
 
 MODEL = "tide-demo"
 BODY_READ_TIMEOUT = 2.0
+HEADER_READ_TIMEOUT = 2.0
 CHARS_PER_TOKEN = 1024
 MAX_BATCH = 64
 MAX_LOGPROB_ENTRIES = 10_000
@@ -34,6 +35,7 @@ def server(tmp_path_factory):
     model = serve_model_path(tmp_path_factory.mktemp("serve-model"))
     with running_server(model, "--served-model-name", MODEL,
                         "--body-read-timeout", str(BODY_READ_TIMEOUT),
+                        "--header-read-timeout", str(HEADER_READ_TIMEOUT),
                         "--prompt-chars-per-token", str(CHARS_PER_TOKEN),
                         "--max-batch-size", str(MAX_BATCH),
                         "--max-logprob-entries", str(MAX_LOGPROB_ENTRIES),
@@ -491,8 +493,50 @@ def _http_exchange(server: ServerProcess, head: bytes, body: bytes = b"",
     return data, elapsed, closed
 
 
+def _closed_after(sock: socket.socket, trickle: bytes | None, limit: float) -> float:
+    """Seconds until the server closes `sock` (recv gives b""), sending `trickle` every 0.3 s."""
+    start = time.monotonic()
+    sock.settimeout(0.3)
+    while time.monotonic() - start < limit:
+        try:
+            if sock.recv(1) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - start
+        if trickle is not None:
+            try:
+                sock.sendall(trickle)
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - start
+    raise AssertionError(f"the connection was still open after {limit} s")
+
+
+def test_slow_request_headers_lose_their_connection(server):
+    """A connection that sends nothing, or a request whose header lines trickle in, is closed once
+    its headers are HEADER_READ_TIMEOUT late; the server answers others meanwhile, and a kept-alive
+    connection that sends its next request on time is served."""
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    slow = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert server.get("/health").status_code == 200
+        assert HEADER_READ_TIMEOUT - 0.5 < _closed_after(idle, None, 15) < HEADER_READ_TIMEOUT + 3
+        assert _closed_after(slow, b"X-Slow: 1\r\n", 15) < HEADER_READ_TIMEOUT + 3
+    finally:
+        idle.close()
+        slow.close()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        for _ in range(2):  # the second request starts 1.5 s after the connection opened
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            time.sleep(1.5)
+    _assert_clean(server)
+
+
 def test_declared_oversized_body_refused_before_reading(server):
-    head = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000000000\r\n\r\n")
     data, elapsed, closed = _http_exchange(server, head)  # not a byte of the body sent
     assert data.startswith(b"HTTP/1.1 413"), data[:200]
@@ -504,7 +548,7 @@ def test_declared_oversized_body_refused_before_reading(server):
 
 
 def test_half_sent_upload_gets_408(server):
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n")
     data, elapsed, closed = _http_exchange(server, head, b'{"model": "tide-demo", ')
     assert data.startswith(b"HTTP/1.1 408"), data[:200]
@@ -694,7 +738,7 @@ def test_request_limits_are_validated():
     assert limits.body_limit("/update_weights_from_tensor") == 1 << 30
     assert limits.max_prompt_chars(512) == 512 * 32
     for bad in ({"max_request_body_bytes": 0}, {"body_read_timeout": 0},
-                {"max_n": -1}, {"tokenizer_threads": 1.5}, {"max_json_depth": True},
+                {"header_read_timeout": -1}, {"max_n": -1}, {"tokenizer_threads": 1.5}, {"max_json_depth": True},
                 {"max_logprob_entries": 0}, {"max_json_containers": 2.0}):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):

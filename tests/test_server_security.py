@@ -26,7 +26,7 @@ from server_utils import (
 
 from tide.cli import build_parser, main
 from tide.config import EngineConfig
-from tide.server.security import cross_origin_problem, is_loopback_host
+from tide.server.security import cross_origin_problem, host_problem, is_loopback_host
 from tide.server.server_args import ServerArgs
 from tide.weights import flatten_by_dtype, serialize_named_tensors
 
@@ -151,6 +151,32 @@ def test_browsers_on_other_origins_are_refused(open_server):
     # Nothing was paused: a generation completes.
     out = open_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert out.status_code == 200 and len(out.json()["output_ids"]) == 2
+
+
+def test_dns_rebinding_pages_are_refused_on_a_loopback_server(open_server):
+    """A page on a name re-pointed at 127.0.0.1 is same-origin to the browser (Origin equals Host);
+    its Host names no loopback address, so a server bound to loopback refuses it."""
+    url, port = open_server.url, open_server.port
+    rebound = {"Host": f"attacker.example:{port}", "Origin": f"http://attacker.example:{port}",
+               "Sec-Fetch-Site": "same-origin"}
+    resp = httpx.post(url + "/pause_generation", headers=rebound)
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "cross_origin_refused"
+    assert "DNS-rebinding" in resp.json()["error"]["message"]
+    assert httpx.get(url + "/health", headers={"Host": "attacker.example"}).status_code == 403
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.7", "LOCALHOST"):
+        assert httpx.get(url + "/health", headers={"Host": host}).status_code == 200, host
+
+
+@pytest.mark.parametrize("host,refused", [
+    (None, False), ("127.0.0.1:30000", False), ("localhost", False), ("[::1]:30000", False),
+    ("[::1]", False), ("127.1.2.3:8", False), ("attacker.example:30000", True),
+    ("10.0.0.5", True), ("[2001:db8::1]:80", True), ("localhost.attacker.example", True), ("", True),
+])
+def test_host_rules(host, refused):
+    from starlette.datastructures import Headers
+
+    headers = {} if host is None else {"host": host}
+    assert (host_problem(Headers(headers)) is not None) == refused
 
 
 def test_no_key_server_warns_that_admin_routes_are_open(open_server):

@@ -132,6 +132,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             kwargs[key] = getattr(args, key)
     log_level = kwargs.pop("log_level", None) or "info"
     limit_keys = ("max_request_body_bytes", "max_weight_update_body_bytes", "body_read_timeout",
+                  "header_read_timeout",
                   "prompt_chars_per_token", "max_batch_size", "max_logprob_entries",
                   "tokenizer_threads")
     limits = RequestLimits(**{k: getattr(args, k) for k in limit_keys
@@ -248,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--body-read-timeout", type=float, default=None, metavar="SECONDS",
                         help="a request body must have arrived this long after the request "
                              "started, else 408 (default: 30)")
+    limits.add_argument("--header-read-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request's headers must have arrived this long after its connection "
+                             "opened (or its first byte, on a kept-alive connection), else the "
+                             "connection is closed (default: 10)")
     limits.add_argument("--prompt-chars-per-token", type=int, default=None, metavar="N",
                         help="text prompts longer than context length x N characters are refused "
                              "before tokenization (default: 32)")

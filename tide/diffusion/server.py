@@ -65,6 +65,7 @@ from tide.diffusion.weights import resolve_component_dir
 from tide.memory.ledger import MemoryLedger
 from tide.memory.observe import device_memory_stats
 from tide.server.admin_api import AdminAPIError, resolve_weight_path
+from tide.server.connection import header_deadline_protocol
 from tide.server.errors import APIError, from_validation_error
 from tide.server.http_server import Auth, AuthMiddleware
 from tide.server.limits import BodyLimitMiddleware, RequestLimits
@@ -76,7 +77,7 @@ from tide.server.protocol import (
     UpdateWeightsFromTensorInput,
     UpdateWeightVersionInput,
 )
-from tide.server.security import is_loopback_host
+from tide.server.security import BrowserGuard, is_loopback_host
 from tide.server.tokenizer_manager import client_gone
 from tide.server.utils import parse_body
 from tide.version import __version__
@@ -598,6 +599,7 @@ def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
                   redoc_url=None, openapi_url=None)
     app.add_middleware(AuthMiddleware, auth=Auth(args.api_keys, args.admin_api_key))
     app.add_middleware(BodyLimitMiddleware, limits=args.limits)
+    app.add_middleware(BrowserGuard, loopback_only=is_loopback_host(args.host))
     app.state.batcher = batcher
     app.state.limits = args.limits
 
@@ -768,8 +770,8 @@ def launch_diffusion_server(args: DiffusionServerArgs) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             access_log=args.log_level.lower() == "debug",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=5,
-                            lifespan="on",
-                            log_config=None)
+                            lifespan="on", log_config=None,
+                            http=header_deadline_protocol(args.limits.header_read_timeout))
     batcher: ImageBatcher = app.state.batcher
 
     class Server(uvicorn.Server):

@@ -50,7 +50,7 @@ from tide.server.protocol import (
     FlushCacheInput,
     GenerateReqInput,
 )
-from tide.server.security import BrowserGuard
+from tide.server.security import BrowserGuard, is_loopback_host
 from tide.server.server_args import ServerArgs
 from tide.server.tokenizer_manager import TokenizerManager
 from tide.server.utils import parse_body
@@ -189,7 +189,9 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     # bounds (`RequestLimits`), then auth.
     app.add_middleware(AuthMiddleware, auth=auth)
     app.add_middleware(BodyLimitMiddleware, limits=args.limits)
-    app.add_middleware(BrowserGuard)  # refuses cross-origin browser requests before any body is read
+    # Refuses cross-origin browser requests (and, bound to loopback, DNS-rebinding ones) before any
+    # body is read.
+    app.add_middleware(BrowserGuard, loopback_only=is_loopback_host(args.host))
     app.add_middleware(InternalErrorMiddleware)
 
     @app.exception_handler(APIError)

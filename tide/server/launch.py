@@ -32,6 +32,7 @@ import msgspec
 import uvicorn
 
 from tide.io_struct import SchedulerReady
+from tide.server.connection import header_deadline_protocol
 from tide.server.metrics import ServerMetrics
 from tide.server.server_args import ServerArgs
 
@@ -126,6 +127,7 @@ def launch_server(args: ServerArgs) -> int:
             app, host=args.host, port=args.port, log_level=args.log_level.lower(),
             access_log=args.log_level.lower() == "debug", timeout_graceful_shutdown=10,
             timeout_keep_alive=5, lifespan="on", log_config=None,  # one log format for all
+            http=header_deadline_protocol(args.limits.header_read_timeout),
         )
         server = _Server(config, tm)
         tm.on_fatal = lambda: setattr(server, "should_exit", True)

@@ -41,6 +41,10 @@ class RequestLimits:
     max_weight_update_body_bytes: int = 1024 * MiB
     # The whole body must have arrived this many seconds after the request started (else 408).
     body_read_timeout: float = 30.0
+    # A request's headers must have arrived this many seconds after its connection opened (or, on
+    # a kept-alive connection, after the request's first byte), else the connection is closed
+    # (`connection.header_deadline_protocol`).
+    header_read_timeout: float = 10.0
     # A text prompt longer than context_length * prompt_chars_per_token characters cannot fit the
     # context (no tokenizer packs that many characters per token on average) and is refused before
     # it is tokenized. Tokenizing costs about 200 bytes of memory per character, transiently.
@@ -72,10 +76,10 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "body_read_timeout":
+            if f.name in ("body_read_timeout", "header_read_timeout"):
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 86400
                 if not ok:
-                    raise ValueError(f"body_read_timeout must be a number of seconds in (0, 86400], "
+                    raise ValueError(f"{f.name} must be a number of seconds in (0, 86400], "
                                      f"got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{f.name} must be a positive integer, got {value!r}")

@@ -7,6 +7,9 @@
 - `BrowserGuard`: refuses (403) before any route runs what a page on another origin makes a browser
   send: an `Origin` that is not this server's, or `Sec-Fetch-Site: cross-site | same-site` (sent
   by browsers also on plain GETs such as `<img src>`). Clients that are not browsers send neither.
+  A server bound to loopback also refuses a `Host` that does not name a loopback address or
+  `localhost`: a page on a name the attacker re-points at 127.0.0.1 (DNS rebinding) is same-origin
+  to the browser, and only its `Host` tells it apart.
 - `is_loopback_host`: the bind policy of `ServerArgs` (admin routes without an admin key are served
   only on loopback unless `--allow-unauthenticated-admin`).
 """
@@ -95,15 +98,37 @@ def _netloc(netloc: str, scheme: str) -> str:
     return netloc
 
 
-class BrowserGuard:
-    """Pure ASGI middleware: a 403 for requests a page on another origin made a browser send."""
+def host_problem(headers: Headers) -> str | None:
+    """Why a request to a loopback-bound server is refused for its `Host`, or None: the header must
+    name `localhost` or a loopback IP (with any port)."""
+    host = headers.get("host")
+    if host is None:
+        return None  # HTTP/1.0 clients may send none; a browser always does
+    name = host.strip()
+    if name.startswith("["):  # [v6]:port
+        name = name[1:].split("]", 1)[0]
+    elif name.count(":") == 1:
+        name = name.split(":", 1)[0]
+    if is_loopback_host(name):
+        return None
+    return (f"this server listens on loopback only, and Host {host[:100]!r} names another host "
+            "(a DNS-rebinding page would); use localhost or 127.0.0.1")
 
-    def __init__(self, app: ASGIApp) -> None:
+
+class BrowserGuard:
+    """Pure ASGI middleware: a 403 for requests a page on another origin made a browser send;
+    with `loopback_only` (the server is bound to loopback) also for a `Host` of another name."""
+
+    def __init__(self, app: ASGIApp, loopback_only: bool = False) -> None:
         self.app = app
+        self.loopback_only = loopback_only
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            problem = cross_origin_problem(Headers(scope=scope))
+            headers = Headers(scope=scope)
+            problem = cross_origin_problem(headers)
+            if problem is None and self.loopback_only:
+                problem = host_problem(headers)
             if problem is not None:
                 err = APIError(f"Requests from web pages of other origins are refused: {problem}",
                                403, code="cross_origin_refused")
