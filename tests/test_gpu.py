@@ -197,7 +197,12 @@ def test_ipc_struct_claiming_past_its_allocation_is_refused(gqa_checkpoint):
                                        size=[numel + (1 << 29)])
         with pytest.raises(ValueError, match="storage_size_bytes .* runs past the end"):
             wire.tensor_from_wire(huge)
-        assert wire.tensor_from_wire(flat).numel() == flat.size[0]
+        honest = wire.tensor_from_wire(flat)
+        assert honest.numel() == flat.size[0]
+        # The driver's range through ctypes (no cuda.bindings) is the same.
+        ptr = honest.untyped_storage().data_ptr()
+        assert wire._allocation_range_ctypes(ptr) == wire._allocation_range(ptr, flat.device)
+        del honest
         # The same forgery through the engine: refused, nothing written, still serving.
         entry = msgspec.structs.replace(buckets[0].metadata[0], offset=numel + (1 << 29) - 16,
                                         shape=[16], numel=16)
