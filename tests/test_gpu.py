@@ -220,6 +220,49 @@ def test_ipc_struct_claiming_past_its_allocation_is_refused(gqa_checkpoint):
         engine.shutdown()
 
 
+def _tensor_sender(nbytes, queue, done) -> None:
+    """Shares one large fp32 CUDA tensor (its allocator configured by PYTORCH_CUDA_ALLOC_CONF)."""
+    import torch
+
+    from tide.weights import serialize_named_tensors
+
+    t = torch.arange(nbytes // 4, device="cuda", dtype=torch.float32)
+    queue.put((serialize_named_tensors([("x", t)]), t.double().sum().item()))
+    done.wait(120)
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"])
+def test_ipc_tensor_over_many_mapped_ranges_opens(alloc_conf, monkeypatch):
+    """A sender with expandable segments shares memory mapped as consecutive pages (each its own
+    driver range): a 300 MiB tensor over them opens; 1 GiB more is refused, either allocator."""
+    import base64
+
+    import msgspec
+    import torch.multiprocessing as mp
+
+    from tide.weights import wire
+
+    torch.cuda.init()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)  # the spawned sender's allocator
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_tensor_sender, args=(300 << 20, queue, done))
+    proc.start()
+    try:
+        payload, total = queue.get(timeout=120)
+        raw = base64.b64decode(payload)
+        struct = msgspec.msgpack.Decoder(wire.Payload).decode(raw[len(wire.MAGIC):]).tensors[0].tensor
+        t = wire.tensor_from_wire(struct)
+        assert t.double().sum().item() == pytest.approx(total, rel=1e-12)
+        del t
+        huge = msgspec.structs.replace(struct, storage_size_bytes=struct.storage_size_bytes + (1 << 30))
+        with pytest.raises(ValueError, match="storage_size_bytes .* runs past the end"):
+            wire.tensor_from_wire(huge)
+    finally:
+        done.set()
+        proc.join(60)
+
+
 def test_memory_saver_keeps_addresses_and_graphs(gqa_checkpoint):
     """release -> resume of every tag maps memory back at the same addresses: the captured graphs
     are the same objects (no re-capture) and greedy decoding through them is unchanged."""

@@ -5,9 +5,11 @@ not the time a request's headers take to arrive: a client that sends a header li
 holds its connection (and a file descriptor) forever, and enough of them exhaust the server's
 descriptors. `header_deadline_protocol` gives uvicorn a protocol class (its httptools one, the
 server's dependency) that closes a connection whose request has not finished its headers within the
-deadline, counted from when the connection opened (first request) or from the request's first byte
-(later requests on the connection). Nothing is answered: no request exists yet to answer. Once the
-headers are in, the body has its own deadline (`body_read_timeout`, `limits.BodyLimitMiddleware`).
+deadline, counted from when the connection opened (first request) or from when the connection's
+previous response ended (later requests: bytes that start no request, such as blank lines or the
+unread rest of a body the route did not need, do not restart it). Nothing is answered: no request
+exists yet to answer. Once the headers are in, the body has its own deadline (`body_read_timeout`,
+`limits.BodyLimitMiddleware`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ def header_deadline_protocol(timeout: float) -> type[asyncio.Protocol] | str:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm()  # a later request on the connection; the first keeps its start
+            self._arm()  # a pipelined request; otherwise the deadline already runs
+
+        def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)  # its headers are in: it starts now
+            super().on_response_complete()
+            if not pipelined and not self.transport.is_closing():
+                self._arm()  # the next request's headers are due from now
 
         def on_headers_complete(self) -> None:
             self._disarm()

@@ -109,7 +109,8 @@ def host_problem(headers: Headers) -> str | None:
         name = name[1:].split("]", 1)[0]
     elif name.count(":") == 1:
         name = name.split(":", 1)[0]
-    if is_loopback_host(name):
+    name = name.lower().removesuffix(".")  # "localhost." is the same name
+    if is_loopback_host(name) or name.endswith(".localhost"):  # RFC 6761: always loopback
         return None
     return (f"this server listens on loopback only, and Host {host[:100]!r} names another host "
             "(a DNS-rebinding page would); use localhost or 127.0.0.1")

@@ -384,37 +384,47 @@ def _open_cuda_ipc(wire: CudaIpcTensor, where: str) -> torch.Tensor:
         tensor = reductions.rebuild_cuda_tensor(*rebuild_cuda_tensor_args(wire))
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"{where}: the CUDA IPC handle could not be opened: {e}") from None
-    _check_within_allocation(tensor, wire, where)
+    mapped = _mapped_bytes(tensor.untyped_storage().data_ptr(), wire)
+    if mapped is not None:
+        del tensor  # the refused mapping is not kept alive by the error's traceback
+        raise ValueError(f"{where}: storage_size_bytes {wire.storage_size_bytes} runs past the end "
+                         f"of the CUDA memory its handle maps ({mapped} bytes from the storage's "
+                         "start)")
     return tensor
 
 
-def _check_within_allocation(tensor: torch.Tensor, wire: CudaIpcTensor, where: str) -> None:
-    """ValueError naming `storage_size_bytes` when the storage the struct claims runs past the end
-    of the device allocation its handle maps (the driver's address range of the storage's first
-    byte). torch maps `storage_size_bytes` as told: reading past the allocation is an illegal
-    address, which ends the process's CUDA context. Unchecked where the driver API is not at hand."""
-    start = tensor.untyped_storage().data_ptr()
-    span = _allocation_range(start, wire.device)
-    if span is None:
-        return
-    base, size = span
-    if start + wire.storage_size_bytes > base + size:
-        raise ValueError(f"{where}: storage_size_bytes {wire.storage_size_bytes} runs past the end "
-                         f"of the CUDA allocation its handle maps ({base + size - start} bytes "
-                         "from the storage's start)")
+def _mapped_bytes(start: int, wire: CudaIpcTensor) -> int | None:
+    """None when the `storage_size_bytes` from `start` are mapped device memory; else how many
+    bytes from `start` are. Mapped means: the driver's address range of the storage's first byte,
+    and of each range that begins where the last one ends (a sender with expandable segments shares
+    memory mapped as consecutive pages, each its own range). torch maps `storage_size_bytes` as
+    told: reading past mapped memory is an illegal address, which ends the process's CUDA context.
+    Unchecked (None) where the driver API is not at hand."""
+    end = start + wire.storage_size_bytes
+    reach = start
+    while reach < end:
+        span = _allocation_range(reach, wire.device)
+        if span is None:
+            return None
+        base, size = span
+        if base > reach or base + size <= reach:  # not a range holding `reach`
+            return reach - start
+        reach = base + size
+    return None
 
 
 def _allocation_range(ptr: int, device: int) -> tuple[int, int] | None:
-    """(base, size) of the device allocation holding `ptr` (`cuMemGetAddressRange`), or None where
-    neither `cuda.bindings` nor the driver library can be loaded."""
+    """(base, size) of the device allocation holding `ptr` (`cuMemGetAddressRange`); (ptr, 0)
+    where nothing is mapped there; None where neither `cuda.bindings` nor the driver library can be
+    loaded."""
     with torch.cuda.device(device):
         try:
             from cuda.bindings import driver as cu
         except ImportError:
             return _allocation_range_ctypes(ptr)
         err, base, size = cu.cuMemGetAddressRange(ptr)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise ValueError(f"the CUDA driver does not know the address the handle maps ({err})")
+        if err != cu.CUresult.CUDA_SUCCESS:  # nothing is mapped there
+            return ptr, 0
         return int(base), int(size)
 
 
@@ -427,8 +437,8 @@ def _allocation_range_ctypes(ptr: int) -> tuple[int, int] | None:
         return None
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    if rc != 0:
-        raise ValueError(f"the CUDA driver does not know the address the handle maps (CUresult {rc})")
+    if rc != 0:  # nothing is mapped there
+        return ptr, 0
     return base.value, size.value
 
 
