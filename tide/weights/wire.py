@@ -384,7 +384,8 @@ def _open_cuda_ipc(wire: CudaIpcTensor, where: str) -> torch.Tensor:
         tensor = reductions.rebuild_cuda_tensor(*rebuild_cuda_tensor_args(wire))
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"{where}: the CUDA IPC handle could not be opened: {e}") from None
-    mapped = _mapped_bytes(tensor.untyped_storage().data_ptr(), wire)
+    # (torch's rebuild always gives a CUDA tensor; the CPU tests record the call with a stand-in)
+    mapped = _mapped_bytes(tensor.untyped_storage().data_ptr(), wire) if tensor.is_cuda else None
     if mapped is not None:
         del tensor  # the refused mapping is not kept alive by the error's traceback
         raise ValueError(f"{where}: storage_size_bytes {wire.storage_size_bytes} runs past the end "
