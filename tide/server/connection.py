@@ -33,7 +33,7 @@ def header_deadline_protocol(timeout: float) -> type[asyncio.Protocol] | str:
 
     class HeaderDeadlineProtocol(HttpToolsProtocol):
         """Closes the connection when a request's headers are not complete `timeout` seconds after
-        the connection opened or the request began."""
+        the connection opened or its previous response ended (or a pipelined request began)."""
 
         _header_timer: asyncio.TimerHandle | None = None
 
