@@ -106,6 +106,16 @@ def test_requests_spread_over_replicas_and_match_one_engine(server, ref):
     assert len({r["pid"] for r in state["replicas"]}) == 3
     # counters add up over the replicas
     assert state["max_total_tokens"] == sum(r["max_total_tokens"] for r in state["replicas"])
+    # Input logprobs come back through the controller from whichever replica scored each prompt.
+    scored = server.post("/generate", {"text": PROMPTS, "return_logprob": True,
+                                       "logprob_start_len": 0,
+                                       "sampling_params": {"max_new_tokens": 0}}).json()
+    want = ref.generate(prompt=PROMPTS, return_logprob=True, logprob_start_len=0,
+                        sampling_params={"max_new_tokens": 0})
+    for got, exp in zip(scored, want, strict=True):
+        g, e = got["meta_info"]["input_token_logprobs"], exp["meta_info"]["input_token_logprobs"]
+        assert [t for _, t, _ in g] == [t for _, t in e] and g[0][0] is None
+        assert [v for v, _, _ in g[1:]] == pytest.approx([v for v, _ in e[1:]], abs=1e-5)
 
 
 def test_pause_tensor_update_continue_reach_both_replicas(server, ref, base):

@@ -170,7 +170,8 @@ def test_dns_rebinding_pages_are_refused_on_a_loopback_server(open_server):
 @pytest.mark.parametrize("host,refused", [
     (None, False), ("127.0.0.1:30000", False), ("localhost", False), ("[::1]:30000", False),
     ("[::1]", False), ("127.1.2.3:8", False), ("localhost.:30000", False),
-    ("api.localhost:30000", False), ("attacker.example:30000", True),
+    ("api.localhost:30000", False), ("127.1", False), ("127.1:30000", False),
+    ("10.1", True), ("1.2.3.4.5", True), ("attacker.example:30000", True),
     ("10.0.0.5", True), ("[2001:db8::1]:80", True), ("localhost.attacker.example", True), ("", True),
 ])
 def test_host_rules(host, refused):

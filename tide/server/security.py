@@ -16,7 +16,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import re
+import socket
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -112,6 +115,10 @@ def host_problem(headers: Headers) -> str | None:
     name = name.lower().removesuffix(".")  # "localhost." is the same name
     if is_loopback_host(name) or name.endswith(".localhost"):  # RFC 6761: always loopback
         return None
+    if re.fullmatch(r"[0-9.]+", name):  # IPv4 shorthand, e.g. curl's 127.1
+        with contextlib.suppress(OSError):
+            if ipaddress.IPv4Address(socket.inet_aton(name)).is_loopback:
+                return None
     return (f"this server listens on loopback only, and Host {host[:100]!r} names another host "
             "(a DNS-rebinding page would); use localhost or 127.0.0.1")
 

@@ -326,17 +326,27 @@ class WeightUpdateGroup:
 
 def _wait_for_listener(address: str, port: int, deadline: float) -> float:
     """Seconds left before `deadline` (`time.monotonic`) once something accepts a TCP connection at
-    `address:port` (the connection is closed at once); TimeoutError naming the address past it."""
+    `address:port` (the connection is closed at once); TimeoutError naming the address past it. The
+    name is resolved once; each try gives every address at most the time left."""
+    try:
+        targets = [(family, addr) for family, _, _, _, addr in socket.getaddrinfo(
+            address, port, type=socket.SOCK_STREAM)]
+    except OSError as e:
+        raise TimeoutError(f"cannot resolve {address}: {e}") from None
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"nothing accepted a connection at {address}:{port} (is rank 0's "
-                               "side of the group up?)")
-        try:
-            socket.create_connection((address, port), timeout=min(remaining, 1.0)).close()
+        for family, addr in targets:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"nothing accepted a connection at {address}:{port} (is rank "
+                                   "0's side of the group up?)")
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.settimeout(min(remaining, 1.0))
+                try:
+                    sock.connect(addr)
+                except OSError:
+                    continue
             return max(deadline - time.monotonic(), 0.001)
-        except OSError:
-            time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+        time.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
 
 
 def init_custom_process_group(
