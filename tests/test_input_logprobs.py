@@ -204,21 +204,25 @@ def test_a_request_aborted_mid_prompt_reports_no_input_logprobs(llama_path):
     assert "input_token_logprobs" not in meta and meta["output_token_logprobs"] == []
 
 
-def test_deterministic_input_logprobs_do_not_depend_on_the_batch(llama_path):
-    """With `enable_deterministic_inference`, a prompt's input logprobs are the same bits alone,
-    beside other prompts, and in other chunkings of the prefill (tests/test_input_logprobs_gpu.py
-    checks it in bf16 on CUDA)."""
+def check_scoring_is_batch_invariant(path, **options) -> None:
+    """With `enable_deterministic_inference` (and `options`), a prompt's input logprobs are the
+    same bits alone, beside other prompts, and in 32-token chunks of the prefill."""
     target = random_prompts(23, [70])[0]
     others = random_prompts(24, [15, 130, 41])
     kwargs = dict(return_logprob=True, top_logprobs_num=2, sampling_params={"max_new_tokens": 0})
-    with tide.Engine(str(llama_path), enable_deterministic_inference=True) as engine:
+    with tide.Engine(str(path), enable_deterministic_inference=True, **options) as engine:
         alone = engine.generate(input_ids=target, logprob_start_len=0, **kwargs)
         batch = engine.generate(input_ids=others[:2] + [target] + others[2:],
                                 logprob_start_len=[0, 3, 0, 7], **kwargs)[2]
-    with tide.Engine(str(llama_path), enable_deterministic_inference=True, chunked_prefill_size=32,
-                     max_prefill_tokens=32) as engine:
+    with tide.Engine(str(path), enable_deterministic_inference=True, chunked_prefill_size=32,
+                     max_prefill_tokens=32, **options) as engine:
         chunked = engine.generate(input_ids=target, logprob_start_len=0, **kwargs)
     want = alone["meta_info"]
     for got in (batch["meta_info"], chunked["meta_info"]):
         assert got["input_token_logprobs"] == want["input_token_logprobs"]
         assert got["input_top_logprobs"] == want["input_top_logprobs"]
+
+
+def test_deterministic_input_logprobs_do_not_depend_on_the_batch(llama_path):
+    """tests/test_input_logprobs_gpu.py checks the same in bf16 on CUDA."""
+    check_scoring_is_batch_invariant(llama_path)

@@ -86,19 +86,6 @@ def test_input_logprobs_under_tensor_parallel_on_cuda(llama_dir):
 def test_deterministic_input_logprobs_do_not_depend_on_the_batch(llama_dir):
     """With `enable_deterministic_inference` (bf16), a prompt's input logprobs are the same bits
     alone, beside other prompts, and in other chunkings of the prefill."""
-    target = random_prompts(23, [70])[0]
-    others = random_prompts(24, [15, 130, 41])
-    kwargs = dict(return_logprob=True, top_logprobs_num=2, sampling_params={"max_new_tokens": 0})
-    with tide.Engine(str(llama_dir), device="cuda", dtype="bfloat16",
-                     enable_deterministic_inference=True) as engine:
-        alone = engine.generate(input_ids=target, logprob_start_len=0, **kwargs)
-        batch = engine.generate(input_ids=others[:2] + [target] + others[2:],
-                                logprob_start_len=[0, 3, 0, 7], **kwargs)[2]
-    with tide.Engine(str(llama_dir), device="cuda", dtype="bfloat16",
-                     enable_deterministic_inference=True, chunked_prefill_size=32,
-                     max_prefill_tokens=32) as engine:
-        chunked = engine.generate(input_ids=target, logprob_start_len=0, **kwargs)
-    want = alone["meta_info"]
-    for got in (batch["meta_info"], chunked["meta_info"]):
-        assert got["input_token_logprobs"] == want["input_token_logprobs"]
-        assert got["input_top_logprobs"] == want["input_top_logprobs"]
+    from test_input_logprobs import check_scoring_is_batch_invariant
+
+    check_scoring_is_batch_invariant(llama_dir, device="cuda", dtype="bfloat16")
