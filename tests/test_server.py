@@ -163,6 +163,21 @@ def test_chat_and_stream_match(client):
     assert usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_chat_tools_with_tool_choice_none_are_left_out(client):
+    """A server without --tool-call-parser takes `tools` with tool_choice 'none': they are not
+    rendered (the same prompt and reply as without them), and the reply is plain content."""
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = client.chat.completions.create(model="tide-test", messages=messages, max_tokens=MAX,
+                                           temperature=0)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    none = client.chat.completions.create(model="tide-test", messages=messages, max_tokens=MAX,
+                                          temperature=0, tools=tools, tool_choice="none")
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert "reasoning_content" not in none.choices[0].message.model_extra
+
+
 def test_chat_without_include_usage_sends_no_usage_chunk(client):
     stream = client.chat.completions.create(
         model="tide-test", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
@@ -592,11 +607,16 @@ BAD_CHAT = [
      "messages.0.content"),
     ({"model": "tide-test", "messages": [{"role": "user", "content": "hi", "extra": 1}]}, 400,
      "messages.0.extra"),
-    ({"model": "tide-test", "messages": [{"role": "tool", "content": "hi"}]}, 400, "messages"),
+    ({"model": "tide-test", "messages": [{"role": "tool", "content": "hi", "tool_call_id": "c"}]},
+     400, "messages"),  # the template refuses the role
+    ({"model": "tide-test", "messages": [{"role": "tool", "content": "hi"}]}, 400,
+     "messages.0.tool_call_id"),
     ({"model": "tide-test", "messages": [{"role": "user", "content": "hi"}],
       "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": "tide-test", "messages": [{"role": "user", "content": "hi"}],
-      "tools": []}, 400, "tools"),
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),  # no parser
+    ({"model": "tide-test", "messages": [{"role": "user", "content": "hi"}],
+      "tool_choice": "auto"}, 400, "tool_choice"),
     ({"model": "tide-test", "messages": [{"role": "user", "content": "hi " * 2000}]}, 400,
      "messages"),
     ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),

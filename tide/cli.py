@@ -14,6 +14,8 @@ from typing import Any
 from tide.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, option_help
 from tide.diffusion import cli as diffusion_cli
 from tide.diffusion.config import is_diffusion_model
+from tide.server.function_call_parser import TOOL_CALL_PARSERS
+from tide.server.reasoning_parser import REASONING_PARSERS
 from tide.version import __version__
 
 
@@ -154,6 +156,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         scheduler_abort_timeout=args.scheduler_abort_timeout,
         startup_timeout=args.startup_timeout,
         dp_size=args.dp_size,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return launch_server(server_args)
 
@@ -215,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--incremental-streaming-output", action="store_true",
                      help="each /generate stream event carries only what the sequence added since "
                           "the last one (new text, output ids, logprobs), not all of it so far")
+    srv.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                     help="parse tool calls out of chat completions with `tools` in this model "
+                          "family's format; they come back as message.tool_calls (default: none: "
+                          "chat requests with tools are refused unless tool_choice is 'none')")
+    srv.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
+                     help="move a reasoning model's <think>...</think> out of chat content into "
+                          "message.reasoning_content (default: none: left in content)")
     srv.add_argument("--allow-unauthenticated-admin", action="store_true",
                      help="serve the admin routes without --admin-api-key on a --host that is not "
                           "loopback (refused by default)")

@@ -180,7 +180,8 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
                   description="OpenAI-compatible and sglang-compatible LLM serving (tide).")
     auth = Auth(args.api_keys, args.admin_api_key)
     completions = OpenAIServingCompletion(tm, args.model_names)
-    chat = OpenAIServingChat(tm, args.model_names)
+    chat = OpenAIServingChat(tm, args.model_names, tool_call_parser=args.tool_call_parser,
+                             reasoning_parser=args.reasoning_parser)
     native = NativeServing(tm, incremental=args.incremental_streaming_output)
     started = int(time.time())
 

@@ -72,6 +72,8 @@ class RequestLimits:
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024
     max_messages: int = 4096
+    # A chat request's `tools` (OpenAI's own bound).
+    max_tools: int = 128
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

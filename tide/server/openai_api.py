@@ -16,7 +16,13 @@ Completions with `echo` and `logprobs` score the prompt (its first token's logpr
 OpenAI's legacy completions do; with `logprobs`, a stream sends a choice's echoed prompt once its
 prompt is prefilled (without, at once).
 
-Not supported (400): tools/functions, `logit_bias`, `best_of`, `suffix`.
+Chat with `tools` (tool_choice `auto`) needs `--tool-call-parser`: calls come back as
+`message.tool_calls` with `finish_reason: "tool_calls"` (`function_call_parser`); `--reasoning-parser`
+moves a reasoning model's thinking to `reasoning_content` (`reasoning_parser`). Earlier turns' calls
+(`messages[k].tool_calls`) and results (role `tool`) reach the chat template.
+
+Not supported (400): tool_choice `required` or a named function (forcing a call needs constrained
+decoding), the legacy `functions`, `logit_bias`, `best_of`, `suffix`.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import asyncio
 import dataclasses
 import functools
 import inspect
+import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -37,8 +44,10 @@ from starlette.requests import Request
 from tide.sampling_params import SamplingParams
 from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
+from tide.server.function_call_parser import FunctionCallParser, ToolCall
 from tide.server.limits import check_at_most, check_logprob_entries
 from tide.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from tide.server.reasoning_parser import ReasoningParser
 from tide.server.tokenizer_manager import (
     ClientDisconnected,
     DisconnectWatch,
@@ -433,8 +442,40 @@ class OpenAIServingCompletion(OpenAIServingBase):
             self.tm.abort_states(states, "client disconnected")
 
 
+class ChatOutputParser:
+    """One choice's output split into thinking, content and tool calls, fed in pieces (the
+    reasoning parser first, then the tool-call parser on what it leaves as content)."""
+
+    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None,
+                 tool_names: frozenset[str], parallel_tool_calls: bool) -> None:
+        self._reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
+        self._calls = (FunctionCallParser(tool_call_parser, tool_names, parallel_tool_calls)
+                       if tool_call_parser else None)
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
+        """(thinking, content, calls) that `text` adds; `finished`: the output ended with it."""
+        reasoning, content = ("", text) if self._reasoning is None else self._reasoning.feed(text)
+        if finished and self._reasoning is not None:
+            more_reasoning, more_content = self._reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[ToolCall] = []
+        if self._calls is not None:
+            content, calls = self._calls.feed(content)
+            if finished:
+                more_content, more_calls = self._calls.finish()
+                content, calls = content + more_content, calls + more_calls
+        return reasoning, content, calls
+
+
 class OpenAIServingChat(OpenAIServingBase):
-    """`POST /v1/chat/completions`."""
+    """`POST /v1/chat/completions`; `tool_call_parser` and `reasoning_parser` are the server's
+    (`ServerArgs`) parser names, None for none."""
+
+    def __init__(self, tm: TokenizerManager, served_model_names: list[str],
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+        super().__init__(tm, served_model_names)
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         self.check_model(req.model)
@@ -443,9 +484,16 @@ class OpenAIServingChat(OpenAIServingBase):
                                   "invalid_value")
         if req.top_logprobs is not None:
             check_at_most(req.top_logprobs, self.tm.limits.max_top_logprobs, "top_logprobs")
+        tools = self._tools(req)
         params = self.sampling_params(req, 1)
         async with self.tm.admission:
-            prompt_ids = await self._apply_template(req)
+            prompt_ids = await self._apply_template(req, tools)
+        tool_names = frozenset(t["function"]["name"] for t in tools or ())
+        reasoning_parser = self.reasoning_parser if req.separate_reasoning else None
+
+        def output_parser() -> ChatOutputParser:
+            return ChatOutputParser(reasoning_parser, self.tool_call_parser if tools else None,
+                                    tool_names, req.parallel_tool_calls)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = self.tm.resolve_max_new_tokens(len(prompt_ids), max_new, "messages", max_param)
@@ -462,7 +510,7 @@ class OpenAIServingChat(OpenAIServingBase):
         created = int(time.time())
         if req.stream:
             return StreamingResponse(self._stream(req, prompts, params, logprobs, event, cid,
-                                                  created, owner),
+                                                  created, owner, output_parser),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         states = self.submit(prompts, params, req.n, event, req.rid, logprobs, owner)
         if not await self.wait_all(states, event, raw_request):
@@ -471,12 +519,20 @@ class OpenAIServingChat(OpenAIServingBase):
         def render() -> Response:
             choices = []
             for idx, s in enumerate(states):
+                reasoning, content, calls = output_parser().feed(s.text, finished=True)
+                message: dict[str, Any] = {"role": "assistant",
+                                           "content": None if calls and not content else content,
+                                           "refusal": None}
+                if reasoning_parser is not None:
+                    message["reasoning_content"] = reasoning or None
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
                 choices.append({
                     "index": idx,
-                    "message": {"role": "assistant", "content": s.text, "refusal": None},
+                    "message": message,
                     "logprobs": ({"content": self._logprobs(s, 0, len(s.output_ids)),
                                   "refusal": None} if logprobs is not None else None),
-                    "finish_reason": finish_reason_name(s.finished_reason),
+                    "finish_reason": _chat_finish_reason(s, bool(calls)),
                 })
             return large_json_response({
                 "id": cid, "object": "chat.completion", "created": created,
@@ -487,31 +543,58 @@ class OpenAIServingChat(OpenAIServingBase):
 
         return await rendered(render, logprobs is not None)
 
-    async def _apply_template(self, req: ChatCompletionRequest) -> list[int]:
-        """Render the chat template and tokenize, on a tokenizer thread, after bounding the
-        messages' number and characters."""
+    def _tools(self, req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+        """The `tools` to render and parse calls of (None: no tool calling), after checking them
+        against `tool_choice` and the server's parser."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise invalid_request("'tool_choice' requires 'tools'", "tool_choice",
+                                      "invalid_value")
+            return None
+        check_at_most(len(req.tools), self.tm.limits.max_tools, "tools", "tools")
+        seen: set[str] = set()
+        for k, tool in enumerate(req.tools):
+            if tool.function.name in seen:
+                raise invalid_request(f"'tools.{k}.function.name': '{tool.function.name}' is "
+                                      "defined twice", f"tools.{k}.function.name", "invalid_value")
+            seen.add(tool.function.name)
+        if choice == "none":
+            return None
+        if choice is not None and choice != "auto":
+            raise invalid_request(
+                "'tool_choice' may be 'auto' or 'none': forcing a tool call ('required' or a named "
+                "function) needs constrained decoding, which this server does not have",
+                "tool_choice", "unsupported_value")
+        if self.tool_call_parser is None:
+            raise invalid_request(
+                "This server returns no tool calls: start it with --tool-call-parser NAME, or "
+                "send tool_choice 'none' to leave the tools out", "tools", "unsupported_value")
+        return [tool.model_dump(exclude_none=True) for tool in req.tools]
+
+    async def _apply_template(self, req: ChatCompletionRequest,
+                              tools: list[dict[str, Any]] | None) -> list[int]:
+        """Render the chat template (with `tools`, when given) and tokenize, on a tokenizer
+        thread, after bounding the messages' number and characters."""
         self.tm.require_tokenizer("messages")
         tok = self.tm.tokenizer
         if not getattr(tok, "chat_template", None):
             raise invalid_request("This model has no chat template; use /v1/completions",
                                   "messages", "chat_template_missing")
         check_at_most(len(req.messages), self.tm.limits.max_messages, "messages", "messages")
-        messages: list[dict[str, Any]] = []
-        for k, m in enumerate(req.messages):
+        chars = len(json.dumps(tools)) if tools else 0
+        for m in req.messages:
             content = m.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            if content is None:
-                if m.role != "assistant":
-                    raise invalid_request(f"'messages.{k}.content' is required for role "
-                                          f"'{m.role}'", f"messages.{k}.content", "invalid_value")
-                content = ""
-            msg: dict[str, Any] = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
-        self.tm.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+            chars += (len(content) if isinstance(content, str)
+                      else sum(len(part.text) for part in content or ()))
+            chars += len(m.reasoning_content or "")
+            chars += sum(len(c.function.name) + len(c.function.arguments)
+                         for c in m.tool_calls or ())
+        self.tm.check_prompt_chars(chars, "messages")
+        messages = [_template_message(k, m) for k, m in enumerate(req.messages)]
         kwargs = _template_variables(tok, req.chat_template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
 
         def render() -> str:
             return tok.apply_chat_template(
@@ -545,7 +628,8 @@ class OpenAIServingChat(OpenAIServingBase):
 
     async def _stream(self, req: ChatCompletionRequest, prompts: list[_Prompt],
                       params: SamplingParams, logprobs: int | None, event: asyncio.Event,
-                      cid: str, created: int, owner: str) -> AsyncIterator[bytes]:
+                      cid: str, created: int, owner: str,
+                      output_parser: Callable[[], ChatOutputParser]) -> AsyncIterator[bytes]:
         try:
             states = self.submit(prompts, params, req.n, event, req.rid, logprobs, owner)
         except APIError as e:
@@ -561,6 +645,8 @@ class OpenAIServingChat(OpenAIServingBase):
                 body["usage"] = usage
             return sse(body)
 
+        parsers = [output_parser() for _ in states]
+        num_calls = [0] * len(states)
         try:
             for i in range(len(states)):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -569,16 +655,73 @@ class OpenAIServingChat(OpenAIServingBase):
                 lp = None
                 if logprobs is not None:
                     lp = {"content": self._logprobs(s, start, end), "refusal": None}
-                if not finished and not delta_text and not (lp and lp["content"]):
-                    continue  # held-back bytes only: nothing to show yet
-                yield chunk([{"index": i, "delta": {"content": delta_text} if delta_text else {},
-                              "logprobs": lp,
-                              "finish_reason": finish_reason_name(s.finished_reason)}])
+                reasoning, content, calls = parsers[i].feed(delta_text, finished)
+                if not (finished or reasoning or content or calls or (lp and lp["content"])):
+                    continue  # held back (bytes of a character, or what may be a tag): nothing yet
+                delta: dict[str, Any] = {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = [call.to_openai(num_calls[i] + k)
+                                           for k, call in enumerate(calls)]
+                    num_calls[i] += len(calls)
+                yield chunk([{"index": i, "delta": delta, "logprobs": lp,
+                              "finish_reason": (_chat_finish_reason(s, num_calls[i] > 0)
+                                                if finished else None)}])
             if include_usage:
                 yield chunk([], self.usage(states, len(states)))
             yield SSE_DONE
         finally:
             self.tm.abort_states(states, "client disconnected")
+
+
+def _chat_finish_reason(s: ReqState, called: bool) -> str | None:
+    """OpenAI's chat finish reason: `tool_calls` when the output made calls and stopped by itself."""
+    reason = finish_reason_name(s.finished_reason)
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _template_message(k: int, m: Any) -> dict[str, Any]:
+    """`messages[k]` as chat templates take it: text parts joined, an earlier turn's call arguments
+    as the objects they encode (templates write them with `tojson`), the call id of a tool result."""
+    content = m.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    if content is None:
+        if m.role != "assistant":
+            raise invalid_request(f"'messages.{k}.content' is required for role '{m.role}'",
+                                  f"messages.{k}.content", "invalid_value")
+        content = ""
+    msg: dict[str, Any] = {"role": m.role, "content": content}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.reasoning_content is not None:
+        msg["reasoning_content"] = m.reasoning_content
+    if m.tool_calls is not None:
+        if m.role != "assistant":
+            raise invalid_request(f"'messages.{k}.tool_calls' is only allowed for role "
+                                  "'assistant'", f"messages.{k}.tool_calls", "invalid_value")
+        msg["tool_calls"] = [
+            {"id": c.id, "type": c.type,
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls]
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise invalid_request(f"'messages.{k}.tool_call_id' is required for role 'tool'",
+                                  f"messages.{k}.tool_call_id", "invalid_value")
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as the JSON object they encode; text that is not one stays text."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
 
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

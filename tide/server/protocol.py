@@ -112,12 +112,60 @@ class TextContentPart(BaseModel):
     text: str
 
 
+# OpenAI's rule for function names.
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One of a chat request's `tools`: a function the model may call."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = _STRICT
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class FunctionCallMessage(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant turn made (`messages[k].tool_calls`)."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -131,6 +179,12 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # sglang: with --reasoning-parser, the thinking goes to `reasoning_content` (False: left in
+    # `content`)
+    separate_reasoning: bool = True
 
 
 class GenerateReqInput(BaseModel):

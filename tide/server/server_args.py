@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide.config import DEMO_MODEL_PATH, EngineConfig
+from tide.server.function_call_parser import check_tool_call_parser
 from tide.server.limits import RequestLimits
+from tide.server.reasoning_parser import check_reasoning_parser
 from tide.server.security import is_loopback_host
 
 DEMO_MODEL_NAME = "tide-demo"
@@ -53,6 +55,10 @@ class ServerArgs:
     # Data parallel: this many engine replicas (scheduler processes) behind one server, each
     # request on the least loaded one (`tide.cluster.dp_controller`).
     dp_size: int = 1
+    # Chat completions: the format tool calls are parsed from (`function_call_parser`), and the
+    # one thinking is separated by (`reasoning_parser`); None: the output is left as text.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -83,6 +89,8 @@ class ServerArgs:
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or not (
                 1 <= self.dp_size <= 64):
             raise ValueError(f"dp_size must be an integer in [1, 64], got {self.dp_size!r}")
+        check_tool_call_parser(self.tool_call_parser)
+        check_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.weight_version, str) or not self.weight_version:
             raise ValueError("weight_version must be a non-empty string")
         for name in ("allow_unauthenticated_admin", "incremental_streaming_output"):

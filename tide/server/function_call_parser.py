@@ -1,0 +1,234 @@
+"""Tool calls out of a model's output text (`tide serve --tool-call-parser NAME`).
+
+A chat completion with `tools` then answers with `message.tool_calls` (streams: `delta.tool_calls`,
+each call whole in one delta) and `finish_reason: "tool_calls"`, as OpenAI's API does. The formats,
+named as sglang names them:
+
+- `qwen25` (alias `qwen`; Qwen2.5, Qwen3, Hermes-style models): each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in the text.
+- `llama3` (Llama 3.1+ JSON tool calling): the output is `{"name": ..., "parameters": {...}}`,
+  several separated by `;`, optionally after `<|python_tag|>`.
+- `mistral`: the output is `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (the marker is
+  a special token, so it is usually gone from the text already).
+
+A call counts only if it names one of the request's tools and its arguments are a JSON object;
+otherwise its text stays in the content, so nothing the model wrote is lost. Whitespace next to a
+call is dropped. Text arrives in any pieces; every split gives the same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Collection
+from typing import Any, Protocol
+
+from tide.server.text_segments import Trimmed, partial_tag_suffix
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the function's name and its arguments as JSON object text."""
+
+    name: str
+    arguments: str
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        """The call as OpenAI's `tool_calls` item (streams give each item its `index`)."""
+        out: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Raw output text, and for the text of a call region the JSON values decoded from it (None:
+    plain text, or a region that did not decode)."""
+
+    text: str
+    values: list[Any] | None = None
+
+
+class _Format(Protocol):
+    def feed(self, text: str) -> list[_Piece]: ...
+
+    def finish(self) -> list[_Piece]: ...
+
+
+def _json_values(body: str) -> list[Any] | None:
+    """The JSON values of `body`, one after another, separated by whitespace or `;` (None: not
+    all of it is JSON)."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    pos, end = 0, len(body)
+    try:
+        while True:
+            while pos < end and (body[pos].isspace() or (values and body[pos] == ";")):
+                pos += 1
+            if pos == end:
+                return values or None
+            value, pos = decoder.raw_decode(body, pos)
+            values.append(value)
+    except (ValueError, RecursionError):
+        return None
+
+
+class _TaggedCalls:
+    """Calls between a start and an end tag, anywhere in the text (qwen25)."""
+
+    START = "<tool_call>"
+    END = "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_call = False
+        self._searched = 0  # the call's text before this offset holds no END
+
+    def feed(self, text: str) -> list[_Piece]:
+        self._buf += text
+        out: list[_Piece] = []
+        while True:
+            if self._in_call:
+                end = self._buf.find(self.END, self._searched)
+                if end < 0:
+                    self._searched = max(0, len(self._buf) - len(self.END) + 1)
+                    return out
+                body = self._buf[:end]
+                out.append(_Piece(self.START + body + self.END, _json_values(body)))
+                self._buf, self._in_call = self._buf[end + len(self.END):], False
+                continue
+            start = self._buf.find(self.START)
+            if start < 0:
+                cut = len(self._buf) - partial_tag_suffix(self._buf, (self.START,))
+                if cut:
+                    out.append(_Piece(self._buf[:cut]))
+                self._buf = self._buf[cut:]
+                return out
+            if start:
+                out.append(_Piece(self._buf[:start]))
+            self._buf, self._in_call = self._buf[start + len(self.START):], True
+            self._searched = 0
+
+    def finish(self) -> list[_Piece]:
+        buf, self._buf = self._buf, ""
+        if self._in_call:  # the output ended inside a call: it counts if its JSON is whole
+            return [_Piece(self.START + buf, _json_values(buf))]
+        return [_Piece(buf)] if buf else []
+
+
+class _LeadingCalls:
+    """An output that is nothing but calls: an optional marker, then JSON from `opener` on to the
+    end (llama3, mistral). Any other output is text, shown as it comes; calls are decoded once the
+    output has ended."""
+
+    def __init__(self, marker: str, opener: str) -> None:
+        self._marker, self._opener = marker, opener
+        self._buf = ""
+        self._state = "start"
+
+    def feed(self, text: str) -> list[_Piece]:
+        self._buf += text
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if head.startswith((self._marker, self._opener)):
+                self._state = "calls"
+            elif not head or self._marker.startswith(head):
+                return []
+            else:
+                self._state = "text"
+        if self._state == "calls":
+            return []
+        buf, self._buf = self._buf, ""
+        return [_Piece(buf)]
+
+    def finish(self) -> list[_Piece]:
+        buf, self._buf = self._buf, ""
+        if self._state != "calls":
+            return [_Piece(buf)] if buf else []
+        head = buf.lstrip()
+        body = head[len(self._marker):] if head.startswith(self._marker) else head
+        return [_Piece(buf, _json_values(body))]
+
+
+_FORMATS: dict[str, Any] = {
+    "qwen25": _TaggedCalls,
+    "qwen": _TaggedCalls,
+    "llama3": lambda: _LeadingCalls("<|python_tag|>", "{"),
+    "mistral": lambda: _LeadingCalls("[TOOL_CALLS]", "["),
+}
+TOOL_CALL_PARSERS = tuple(_FORMATS)
+
+
+def check_tool_call_parser(name: str | None) -> str | None:
+    if name is not None and name not in _FORMATS:
+        raise ValueError(f"tool_call_parser must be one of {sorted(_FORMATS)}, got {name!r}")
+    return name
+
+
+class FunctionCallParser:
+    """One output's content/tool-call split, fed in pieces: `feed` and `finish` return the content
+    that can be shown so far and the calls completed so far.
+
+    `tool_names`: the request's functions (a call naming another stays text); `parallel`: False
+    keeps only the first call (OpenAI's `parallel_tool_calls`)."""
+
+    def __init__(self, name: str, tool_names: Collection[str], parallel: bool = True) -> None:
+        check_tool_call_parser(name)
+        self._format: _Format = _FORMATS[name]()
+        self._tool_names = frozenset(tool_names)
+        self._parallel = parallel
+        self._segment = Trimmed(after_tag=False)
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return self._take(self._format.feed(text))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The output ended: whatever was held back."""
+        content, calls = self._take(self._format.finish())
+        return content + self._segment.at_end(), calls
+
+    def _take(self, pieces: list[_Piece]) -> tuple[str, list[ToolCall]]:
+        content = ""
+        calls: list[ToolCall] = []
+        for piece in pieces:
+            parsed = self._calls(piece.values) if piece.values is not None else None
+            if parsed is None:
+                content += self._segment.push(piece.text)
+                continue
+            self._segment.before_tag()
+            self._segment = Trimmed(after_tag=True)
+            for call in parsed:
+                if self._parallel or self.num_calls == 0:
+                    calls.append(call)
+                    self.num_calls += 1
+        return content, calls
+
+    def _calls(self, values: list[Any]) -> list[ToolCall] | None:
+        """The calls `values` hold (objects, or lists of objects), or None if any is not a call of
+        one of the request's functions."""
+        items = [item for value in values
+                 for item in (value if isinstance(value, list) else [value])]
+        calls = [self._call(item) for item in items]
+        if not calls or any(call is None for call in calls):
+            return None
+        return [call for call in calls if call is not None]
+
+    def _call(self, item: Any) -> ToolCall | None:
+        if not isinstance(item, dict):
+            return None
+        name = item.get("name")
+        if not isinstance(name, str) or name not in self._tool_names:
+            return None
+        args = item.get("arguments", item.get("parameters"))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(args, dict):
+            return None
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
