@@ -11,7 +11,7 @@ import torch
 
 import tide
 from conftest import random_prompts
-from tide.layers.sampler import Sampler, SamplingBatchInfo, apply_penalties, truncate
+from tide.layers.sampler import Sampler, SamplingBatchInfo, edit_logits, truncate
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
 from tide.scheduler.schedule_batch import sampling_info
@@ -260,6 +260,49 @@ def test_hf_repetition_penalty_parity(llama_engine, hf_model_for):
     assert out["output_ids"] == hf[0, len(prompt):].tolist()
 
 
+def test_hf_logit_bias_parity(llama_engine, hf_model_for):
+    """`logit_bias` gives HF's `sequence_bias` tokens (one-token sequences: a bias added to that
+    token's logit), greedy and with the biased logprobs; banning the greedy tokens changes them."""
+    model = hf_model_for("llama")
+    plain = llama_engine.generate(input_ids=PROMPT, sampling_params={
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True})["output_ids"]
+    bias = {t: -100.0 for t in plain[:4]} | {7: 3.5, 300: 2.0}
+    out = llama_engine.generate(input_ids=PROMPT, return_logprob=True, sampling_params={
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True,
+        "logit_bias": {str(t): b for t, b in bias.items()}})
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=12, pad_token_id=0,
+                            sequence_bias={(t,): b for t, b in bias.items()})
+    got = out["output_ids"]
+    assert got == hf[0, len(PROMPT):].tolist()
+    assert not set(got) & set(plain[:4])
+    logits = _hf_step_logits(model, PROMPT, got)
+    for t, b in bias.items():
+        logits[:, t] += b
+    ref = torch.log_softmax(logits, dim=-1)[torch.arange(len(got)), torch.tensor(got)]
+    lps = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+    assert lps == pytest.approx(ref.tolist(), abs=1e-4)
+
+
+def test_logit_bias_edits_before_penalties_and_checks_its_values():
+    req = _req(origin=[1], output=[2], logit_bias={"2": 1.5, 5: -100}, repetition_penalty=2.0)
+    assert req.sampling_params.logit_bias == {2: 1.5, 5: -100.0}
+    out = edit_logits(torch.tensor([LOGITS]), _info([req]))[0]
+    expected = list(LOGITS)
+    expected[1] = expected[1] * 2.0
+    expected[2] = (expected[2] + 1.5) / 2.0  # biased first, then penalised
+    expected[5] -= 100.0
+    assert out.tolist() == pytest.approx(expected)
+    for bad in ({"x": 1.0}, {-1: 1.0}, {"1e3": 1.0}, {1: 101.0}, {1: float("nan")}, {1: "2"},
+                {True: 1.0}, [1, 2], {i: 1.0 for i in range(1025)}):
+        with pytest.raises(ValueError, match="^logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="^logit_bias holds token 600"):
+        SamplingParams(logit_bias={600: 1.0}).check_vocab(512)
+
+
 # ---- unit: truncate
 
 
@@ -326,7 +369,7 @@ LOGITS = [1.0, -2.0, 3.0, -0.5, 0.25, 2.0]
 
 def test_frequency_penalty_exact():
     req = _req(origin=[1, 4], output=[2, 3, 3, 3], frequency_penalty=0.5)
-    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
+    out = edit_logits(torch.tensor([LOGITS]), _info([req]))[0]
     expected = list(LOGITS)
     expected[2] -= 0.5 * 1
     expected[3] -= 0.5 * 3
@@ -335,7 +378,7 @@ def test_frequency_penalty_exact():
 
 def test_presence_penalty_exact():
     req = _req(origin=[1, 4], output=[2, 3, 3, 3], presence_penalty=0.75)
-    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
+    out = edit_logits(torch.tensor([LOGITS]), _info([req]))[0]
     expected = list(LOGITS)
     expected[2] -= 0.75
     expected[3] -= 0.75
@@ -344,7 +387,7 @@ def test_presence_penalty_exact():
 
 def test_repetition_penalty_exact():
     req = _req(origin=[1, 2, 2], output=[3, 4], repetition_penalty=2.0)
-    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
+    out = edit_logits(torch.tensor([LOGITS]), _info([req]))[0]
     expected = list(LOGITS)
     for t in (1, 2, 3, 4):  # prompt and output tokens, each once even if repeated
         expected[t] = expected[t] / 2.0 if expected[t] > 0 else expected[t] * 2.0
@@ -356,8 +399,8 @@ def test_combined_penalties_and_untouched_rows():
     before = logits.clone()
     pen = _req(origin=[0], output=[2, 2], frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.5)
     plain = _req(origin=[0], output=[2, 2])
-    out = apply_penalties(logits, _info([pen, plain]))
-    assert torch.equal(logits, before), "apply_penalties must not modify its input"
+    out = edit_logits(logits, _info([pen, plain]))
+    assert torch.equal(logits, before), "edit_logits must not modify its input"
     assert torch.equal(out[1], before[1])
     expected = list(LOGITS)
     expected[2] = (3.0 - 2 * 1.0 - 0.5) / 1.5  # frequency/presence first, then repetition
@@ -367,7 +410,7 @@ def test_combined_penalties_and_untouched_rows():
 
 def test_penalties_with_no_output_yet():
     req = _req(origin=[5], output=[], frequency_penalty=1.0, presence_penalty=1.0)
-    out = apply_penalties(torch.tensor([LOGITS]), _info([req]))[0]
+    out = edit_logits(torch.tensor([LOGITS]), _info([req]))[0]
     assert out.tolist() == pytest.approx(LOGITS)
 
 
@@ -423,7 +466,8 @@ def test_sampling_info_takes_the_argmax_shortcut_only_when_every_row_allows_it()
     assert info.argmax_only and info.size == 0  # the shared shortcut: nothing else is read
     logprob = _req(temperature=0.0)
     logprob.return_logprob = True
-    for other in (logprob, _req(temperature=0.0, repetition_penalty=1.2), _req(temperature=0.7)):
+    for other in (logprob, _req(temperature=0.0, repetition_penalty=1.2), _req(temperature=0.7),
+                  _req(temperature=0.0, logit_bias={2: -100})):
         info = sampling_info([greedy, other])
         assert not info.argmax_only and info.size == 2
         assert info.params[1] is other.sampling_params and info.output_ids[1] is other.output_ids

@@ -229,3 +229,32 @@ def test_truncation_bounds_do_not_depend_on_the_batch():
         rows = list(range(start, min(start + 100, n)))
         part = bounds(rows, [-1] * len(rows), top_p[start: start + len(rows)], [0.0] * len(rows))
         assert torch.equal(part[0], alone[0][start: start + len(rows)])
+
+
+def test_logit_bias_rows_on_a_cuda_engine(tmp_path):
+    """`logit_bias` rows beside plain ones on a CUDA engine (graphs, overlap, one-pass sampling
+    for the plain rows): banned tokens never come, a +100 token always does (greedy and drawn), and
+    the plain rows keep the tokens they get without the biased rows beside them."""
+    import tide
+    from conftest import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "llama", "llama")
+    engine = tide.Engine(str(path), dtype="float32", max_total_tokens=8192)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 90)]
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    plain = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+    banned = set(plain[0][:4])
+    params = [
+        {**greedy, "logit_bias": {t: -100 for t in banned}},
+        {**greedy, "logit_bias": {7: 100}},
+        greedy,
+        {**greedy, "temperature": 1.0, "seed": 3, "logit_bias": {9: 100, 11: -100}},
+        greedy,
+    ]
+    outs = [o["output_ids"] for o in engine.generate(
+        input_ids=[*prompts, prompts[3]], sampling_params=params)]
+    assert not banned & set(outs[0]) and outs[0] != plain[0]
+    assert outs[1] == [7] * 24
+    assert outs[2] == plain[2] and outs[4] == plain[3]
+    assert outs[3] == [9] * 24
+    engine.shutdown()

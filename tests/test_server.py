@@ -178,6 +178,30 @@ def test_chat_tools_with_tool_choice_none_are_left_out(client):
     assert "reasoning_content" not in none.choices[0].message.model_extra
 
 
+def test_logit_bias_reaches_the_sampler(client, server, model_path):
+    """Banning the greedy reply's first tokens (OpenAI's -100) changes the reply and none of them
+    appears; +100 all but forces a token; /generate, completions and chat alike."""
+    from transformers import AutoTokenizer
+
+    def generate(**params) -> dict:
+        return server.post("/generate", {"text": PROMPTS[0], "sampling_params": {
+            "temperature": 0, "max_new_tokens": MAX, "ignore_eos": True, **params}}).json()
+
+    plain = generate()["output_ids"]
+    bias = {str(t): -100 for t in plain[:3]}
+    banned = generate(logit_bias=bias)
+    assert banned["output_ids"] != plain and not set(plain[:3]) & set(banned["output_ids"])
+    out = client.completions.create(model="tide-test", prompt=PROMPTS[0], max_tokens=MAX,
+                                    temperature=0, logit_bias=bias, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == banned["text"]
+    forced = plain[0]
+    chat = client.chat.completions.create(
+        model="tide-test", messages=[{"role": "user", "content": "Hello"}], max_tokens=MAX,
+        temperature=0, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    tok = AutoTokenizer.from_pretrained(model_path)
+    assert chat.choices[0].message.content == tok.decode([forced] * MAX)
+
+
 def test_chat_without_include_usage_sends_no_usage_chunk(client):
     stream = client.chat.completions.create(
         model="tide-test", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
@@ -582,6 +606,10 @@ BAD_COMPLETIONS = [
     ({"model": "tide-test", "prompt": [10**9]}, 400, "prompt"),
     ({"model": "tide-test", "prompt": "hi " * 2000}, 400, "prompt"),
     ({"model": "tide-test", "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": "tide-test", "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": "tide-test", "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "tide-test", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": "tide-test", "prompt": "hi", "logit_bias": {"5": "1"}}, 400, "logit_bias.5"),
     ({"model": "no-such-model", "prompt": "hi"}, 404, "model"),
     ({"prompt": "hi"}, 400, "model"),
 ]
@@ -647,6 +675,8 @@ BAD_GENERATE = [
     ({"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params"),
     ({"text": ["a", "b"], "rid": "same"}, 400, "rid"),
     ({"text": "hi", "return_logprob": "yes"}, 400, "return_logprob"),
+    ({"text": "hi", "sampling_params": {"logit_bias": {"7": -1000}}}, 400,
+     "sampling_params.logit_bias"),
     ({"text": "hi", "unknown": True}, 400, "unknown"),
     ({"text": "hi", "return_logprob": True, "logprob_start_len": -3}, 400, "logprob_start_len"),
     ({"text": "hi", "return_logprob": True, "logprob_start_len": "0"}, 400, "logprob_start_len"),

@@ -19,6 +19,10 @@ MAX_INT32 = 2**31 - 1
 GREEDY_TEMPERATURE = 1e-5
 # Below this a repetition penalty divides logits toward overflow (1e-300 is 0 in fp32): NaN weights.
 MIN_REPETITION_PENALTY = 0.01
+# `logit_bias`: at most this many tokens, each biased by a value in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]
+# (OpenAI's range: -100 bans a token, 100 all but forces it).
+MAX_LOGIT_BIAS_TOKENS = 1024
+LOGIT_BIAS_MAX = 100.0
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repetition_penalty")
 
@@ -30,7 +34,9 @@ class SamplingParams:
     `temperature` below `GREEDY_TEMPERATURE` (1e-5) means greedy and is stored as 0.
     `top_k == -1` disables top-k. Penalties follow the OpenAI
     definitions for `frequency_penalty`/`presence_penalty` (over generated tokens) and the HF definition
-    for `repetition_penalty` (over prompt and generated tokens).
+    for `repetition_penalty` (over prompt and generated tokens). `logit_bias` maps token ids
+    (ints, or decimal strings as JSON carries them; stored as ints) to a value added to that token's
+    logit before the penalties, as OpenAI's `logit_bias` does.
     """
 
     max_new_tokens: int = 128
@@ -47,9 +53,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: int | None = None
     n: int = 1
+    logit_bias: dict[int, float] | None = None
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
+        self.logit_bias = _logit_bias(self.logit_bias)
         self.validate()
         for name in _FLOAT_FIELDS:  # ints are accepted; the sampler and the wire take floats
             setattr(self, name, float(getattr(self, name)))
@@ -69,11 +77,17 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Penalties: they read the tokens generated so far."""
         return (
             self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties or a logit bias)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     def validate(self) -> None:
         _int_field("max_new_tokens", self.max_new_tokens, lo=0, hi=MAX_INT32)
@@ -119,6 +133,7 @@ class SamplingParams:
         if self.seed is not None:
             _int_field("seed", self.seed, lo=0, hi=MAX_SEED)
         _int_field("n", self.n, lo=1, hi=MAX_INT32)
+        _logit_bias(self.logit_bias)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError unless `top_k` and `stop_token_ids` fit a vocabulary of this size."""
@@ -128,6 +143,10 @@ class SamplingParams:
         bad = next((t for t in self.stop_token_ids or () if t >= vocab_size), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids holds {bad}, outside the vocabulary [0, {vocab_size})")
+        bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias holds token {bad}, outside the vocabulary [0, "
+                             f"{vocab_size})")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":
@@ -144,6 +163,32 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling_params field(s) {unknown}; allowed: {sorted(known)}")
         return cls(**params)
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """`logit_bias` checked (ValueError naming it) and normalised: int keys, float values."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got "
+                         f"{type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                         f"{len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10:
+            token = int(key)
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= MAX_INT32:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {MAX_INT32}], got "
+                             f"{_short(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
+            raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, "
+                             f"{LOGIT_BIAS_MAX:g}], got {_short(bias)} for token {token}")
+        out[token] = float(bias)
+    return out
 
 
 def _int_field(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:

@@ -1,24 +1,25 @@
 """Turns last-token logits into next tokens, per-request parameters applied row by row.
 
-Order: penalties -> temperature -> top_k / top_p / min_p -> draw. Greedy rows take the argmax. A draw
-is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes from a generator on the
-logits' device seeded by (seed, output position), so its tokens do not depend on what else is in the
-batch. Every step runs on that device; results leave it through `DeviceSample`.
+Order: logit bias -> penalties -> temperature -> top_k / top_p / min_p -> draw. Greedy rows take the
+argmax. A draw is `argmax(probs / E)` with E ~ Exp(1): for a request with a `seed`, E comes from a
+generator on the logits' device seeded by (seed, output position), so its tokens do not depend on
+what else is in the batch. Every step runs on that device; results leave it through `DeviceSample`.
 
-On CUDA, a row with no penalties and no top logprobs (greedy, or temperature sampling with or without
-top-k / top-p / min-p, as an RL rollout draws) takes `triton_ops.sample_rows` instead: one pass over
-its logits that draws by the Gumbel-max rule (the same distribution, argmax(log p - log E)) with E
-from Philox keyed by (seed, output position), or by a per-step seed from the sampler's own generator
-when the request has none, and computes the token's logprob on the way. The other path reads and
-writes the vocabulary-wide rows about ten times (cast, scale, softmax, noise, divide, argmax,
-log_softmax), and sorts them to truncate. Truncated rows first find, without sorting, the order-key
-floor and min score of their kept tokens (`triton_ops.truncation_bounds`: 8 more passes for bf16
-logits, 11 for fp32), and the draw skips the rest. Which path a row takes depends on its own
-parameters only, so a seeded row's tokens still do not depend on its batch; the two paths draw from
-different random streams.
+On CUDA, a row with no logit bias, no penalties and no top logprobs (greedy, or temperature sampling
+with or without top-k / top-p / min-p, as an RL rollout draws) takes `triton_ops.sample_rows`
+instead: one pass over its logits that draws by the Gumbel-max rule (the same distribution,
+argmax(log p - log E)) with E from Philox keyed by (seed, output position), or by a per-step seed
+from the sampler's own generator when the request has none, and computes the token's logprob on the
+way. The other path reads and writes the vocabulary-wide rows about ten times (cast, scale, softmax,
+noise, divide, argmax, log_softmax), and sorts them to truncate. Truncated rows first find, without
+sorting, the order-key floor and min score of their kept tokens (`triton_ops.truncation_bounds`: 8
+more passes for bf16 logits, 11 for fp32), and the draw skips the rest. Which path a row takes
+depends on its own parameters only, so a seeded row's tokens still do not depend on its batch; the
+two paths draw from different random streams.
 
-Returned logprobs are `log_softmax` of the logits after penalties and temperature (temperature 0 counts
-as 1) and before any truncation: the distribution the model proposed at that temperature.
+Returned logprobs are `log_softmax` of the logits after logit bias, penalties and temperature
+(temperature 0 counts as 1) and before any truncation: the distribution the model proposed at that
+temperature.
 """
 
 from __future__ import annotations
@@ -305,8 +306,8 @@ class Sampler:
         """Every row of `logits` through the general path (penalties, truncation, top logprobs)."""
         logits = logits.float()
         params = info.params
-        if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, info)
+        if any(p.edits_logits for p in params):
+            logits = edit_logits(logits, info)
         temps = device_tensor([p.temperature or 1.0 for p in params], torch.float32,
                               logits.device).unsqueeze(1)
         scaled = logits / temps
@@ -363,9 +364,9 @@ class Sampler:
 
 
 def _one_pass(p: SamplingParams, top_logprobs_num: int) -> bool:
-    """Whether a row may take `triton_ops.sample_rows`: no penalties and no top logprobs (greedy,
-    temperature, top-k, top-p and min-p rows do)."""
-    return not p.has_penalties and top_logprobs_num == 0
+    """Whether a row may take `triton_ops.sample_rows`: no logit bias, no penalties and no top
+    logprobs (greedy, temperature, top-k, top-p and min-p rows do)."""
+    return not p.edits_logits and top_logprobs_num == 0
 
 
 def _truncates(p: SamplingParams) -> bool:
@@ -421,12 +422,16 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, order, sorted_p)
 
 
-def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """A penalised copy of `logits`: frequency/presence over each row's output, then repetition
-    over its prompt and output."""
+def edit_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """An edited copy of `logits`: each row's logit bias added, then frequency/presence penalties
+    over its output, then the repetition penalty over its prompt and output."""
     logits = logits.clone()
     vocab = logits.shape[1]
     for i, p in enumerate(info.params):
+        if p.logit_bias:
+            tokens = device_tensor(list(p.logit_bias), torch.int64, logits.device)
+            bias = device_tensor(list(p.logit_bias.values()), torch.float32, logits.device)
+            logits[i].index_add_(0, tokens, bias.to(logits.dtype))
         if not p.has_penalties:
             continue
         if p.frequency_penalty or p.presence_penalty:

@@ -70,9 +70,9 @@ class Req:
 
     @property
     def argmax_only(self) -> bool:
-        """Its next token is the argmax of the logits: greedy, no penalties, no logprobs."""
+        """Its next token is the argmax of the logits: greedy, no logit edits, no logprobs."""
         p = self.sampling_params
-        return p.is_greedy and not p.has_penalties and not self.return_logprob
+        return p.is_greedy and not p.edits_logits and not self.return_logprob
 
     @property
     def wants_input_logprobs(self) -> bool:

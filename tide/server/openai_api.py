@@ -22,7 +22,7 @@ moves a reasoning model's thinking to `reasoning_content` (`reasoning_parser`). 
 (`messages[k].tool_calls`) and results (role `tool`) reach the chat template.
 
 Not supported (400): tool_choice `required` or a named function (forcing a call needs constrained
-decoding), the legacy `functions`, `logit_bias`, `best_of`, `suffix`.
+decoding), the legacy `functions`, `best_of`, `suffix`.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class OpenAIServingBase:
             "ignore_eos": req.ignore_eos,
             "skip_special_tokens": req.skip_special_tokens,
             "seed": req.seed,
+            "logit_bias": req.logit_bias,
         }
         if req.stop:
             self.tm.require_tokenizer("stop")

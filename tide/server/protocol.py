@@ -87,6 +87,8 @@ class _OpenAISampling(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    # token id (as a decimal string, JSON's only key type) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     # sglang / vLLM extensions
     top_k: int = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
