@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import time
 
 import httpx
 import openai
 import pytest
 import torch
+import transformers
 from server_utils import assert_error, running_server
 
 from tide.server.function_call_parser import FunctionCallParser, ToolCall
@@ -50,6 +53,10 @@ def _reasoning_of(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]
 
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris", "days": [1, 2]}')
+DEEP_CALL = ('<tool_call>{"name": "get_time", "arguments": ' + '{"a": ' * 995 + "1" + "}" * 995
+             + "}</tool_call>")
+NAN_CALL = '<tool_call>{"name": "get_time", "arguments": {"x": NaN, "y": 1e999}}</tool_call>'
+SURROGATE_CALL = '<tool_call>{"name": "get_time", "arguments": {"s": "\\ud83d"}}</tool_call>'
 TIME = ToolCall("get_time", "{}")
 CALL_CASES = [
     # (parser, text, content, calls)
@@ -82,6 +89,11 @@ CALL_CASES = [
     # JSON nested past the decoder's recursion limit is text, not a crash
     ("qwen25", "<tool_call>" + "[" * 100000 + "</tool_call>",
      "<tool_call>" + "[" * 100000 + "</tool_call>", []),
+    ("qwen25", DEEP_CALL, DEEP_CALL, []),
+    # no arguments: an empty object (as sglang); not strict JSON, or a lone surrogate: text
+    ("qwen25", '<tool_call>{"name": "get_time"}</tool_call>', "", [TIME]),
+    ("qwen25", NAN_CALL, NAN_CALL, []),
+    ("qwen25", SURROGATE_CALL, SURROGATE_CALL, []),
 ]
 
 
@@ -106,6 +118,32 @@ def test_tool_call_parser_streams_text_without_waiting_for_the_end():
     parser = FunctionCallParser("qwen25", ["get_time"], parallel=False)
     one = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     assert _calls_of(parser, [one + one]) == ("", [TIME])
+
+
+def test_call_ids_take_each_family_s_form():
+    one = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    [call] = _calls_of(FunctionCallParser("qwen25", ["get_time"]), [one])[1]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call.id) and call.to_openai()["id"] == call.id
+    [call] = _calls_of(FunctionCallParser("mistral", ["get_time"]),
+                       ['[{"name": "get_time", "arguments": {}}]'])[1]
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
+
+
+@pytest.mark.parametrize("text", [
+    " " * 400_000 + "x",  # whitespace before the output shows what it is
+    '<tool_call>{"name": "get_time", "arguments": {"s": "' + "y" * 400_000 + '"}}</tool_call>',
+    '{"name": "get_time", "parameters": {"s": "' + "y" * 400_000 + '"}}',
+    "a" + " " * 400_000 + "b",  # whitespace held back inside text
+    "<think>" + "z" * 400_000 + "</think>ok",
+])
+def test_long_outputs_fed_a_few_characters_at_a_time_take_linear_time(text):
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    t0 = time.perf_counter()
+    for fmt in ("qwen25", "llama3", "mistral"):
+        _calls_of(FunctionCallParser(fmt, ["get_time"]), pieces)
+    for name in ("qwen3", "deepseek-r1"):
+        _reasoning_of(ReasoningParser(name), pieces)
+    assert time.perf_counter() - t0 < 4.0  # ~0.5 s here; quadratic buffering took minutes
 
 
 def test_unknown_parser_names_are_refused():
@@ -187,7 +225,6 @@ def _prompt_ids(tok, messages, tools) -> list[int]:
 @pytest.fixture(scope="module")
 def scripted_model(tmp_path_factory):
     """A tiny Llama that answers SCRIPT's prompts with SCRIPT's outputs (greedy), checked here."""
-    import transformers
     from conftest import build_checkpoint
 
     path = build_checkpoint(tmp_path_factory.mktemp("scripted") / "m", "llama")
@@ -279,6 +316,23 @@ def test_tool_result_turn_reaches_the_template(client, scripted_model):
     assert resp.choices[0].finish_reason == "stop"
 
 
+def test_a_reply_sent_back_as_the_client_got_it_renders_as_written(client, scripted_model):
+    """The openai tool loop: `messages.append(reply.message)` (with its null `refusal`, and what
+    `model_dump` adds), then the tool's result; rendered as the same turn written by hand."""
+    path, _ = scripted_model
+    reply = _chat(client, ASK, TOOLS).choices[0].message
+    [call] = reply.tool_calls
+    result = {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}
+    written = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function",
+         "function": {"name": "get_weather", "arguments": call.function.arguments}}]}, result]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    want = len(_prompt_ids(tok, written, TOOLS))
+    for sent in (reply, reply.model_dump()):
+        resp = _chat(client, [*ASK, sent, result], TOOLS)
+        assert resp.usage.prompt_tokens == want
+
+
 def test_streamed_tool_call_and_reasoning(client):
     chunks = list(_chat(client, ASK, TOOLS, stream=True, n=2))
     for index in (0, 1):
@@ -311,6 +365,13 @@ def test_separate_reasoning_false_and_tool_choice_none_leave_text(client):
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
+def _said(arguments: str) -> dict:
+    """An assistant turn that called get_weather with `arguments`."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": arguments}}]}
+
+
 BAD_TOOL_REQUESTS = [
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
@@ -328,6 +389,12 @@ BAD_TOOL_REQUESTS = [
      "messages.0.tool_calls"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
      "messages.0.tool_calls.0.function.arguments"),
+    ({"messages": [*ASK, _said('{"a": "\\ud800"}')]}, "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [*ASK, _said('{"a": ' * 40 + "1" + "}" * 40)]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [*ASK, {"role": "assistant", "content": None,
+                          "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages.1.function_call"),
 ]
 
 

@@ -11,8 +11,10 @@ named as sglang names them:
 - `mistral`: the output is `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (the marker is
   a special token, so it is usually gone from the text already).
 
-A call counts only if it names one of the request's tools and its arguments are a JSON object;
-otherwise its text stays in the content, so nothing the model wrote is lost. Whitespace next to a
+A call counts only if it names one of the request's tools and its arguments are a JSON object
+(strict JSON: no NaN; missing arguments are `{}`); otherwise its text stays in the content, so
+nothing the model wrote is lost. Call ids are `call_` and 24 hex digits, or for `mistral` 9 letters
+and digits (the form Mistral's templates take back). Whitespace next to a
 call is dropped. Text arrives in any pieces; every split gives the same result.
 """
 
@@ -20,23 +22,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
+import string
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
-from tide.server.text_segments import Trimmed, partial_tag_suffix
+from tide.server.text_segments import Opening, Trimmed, partial_tag_suffix
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """One parsed call: the function's name and its arguments as JSON object text."""
+    """One parsed call: the function's name, its arguments as JSON object text, and the id the
+    parser gave it (in the form the model family's templates take back; not compared)."""
 
     name: str
     arguments: str
+    id: str = dataclasses.field(default="", compare=False)
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
         """The call as OpenAI's `tool_calls` item (streams give each item its `index`)."""
-        out: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        out: dict[str, Any] = {"id": self.id, "type": "function",
                                "function": {"name": self.name, "arguments": self.arguments}}
         if index is not None:
             out["index"] = index
@@ -83,40 +89,47 @@ class _TaggedCalls:
     END = "</tool_call>"
 
     def __init__(self) -> None:
-        self._buf = ""
+        self._text = ""  # outside a call: what may begin START (shorter than it)
+        self._call: list[str] = []  # inside a call: its text so far, in pieces
+        self._tail = ""  # inside a call: its last len(END) - 1 characters
         self._in_call = False
-        self._searched = 0  # the call's text before this offset holds no END
 
     def feed(self, text: str) -> list[_Piece]:
-        self._buf += text
         out: list[_Piece] = []
         while True:
             if self._in_call:
-                end = self._buf.find(self.END, self._searched)
+                window = self._tail + text
+                end = window.find(self.END)
                 if end < 0:
-                    self._searched = max(0, len(self._buf) - len(self.END) + 1)
+                    self._call.append(text)
+                    self._tail = window[-(len(self.END) - 1):]
                     return out
-                body = self._buf[:end]
+                cut = end - len(self._tail)  # where END starts in `text` (< 0: in the tail)
+                body = "".join(self._call)
+                body = body[:len(body) + cut] if cut < 0 else body + text[:cut]
                 out.append(_Piece(self.START + body + self.END, _json_values(body)))
-                self._buf, self._in_call = self._buf[end + len(self.END):], False
+                text = text[cut + len(self.END):]
+                self._call, self._tail, self._in_call = [], "", False
                 continue
-            start = self._buf.find(self.START)
+            text, self._text = self._text + text, ""
+            start = text.find(self.START)
             if start < 0:
-                cut = len(self._buf) - partial_tag_suffix(self._buf, (self.START,))
+                cut = len(text) - partial_tag_suffix(text, (self.START,))
                 if cut:
-                    out.append(_Piece(self._buf[:cut]))
-                self._buf = self._buf[cut:]
+                    out.append(_Piece(text[:cut]))
+                self._text = text[cut:]
                 return out
             if start:
-                out.append(_Piece(self._buf[:start]))
-            self._buf, self._in_call = self._buf[start + len(self.START):], True
-            self._searched = 0
+                out.append(_Piece(text[:start]))
+            text, self._in_call = text[start + len(self.START):], True
 
     def finish(self) -> list[_Piece]:
-        buf, self._buf = self._buf, ""
         if self._in_call:  # the output ended inside a call: it counts if its JSON is whole
-            return [_Piece(self.START + buf, _json_values(buf))]
-        return [_Piece(buf)] if buf else []
+            body = "".join(self._call)
+            self._call, self._tail, self._in_call = [], "", False
+            return [_Piece(self.START + body, _json_values(body))]
+        text, self._text = self._text, ""
+        return [_Piece(text)] if text else []
 
 
 class _LeadingCalls:
@@ -126,38 +139,51 @@ class _LeadingCalls:
 
     def __init__(self, marker: str, opener: str) -> None:
         self._marker, self._opener = marker, opener
-        self._buf = ""
+        self._opening = Opening()
+        self._calls: list[str] = []
         self._state = "start"
 
     def feed(self, text: str) -> list[_Piece]:
-        self._buf += text
-        if self._state == "start":
-            head = self._buf.lstrip()
-            if head.startswith((self._marker, self._opener)):
-                self._state = "calls"
-            elif not head or self._marker.startswith(head):
-                return []
-            else:
-                self._state = "text"
         if self._state == "calls":
+            self._calls.append(text)
             return []
-        buf, self._buf = self._buf, ""
-        return [_Piece(buf)]
+        if self._state == "start":
+            head = self._opening.add(text)
+            if head.startswith((self._marker, self._opener)):
+                self._state, self._calls = "calls", [self._opening.text()]
+                return []
+            if not head or self._marker.startswith(head):
+                return []
+            self._state, text = "text", self._opening.text()
+        return [_Piece(text)] if text else []
 
     def finish(self) -> list[_Piece]:
-        buf, self._buf = self._buf, ""
-        if self._state != "calls":
-            return [_Piece(buf)] if buf else []
-        head = buf.lstrip()
+        if self._state == "start":
+            text = self._opening.text()
+            return [_Piece(text)] if text else []
+        if self._state == "text":
+            return []
+        text = "".join(self._calls)
+        head = text.lstrip()
         body = head[len(self._marker):] if head.startswith(self._marker) else head
-        return [_Piece(buf, _json_values(body))]
+        return [_Piece(text, _json_values(body))]
 
 
-_FORMATS: dict[str, Any] = {
-    "qwen25": _TaggedCalls,
-    "qwen": _TaggedCalls,
-    "llama3": lambda: _LeadingCalls("<|python_tag|>", "{"),
-    "mistral": lambda: _LeadingCalls("[TOOL_CALLS]", "["),
+def _hex_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _mistral_call_id() -> str:
+    """Mistral's chat templates take back only ids of 9 letters and digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+# name -> (a new parser of that format, a new call id in that family's form)
+_FORMATS: dict[str, tuple[Callable[[], _Format], Callable[[], str]]] = {
+    "qwen25": (_TaggedCalls, _hex_call_id),
+    "qwen": (_TaggedCalls, _hex_call_id),
+    "llama3": (lambda: _LeadingCalls("<|python_tag|>", "{"), _hex_call_id),
+    "mistral": (lambda: _LeadingCalls("[TOOL_CALLS]", "["), _mistral_call_id),
 }
 TOOL_CALL_PARSERS = tuple(_FORMATS)
 
@@ -177,7 +203,8 @@ class FunctionCallParser:
 
     def __init__(self, name: str, tool_names: Collection[str], parallel: bool = True) -> None:
         check_tool_call_parser(name)
-        self._format: _Format = _FORMATS[name]()
+        new_format, self._new_id = _FORMATS[name]
+        self._format = new_format()
         self._tool_names = frozenset(tool_names)
         self._parallel = parallel
         self._segment = Trimmed(after_tag=False)
@@ -223,12 +250,15 @@ class FunctionCallParser:
         name = item.get("name")
         if not isinstance(name, str) or name not in self._tool_names:
             return None
-        args = item.get("arguments", item.get("parameters"))
-        if isinstance(args, str):
-            try:
+        args = item.get("arguments", item.get("parameters", {}))
+        try:
+            if isinstance(args, str):
                 args = json.loads(args)
-            except (ValueError, RecursionError):
+            if not isinstance(args, dict):
                 return None
-        if not isinstance(args, dict):
+            # strict JSON (no NaN), every string valid Unicode (no lone surrogate from an escape)
+            text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+            text.encode("utf-8")
+        except (ValueError, RecursionError):
             return None
-        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+        return ToolCall(name, text, self._new_id())

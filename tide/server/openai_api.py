@@ -592,7 +592,8 @@ class OpenAIServingChat(OpenAIServingBase):
             chars += sum(len(c.function.name) + len(c.function.arguments)
                          for c in m.tool_calls or ())
         self.tm.check_prompt_chars(chars, "messages")
-        messages = [_template_message(k, m) for k, m in enumerate(req.messages)]
+        depth = self.tm.limits.max_json_depth
+        messages = [_template_message(k, m, depth) for k, m in enumerate(req.messages)]
         kwargs = _template_variables(tok, req.chat_template_kwargs)
         if tools:
             kwargs["tools"] = tools
@@ -684,9 +685,14 @@ def _chat_finish_reason(s: ReqState, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _template_message(k: int, m: Any) -> dict[str, Any]:
+def _template_message(k: int, m: Any, max_depth: int) -> dict[str, Any]:
     """`messages[k]` as chat templates take it: text parts joined, an earlier turn's call arguments
-    as the objects they encode (templates write them with `tojson`), the call id of a tool result."""
+    as the objects they encode (templates write them with `tojson`; at most `max_depth` deep), the
+    call id of a tool result."""
+    for name in ("function_call", "audio"):
+        if getattr(m, name) is not None:
+            raise invalid_request(f"'messages.{k}.{name}' is not supported", f"messages.{k}.{name}",
+                                  "unsupported_value")
     content = m.content
     if isinstance(content, list):
         content = "".join(part.text for part in content)
@@ -705,9 +711,9 @@ def _template_message(k: int, m: Any) -> dict[str, Any]:
             raise invalid_request(f"'messages.{k}.tool_calls' is only allowed for role "
                                   "'assistant'", f"messages.{k}.tool_calls", "invalid_value")
         msg["tool_calls"] = [
-            {"id": c.id, "type": c.type,
-             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-            for c in m.tool_calls]
+            {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(
+                c.function.arguments, f"messages.{k}.tool_calls.{j}.function.arguments", max_depth)}}
+            for j, c in enumerate(m.tool_calls)]
     if m.role == "tool":
         if m.tool_call_id is None:
             raise invalid_request(f"'messages.{k}.tool_call_id' is required for role 'tool'",
@@ -716,13 +722,30 @@ def _template_message(k: int, m: Any) -> dict[str, Any]:
     return msg
 
 
-def _arguments(text: str) -> Any:
-    """A call's arguments as the JSON object they encode; text that is not one stays text."""
+def _arguments(text: str, param: str, max_depth: int) -> Any:
+    """A call's arguments as the JSON object they encode (text that is not one stays text); a 400
+    naming `param` if they nest deeper than `max_depth` or hold a lone surrogate (an escape)."""
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
         return text
-    return value if isinstance(value, dict) else text
+    level: list[Any] = [value]
+    depth = 0
+    while level:
+        depth += 1
+        if depth > max_depth:
+            raise invalid_request(f"'{param}' nests deeper than {max_depth}", param,
+                                  "invalid_value")
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (dict, list))]
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except ValueError:  # UnicodeEncodeError: a lone surrogate
+        raise invalid_request(f"'{param}' holds a lone surrogate (not valid Unicode)", param,
+                              "invalid_value") from None
+    return value
 
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

@@ -158,6 +158,7 @@ class ToolCallMessage(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallMessage
+    index: int | None = None  # a streamed call's, as a client that rebuilt it sends it back; unused
 
 
 class ChatMessage(BaseModel):
@@ -168,6 +169,12 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     reasoning_content: str | None = None
+    # What the openai client sends back with a reply it got (`messages.append(message)`); taken
+    # and not rendered. A non-null `function_call` or `audio` is refused (not supported).
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):

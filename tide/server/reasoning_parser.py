@@ -14,7 +14,7 @@ tags is dropped. Text arrives in any pieces; every split gives the same result.
 
 from __future__ import annotations
 
-from tide.server.text_segments import Trimmed, partial_tag_suffix
+from tide.server.text_segments import Opening, Trimmed, partial_tag_suffix
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -31,55 +31,49 @@ def check_reasoning_parser(name: str | None) -> str | None:
 
 class ReasoningParser:
     """One output's thinking/answer split, fed in pieces: `feed` and `finish` return the
-    (reasoning, answer) text that can be shown so far."""
+    (reasoning, answer) text that can be shown so far. Linear in the output's length."""
 
     def __init__(self, name: str) -> None:
         check_reasoning_parser(name)
         self._starts_inside = REASONING_PARSERS[name]
         self._state = "start"
-        self._buf = ""
+        self._opening = Opening()
+        self._buf = ""  # thinking: what may begin THINK_END (shorter than it)
         self._reasoning = Trimmed(after_tag=True)
-        self._answer: Trimmed | None = None
+        self._answer = Trimmed(after_tag=False)
 
     def feed(self, text: str) -> tuple[str, str]:
-        self._buf += text
-        reasoning = answer = ""
+        reasoning = ""
         if self._state == "start":
-            head = self._buf.lstrip()
+            head = self._opening.add(text)
             if head.startswith(THINK_START):
-                self._state, self._buf = "reasoning", head[len(THINK_START):]
+                self._state, text = "reasoning", head[len(THINK_START):]
             elif THINK_START.startswith(head):
                 return "", ""  # may still become the tag
             elif self._starts_inside:
-                self._state = "reasoning"
+                self._state, text = "reasoning", head
             else:
-                self._state, self._answer = "answer", Trimmed(after_tag=False)
+                self._state, text = "answer", self._opening.text()
         if self._state == "reasoning":
-            end = self._buf.find(THINK_END)
+            text, self._buf = self._buf + text, ""
+            end = text.find(THINK_END)
             if end < 0:
-                keep = partial_tag_suffix(self._buf, (THINK_END,))
-                cut = len(self._buf) - keep
-                reasoning = self._reasoning.push(self._buf[:cut])
-                self._buf = self._buf[cut:]
-                return reasoning, ""
-            reasoning = self._reasoning.push(self._buf[:end])
+                cut = len(text) - partial_tag_suffix(text, (THINK_END,))
+                self._buf = text[cut:]
+                return self._reasoning.push(text[:cut]), ""
+            reasoning = self._reasoning.push(text[:end])
             self._reasoning.before_tag()
             self._state, self._answer = "answer", Trimmed(after_tag=True)
-            self._buf = self._buf[end + len(THINK_END):]
-        assert self._answer is not None
-        answer = self._answer.push(self._buf)
-        self._buf = ""
-        return reasoning, answer
+            text = text[end + len(THINK_END):]
+        return reasoning, self._answer.push(text)
 
     def finish(self) -> tuple[str, str]:
         """The output ended: whatever was held back."""
         if self._state == "start":
             if self._starts_inside:
-                return self._reasoning.push(self._buf) + self._reasoning.at_end(), ""
-            return "", self._buf
+                return self._reasoning.push(self._opening.text()) + self._reasoning.at_end(), ""
+            return "", self._opening.text()
         if self._state == "reasoning":
-            reasoning = self._reasoning.push(self._buf) + self._reasoning.at_end()
-            self._buf = ""
-            return reasoning, ""
-        assert self._answer is not None
+            buf, self._buf = self._buf, ""
+            return self._reasoning.push(buf) + self._reasoning.at_end(), ""
         return "", self._answer.at_end()

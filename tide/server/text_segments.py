@@ -28,7 +28,7 @@ class Trimmed:
 
     def __init__(self, after_tag: bool) -> None:
         self._started = not after_tag
-        self._held = ""
+        self._held: list[str] = []  # pieces, joined when shown: a long run costs linear time
 
     def push(self, text: str) -> str:
         """The part of `text` that can be shown now."""
@@ -39,17 +39,39 @@ class Trimmed:
             self._started = True
         body = text.rstrip()
         if not body:
-            self._held += text
+            self._held.append(text)
             return ""
-        out = self._held + body
-        self._held = text[len(body):]
+        out = "".join(self._held) + body
+        self._held = [text[len(body):]]
         return out
 
     def before_tag(self) -> None:
         """A tag ends the segment: the held whitespace is dropped."""
-        self._held = ""
+        self._held = []
 
     def at_end(self) -> str:
         """The output ends the segment: the held whitespace is shown after all."""
-        held, self._held = self._held, ""
+        held, self._held = "".join(self._held), []
         return held
+
+
+class Opening:
+    """The start of an output, until it shows whether it opens with a tag: the leading whitespace
+    (kept in pieces) and the first other characters (`head`, never longer than the tags)."""
+
+    def __init__(self) -> None:
+        self._lead: list[str] = []
+        self.head = ""
+
+    def add(self, text: str) -> str:
+        """Take `text`; return the head so far."""
+        if not self.head:
+            body = text.lstrip()
+            self._lead.append(text[:len(text) - len(body)])
+            text = body
+        self.head += text
+        return self.head
+
+    def text(self) -> str:
+        """Everything taken, whitespace included."""
+        return "".join(self._lead) + self.head
