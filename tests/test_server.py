@@ -202,6 +202,16 @@ def test_logit_bias_reaches_the_sampler(client, server, model_path):
     assert chat.choices[0].message.content == tok.decode([forced] * MAX)
 
 
+def test_parse_routes_need_a_parser_named_when_the_server_has_none(server):
+    err = assert_error(server.post("/parse_function_call", {"text": "x"}), 400,
+                       "tool_call_parser")
+    assert "--tool-call-parser" in err["message"]
+    assert_error(server.post("/separate_reasoning", {"text": "x"}), 400, "reasoning_parser")
+    out = server.post("/separate_reasoning", {"text": "<think>a</think>b",
+                                              "reasoning_parser": "qwen3"})
+    assert out.json() == {"text": "b", "reasoning_text": "a"}
+
+
 def test_chat_without_include_usage_sends_no_usage_chunk(client):
     stream = client.chat.completions.create(
         model="tide-test", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,

@@ -405,3 +405,34 @@ def test_bad_tool_requests_name_the_field(server, extra, param):
     assert_error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30), 400,
                  param)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_parse_routes_split_a_given_text(server):
+    """sglang's /parse_function_call and /separate_reasoning: the chat parsers on a text a client
+    generated through /generate; the server's parsers by default, or the one named."""
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server.url + path, json=body, timeout=30)
+
+    two = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    out = post("/parse_function_call", {"text": 'Sure. <tool_call>{"name": "get_time", '
+                                                '"arguments": {}}</tool_call>', "tools": two})
+    assert out.status_code == 200, out.text
+    assert out.json() == {"normal_text": "Sure.", "calls": [
+        {"tool_index": 1, "name": "get_time", "parameters": "{}"}]}
+    out = post("/parse_function_call", {"text": '{"name": "get_weather", "parameters": '
+                                                '{"city": "Oslo"}}', "tools": two,
+                                        "tool_call_parser": "llama3"}).json()
+    assert out == {"normal_text": "", "calls": [
+        {"tool_index": 0, "name": "get_weather", "parameters": '{"city": "Oslo"}'}]}
+    out = post("/separate_reasoning", {"text": "<think>hm</think> 4"}).json()
+    assert out == {"text": "4", "reasoning_text": "hm"}
+    out = post("/separate_reasoning", {"text": "hm</think>4",
+                                       "reasoning_parser": "deepseek-r1"}).json()
+    assert out == {"text": "4", "reasoning_text": "hm"}
+    assert_error(post("/parse_function_call", {"text": "x", "tool_call_parser": "nope"}), 400,
+                 "tool_call_parser")
+    assert_error(post("/parse_function_call", {"text": "x", "tools": [two[1]] * 129}), 400,
+                 "tools")
+    assert_error(post("/separate_reasoning", {"text": "x", "reasoning_parser": "r9"}), 400,
+                 "reasoning_parser")
+    assert_error(post("/separate_reasoning", {}), 400, "text")

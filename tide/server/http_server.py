@@ -43,12 +43,15 @@ from tide.server.metrics import CONTENT_TYPE, ServerMetrics
 from tide.server.native_api import NativeServing
 from tide.server.openai_api import OpenAIServingChat, OpenAIServingCompletion, models_response
 from tide.server.openapi import install_openapi, json_body
+from tide.server.parse_api import parse_function_call, separate_reasoning
 from tide.server.protocol import (
     AbortReqInput,
     ChatCompletionRequest,
     CompletionRequest,
     FlushCacheInput,
     GenerateReqInput,
+    ParseFunctionCallInput,
+    SeparateReasoningInput,
 )
 from tide.server.security import BrowserGuard, is_loopback_host
 from tide.server.server_args import ServerArgs
@@ -243,6 +246,16 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     @app.post("/generate", openapi_extra=json_body(GenerateReqInput))
     async def generate(request: Request) -> Response:
         return await native.generate(await parse_body(request, GenerateReqInput), request)
+
+    @app.post("/parse_function_call", openapi_extra=json_body(ParseFunctionCallInput))
+    async def parse_function_call_route(request: Request) -> JSONResponse:
+        body = await parse_body(request, ParseFunctionCallInput)
+        return JSONResponse(parse_function_call(body, args.tool_call_parser, args.limits))
+
+    @app.post("/separate_reasoning", openapi_extra=json_body(SeparateReasoningInput))
+    async def separate_reasoning_route(request: Request) -> JSONResponse:
+        body = await parse_body(request, SeparateReasoningInput)
+        return JSONResponse(separate_reasoning(body, args.reasoning_parser))
 
     @app.post("/abort_request", openapi_extra=json_body(AbortReqInput))
     async def abort_request(request: Request) -> Response:

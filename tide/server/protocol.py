@@ -196,6 +196,25 @@ class ChatCompletionRequest(_OpenAISampling):
     separate_reasoning: bool = True
 
 
+class ParseFunctionCallInput(BaseModel):
+    """`POST /parse_function_call` (sglang's body): the tool calls `text` holds, in the format of
+    `tool_call_parser` (default: the server's `--tool-call-parser`), among `tools`."""
+
+    model_config = _STRICT
+    text: str
+    tools: list[ToolDefinition] = Field(default_factory=list)
+    tool_call_parser: str | None = None
+
+
+class SeparateReasoningInput(BaseModel):
+    """`POST /separate_reasoning` (sglang's body): `text`'s thinking and answer, split by
+    `reasoning_parser` (default: the server's `--reasoning-parser`)."""
+
+    model_config = _STRICT
+    text: str
+    reasoning_parser: str | None = None
+
+
 class GenerateReqInput(BaseModel):
     """`POST /generate` (sglang's body): one item or a batch, by text or by token ids."""
 
