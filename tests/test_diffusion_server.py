@@ -9,9 +9,11 @@ import io
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -27,7 +29,8 @@ KEY = "sk-images"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(Path("demo-diffusion"), "--api-key", KEY,
+    with running_server(Path("demo-diffusion"), "--api-key", KEY, "--allowed-hosts",
+                        "images.example", "--header-read-timeout", "2",
                         log_dir=tmp_path_factory.mktemp("logs"), api_key=KEY) as srv:
         yield srv
 
@@ -351,3 +354,20 @@ def test_an_api_key_given_as_a_string_is_one_key_not_its_characters(engine):
     assert asyncio.run(status("sk-two")) == 200
     for token in ("s", "k", "-", "sk-one,sk-two"):
         assert asyncio.run(status(token)) == 401, token
+
+
+def test_host_names_and_header_deadline_flags_reach_the_image_server(server):
+    """`--allowed-hosts` adds a name the loopback-bound image server answers (others are 403, DNS
+    rebinding); `--header-read-timeout 2` closes a connection whose headers never finish."""
+    import socket
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ok = httpx.get(server.url + "/health", headers={**headers, "Host": "images.example"})
+    assert ok.status_code == 200
+    bad = httpx.get(server.url + "/health", headers={**headers, "Host": "attacker.example"})
+    assert bad.status_code == 403 and "--allowed-hosts" in bad.json()["error"]["message"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n")  # never ends its headers
+        t0 = time.monotonic()
+        assert sock.recv(1024) == b""  # closed by the server
+        assert 1.0 < time.monotonic() - t0 < 8.0

@@ -48,6 +48,7 @@ def open_server(tmp_path_factory):
 def user_key_server(no_tokenizer_checkpoint, tmp_path_factory):
     """Only `--api-key` set, serving token ids only (`--skip-tokenizer-init`)."""
     with running_server(no_tokenizer_checkpoint, "--api-key", USER_KEY, "--skip-tokenizer-init",
+                        "--allowed-hosts", "Tide.Example.", "::1:0:5",
                         api_key=USER_KEY, log_dir=tmp_path_factory.mktemp("user-log")) as srv:
         yield srv
 
@@ -179,6 +180,23 @@ def test_host_rules(host, refused):
 
     headers = {} if host is None else {"host": host}
     assert (host_problem(Headers(headers)) is not None) == refused
+
+
+def test_allowed_hosts_add_names_a_loopback_server_answers(user_key_server):
+    """`--allowed-hosts` (a proxy that forwards the client's Host): the names given, in any case
+    and with any port, are answered; other names are still refused."""
+    srv = user_key_server
+    key = {"Authorization": f"Bearer {USER_KEY}"}
+    for host in ("tide.example", f"TIDE.example.:{srv.port}", "[::1:0:5]:80", "[0:0:0:0:0:1:0:5]"):
+        assert httpx.get(srv.url + "/health", headers={**key, "Host": host}).status_code == 200, host
+    for host in ("api.tide.example", "example", "[::1:0:6]"):
+        assert httpx.get(srv.url + "/health", headers={**key, "Host": host}).status_code == 403, host
+    for bad in ("http://x.example", "x.example:80", "a b", "-x.example", "", "x" * 300):
+        with pytest.raises(ValueError, match="allowed_hosts"):
+            ServerArgs(allowed_hosts=(bad,))
+    with pytest.raises(ValueError, match="allowed_hosts"):
+        ServerArgs(allowed_hosts="x.example")
+    assert ServerArgs(allowed_hosts=("A.Example.", "a.example")).allowed_hosts == ("a.example",)
 
 
 def test_no_key_server_warns_that_admin_routes_are_open(open_server):

@@ -158,6 +158,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dp_size=args.dp_size,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        allowed_hosts=tuple(args.allowed_hosts or ()),
     )
     return launch_server(server_args)
 
@@ -229,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-unauthenticated-admin", action="store_true",
                      help="serve the admin routes without --admin-api-key on a --host that is not "
                           "loopback (refused by default)")
+    srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                     help="on a loopback --host, also answer requests whose Host header names "
+                          "NAME (a reverse proxy that forwards the client's Host); others get 403 "
+                          "(DNS rebinding)")
     srv.add_argument("--allowed-weight-roots", nargs="+", default=None, metavar="DIR",
                      help="directories /update_weights_from_disk may read under (symlinks and .. "
                           "are resolved first; default: the model directory's parent)")

@@ -142,11 +142,14 @@ def serve(args: argparse.Namespace) -> int:
         extra["max_queued_requests"] = args.max_queued_requests
     if args.allowed_weight_roots:
         extra["allowed_weight_roots"] = tuple(args.allowed_weight_roots)
+    for name in ("header_read_timeout", "body_read_timeout"):
+        if getattr(args, name, None) is not None:
+            extra[name] = getattr(args, name)
     server_args = DiffusionServerArgs(
         engine=DiffusionConfig.from_kwargs(**engine_kwargs(args), log_level=log_level),
         host=args.host, port=args.port, admin_api_key=args.admin_api_key,
         api_key=",".join(args.api_key) if args.api_key else None,
         served_model_name=args.served_model_name, log_level=log_level,
         allow_unauthenticated_admin=bool(getattr(args, "allow_unauthenticated_admin", False)),
-        **extra)
+        allowed_hosts=tuple(args.allowed_hosts or ()), **extra)
     return launch_diffusion_server(server_args)

@@ -77,7 +77,7 @@ from tide.server.protocol import (
     UpdateWeightsFromTensorInput,
     UpdateWeightVersionInput,
 )
-from tide.server.security import BrowserGuard, is_loopback_host
+from tide.server.security import BrowserGuard, check_allowed_host, is_loopback_host
 from tide.server.tokenizer_manager import client_gone
 from tide.server.utils import parse_body
 from tide.version import __version__
@@ -117,6 +117,10 @@ class DiffusionServerArgs:
     allow_unauthenticated_admin: bool = False
     # Bodies of /update_weights_from_tensor (serialized tensors); other bodies: MAX_BODY_BYTES.
     max_weight_update_body_bytes: int = 1 << 30
+    # As the LLM server's (`ServerArgs`, `RequestLimits`).
+    allowed_hosts: tuple[str, ...] = ()
+    header_read_timeout: float = RequestLimits.header_read_timeout
+    body_read_timeout: float = RequestLimits.body_read_timeout
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -136,6 +140,11 @@ class DiffusionServerArgs:
             value = getattr(self, name)
             if value is not None and not value:
                 raise ValueError(f"{name} must not be empty")
+        if isinstance(self.allowed_hosts, str):
+            raise ValueError("allowed_hosts must be a list of host names, not a string")
+        object.__setattr__(self, "allowed_hosts",
+                           tuple(dict.fromkeys(check_allowed_host(h) for h in self.allowed_hosts)))
+        self.limits  # noqa: B018 - the timeouts checked now, not at the first request
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests <= 0:
             raise ValueError(f"max_queued_requests must be a positive integer, got "
                              f"{self.max_queued_requests!r}")
@@ -150,7 +159,9 @@ class DiffusionServerArgs:
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(max_request_body_bytes=MAX_BODY_BYTES,
-                             max_weight_update_body_bytes=self.max_weight_update_body_bytes)
+                             max_weight_update_body_bytes=self.max_weight_update_body_bytes,
+                             header_read_timeout=self.header_read_timeout,
+                             body_read_timeout=self.body_read_timeout)
 
     @property
     def weight_roots(self) -> list[str]:
@@ -599,7 +610,8 @@ def create_app(args: DiffusionServerArgs, engine: Any) -> FastAPI:
                   redoc_url=None, openapi_url=None)
     app.add_middleware(AuthMiddleware, auth=Auth(args.api_keys, args.admin_api_key))
     app.add_middleware(BodyLimitMiddleware, limits=args.limits)
-    app.add_middleware(BrowserGuard, loopback_only=is_loopback_host(args.host))
+    app.add_middleware(BrowserGuard, loopback_only=is_loopback_host(args.host),
+                       allowed_hosts=args.allowed_hosts)
     app.state.batcher = batcher
     app.state.limits = args.limits
 

@@ -195,7 +195,8 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     app.add_middleware(BodyLimitMiddleware, limits=args.limits)
     # Refuses cross-origin browser requests (and, bound to loopback, DNS-rebinding ones) before any
     # body is read.
-    app.add_middleware(BrowserGuard, loopback_only=is_loopback_host(args.host))
+    app.add_middleware(BrowserGuard, loopback_only=is_loopback_host(args.host),
+                       allowed_hosts=args.allowed_hosts)
     app.add_middleware(InternalErrorMiddleware)
 
     @app.exception_handler(APIError)

@@ -9,7 +9,8 @@
   by browsers also on plain GETs such as `<img src>`). Clients that are not browsers send neither.
   A server bound to loopback also refuses a `Host` that does not name a loopback address or
   `localhost`: a page on a name the attacker re-points at 127.0.0.1 (DNS rebinding) is same-origin
-  to the browser, and only its `Host` tells it apart.
+  to the browser, and only its `Host` tells it apart. `--allowed-hosts` adds names (a reverse
+  proxy that forwards the client's `Host`).
 - `is_loopback_host`: the bind policy of `ServerArgs` (admin routes without an admin key are served
   only on loopback unless `--allow-unauthenticated-admin`).
 """
@@ -101,9 +102,29 @@ def _netloc(netloc: str, scheme: str) -> str:
     return netloc
 
 
-def host_problem(headers: Headers) -> str | None:
+def check_allowed_host(value: str) -> str:
+    """An `allowed_hosts` entry, lower-cased: a host name (RFC 1123 labels, at most 253
+    characters, a trailing dot dropped) or an IP literal, without a port; else ValueError."""
+    name = value.strip().lower().removesuffix(".") if isinstance(value, str) else ""
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        pass
+    if not name or len(name) > 253 or not all(_HOST_LABEL.fullmatch(p) for p in name.split(".")):
+        raise ValueError(f"allowed_hosts: {str(value)[:64]!r} is not a host name or an IP address "
+                         "(no port, scheme or path)")
+    return name
+
+
+_HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def host_problem(headers: Headers, allowed: frozenset[str] = frozenset()) -> str | None:
     """Why a request to a loopback-bound server is refused for its `Host`, or None: the header must
-    name `localhost` or a loopback IP (with any port)."""
+    name `localhost`, a loopback IP or one of `allowed` (`check_allowed_host` forms), with any
+    port."""
     host = headers.get("host")
     if host is None:
         return None  # HTTP/1.0 clients may send none; a browser always does
@@ -115,28 +136,37 @@ def host_problem(headers: Headers) -> str | None:
     name = name.lower().removesuffix(".")  # "localhost." is the same name
     if is_loopback_host(name) or name.endswith(".localhost"):  # RFC 6761: always loopback
         return None
+    if name in allowed:
+        return None
+    with contextlib.suppress(ValueError):  # an IPv6 literal in another spelling
+        if str(ipaddress.ip_address(name)) in allowed:
+            return None
     if re.fullmatch(r"[0-9.]+", name):  # IPv4 shorthand, e.g. curl's 127.1
         with contextlib.suppress(OSError):
             if ipaddress.IPv4Address(socket.inet_aton(name)).is_loopback:
                 return None
     return (f"this server listens on loopback only, and Host {host[:100]!r} names another host "
-            "(a DNS-rebinding page would); use localhost or 127.0.0.1")
+            "(a DNS-rebinding page would); use localhost or 127.0.0.1, or start the server with "
+            "--allowed-hosts NAME")
 
 
 class BrowserGuard:
     """Pure ASGI middleware: a 403 for requests a page on another origin made a browser send;
-    with `loopback_only` (the server is bound to loopback) also for a `Host` of another name."""
+    with `loopback_only` (the server is bound to loopback) also for a `Host` of another name than
+    `allowed_hosts`."""
 
-    def __init__(self, app: ASGIApp, loopback_only: bool = False) -> None:
+    def __init__(self, app: ASGIApp, loopback_only: bool = False,
+                 allowed_hosts: tuple[str, ...] = ()) -> None:
         self.app = app
         self.loopback_only = loopback_only
+        self.allowed_hosts = frozenset(check_allowed_host(h) for h in allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = Headers(scope=scope)
             problem = cross_origin_problem(headers)
             if problem is None and self.loopback_only:
-                problem = host_problem(headers)
+                problem = host_problem(headers, self.allowed_hosts)
             if problem is not None:
                 err = APIError(f"Requests from web pages of other origins are refused: {problem}",
                                403, code="cross_origin_refused")

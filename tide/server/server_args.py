@@ -11,7 +11,7 @@ from tide.config import DEMO_MODEL_PATH, EngineConfig
 from tide.server.function_call_parser import check_tool_call_parser
 from tide.server.limits import RequestLimits
 from tide.server.reasoning_parser import check_reasoning_parser
-from tide.server.security import is_loopback_host
+from tide.server.security import check_allowed_host, is_loopback_host
 
 DEMO_MODEL_NAME = "tide-demo"
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -59,6 +59,9 @@ class ServerArgs:
     # one thinking is separated by (`reasoning_parser`); None: the output is left as text.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # Host names (or IPs) a loopback-bound server answers besides localhost and loopback IPs: a
+    # reverse proxy that forwards the client's `Host` (see `security.BrowserGuard`).
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -89,6 +92,10 @@ class ServerArgs:
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or not (
                 1 <= self.dp_size <= 64):
             raise ValueError(f"dp_size must be an integer in [1, 64], got {self.dp_size!r}")
+        if isinstance(self.allowed_hosts, str):
+            raise ValueError("allowed_hosts must be a list of host names, not a string")
+        object.__setattr__(self, "allowed_hosts",
+                           tuple(dict.fromkeys(check_allowed_host(h) for h in self.allowed_hosts)))
         check_tool_call_parser(self.tool_call_parser)
         check_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.weight_version, str) or not self.weight_version:
