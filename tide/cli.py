@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
                      help="on a loopback --host, also answer requests whose Host header names "
                           "NAME (a reverse proxy that forwards the client's Host); others get 403 "
-                          "(DNS rebinding)")
+                          "(DNS rebinding) (default: none: localhost and loopback IPs only)")
     srv.add_argument("--allowed-weight-roots", nargs="+", default=None, metavar="DIR",
                      help="directories /update_weights_from_disk may read under (symlinks and .. "
                           "are resolved first; default: the model directory's parent)")
