@@ -295,8 +295,12 @@ def test_logit_bias_edits_before_penalties_and_checks_its_values():
     expected[2] = (expected[2] + 1.5) / 2.0  # biased first, then penalised
     expected[5] -= 100.0
     assert out.tolist() == pytest.approx(expected)
+    import numpy as np
+
+    assert SamplingParams(logit_bias={np.int64(3): np.float32(1.5)}).logit_bias == {3: 1.5}
     for bad in ({"x": 1.0}, {-1: 1.0}, {"1e3": 1.0}, {1: 101.0}, {1: float("nan")}, {1: "2"},
-                {True: 1.0}, [1, 2], {i: 1.0 for i in range(1025)}):
+                {True: 1.0}, [1, 2], {i: 1.0 for i in range(1025)}, {"05": 1.0, 5: -1.0},
+                {1: 10**400}):
         with pytest.raises(ValueError, match="^logit_bias"):
             SamplingParams(logit_bias=bad)
     with pytest.raises(ValueError, match="^logit_bias holds token 600"):

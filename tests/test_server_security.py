@@ -174,6 +174,7 @@ def test_dns_rebinding_pages_are_refused_on_a_loopback_server(open_server):
     ("api.localhost:30000", False), ("127.1", False), ("127.1:30000", False),
     ("10.1", True), ("1.2.3.4.5", True), ("attacker.example:30000", True),
     ("10.0.0.5", True), ("[2001:db8::1]:80", True), ("localhost.attacker.example", True), ("", True),
+    ("[::1]evil.example", True), ("[::1]:80x", True),
 ])
 def test_host_rules(host, refused):
     from starlette.datastructures import Headers
@@ -197,6 +198,8 @@ def test_allowed_hosts_add_names_a_loopback_server_answers(user_key_server):
     with pytest.raises(ValueError, match="allowed_hosts"):
         ServerArgs(allowed_hosts="x.example")
     assert ServerArgs(allowed_hosts=("A.Example.", "a.example")).allowed_hosts == ("a.example",)
+    assert ServerArgs(allowed_hosts=("my_service",)).allowed_hosts == ("my_service",)
+    assert ServerArgs(allowed_hosts=None).allowed_hosts == ()  # type: ignore[arg-type]
 
 
 def test_no_key_server_warns_that_admin_routes_are_open(open_server):

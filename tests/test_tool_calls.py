@@ -146,6 +146,17 @@ def test_long_outputs_fed_a_few_characters_at_a_time_take_linear_time(text):
     assert time.perf_counter() - t0 < 4.0  # ~0.5 s here; quadratic buffering took minutes
 
 
+def test_many_calls_in_one_piece_take_linear_time():
+    """A whole output (a non-streamed reply, /parse_function_call) in one piece: 364k calls in
+    8 MB once took ~1 minute, re-copying the rest of the text after each call."""
+    parser = FunctionCallParser("qwen25", ["get_time"])
+    t0 = time.perf_counter()
+    content, calls = _calls_of(parser, ['<tool_call>{"name": "get_time"}</tool_call>' * 100_000
+                                        + "<tool_call></tool_call>" * 250_000])
+    assert len(calls) == 100_000 and content == "<tool_call></tool_call>" * 250_000
+    assert time.perf_counter() - t0 < 15.0  # ~3 s here
+
+
 def test_unknown_parser_names_are_refused():
     with pytest.raises(ValueError, match="tool_call_parser"):
         FunctionCallParser("hermes9", [])
@@ -436,3 +447,6 @@ def test_parse_routes_split_a_given_text(server):
     assert_error(post("/separate_reasoning", {"text": "x", "reasoning_parser": "r9"}), 400,
                  "reasoning_parser")
     assert_error(post("/separate_reasoning", {}), 400, "text")
+    # no longer than a prompt may be (512 positions x 32 characters here)
+    assert_error(post("/separate_reasoning", {"text": "x" * 20_000}), 400, "text")
+    assert_error(post("/parse_function_call", {"text": "x" * 20_000}), 400, "text")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,13 +181,17 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
         token = key
         if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10:
             token = int(key)
-        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= MAX_INT32:
+        if (not isinstance(token, numbers.Integral) or isinstance(token, bool)
+                or not 0 <= int(token) <= MAX_INT32):
             raise ValueError(f"logit_bias keys must be token ids in [0, {MAX_INT32}], got "
                              f"{_short(key)}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
-                -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
+        token = int(token)
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not (
+                -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):  # type: ignore[operator]
             raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_MAX:g}, "
                              f"{LOGIT_BIAS_MAX:g}], got {_short(bias)} for token {token}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice ({_short(key)})")
         out[token] = float(bias)
     return out
 

@@ -140,10 +140,12 @@ class DiffusionServerArgs:
             value = getattr(self, name)
             if value is not None and not value:
                 raise ValueError(f"{name} must not be empty")
-        if isinstance(self.allowed_hosts, str):
-            raise ValueError("allowed_hosts must be a list of host names, not a string")
+        if isinstance(self.allowed_hosts, str) or not isinstance(self.allowed_hosts,
+                                                                  (list, tuple, type(None))):
+            raise ValueError("allowed_hosts must be a list of host names")
         object.__setattr__(self, "allowed_hosts",
-                           tuple(dict.fromkeys(check_allowed_host(h) for h in self.allowed_hosts)))
+                           tuple(dict.fromkeys(check_allowed_host(h)
+                                               for h in self.allowed_hosts or ())))
         self.limits  # noqa: B018 - the timeouts checked now, not at the first request
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests <= 0:
             raise ValueError(f"max_queued_requests must be a positive integer, got "

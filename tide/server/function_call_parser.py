@@ -96,32 +96,42 @@ class _TaggedCalls:
 
     def feed(self, text: str) -> list[_Piece]:
         out: list[_Piece] = []
-        while True:
-            if self._in_call:
-                window = self._tail + text
-                end = window.find(self.END)
-                if end < 0:
-                    self._call.append(text)
-                    self._tail = window[-(len(self.END) - 1):]
-                    return out
-                cut = end - len(self._tail)  # where END starts in `text` (< 0: in the tail)
-                body = "".join(self._call)
-                body = body[:len(body) + cut] if cut < 0 else body + text[:cut]
-                out.append(_Piece(self.START + body + self.END, _json_values(body)))
-                text = text[cut + len(self.END):]
-                self._call, self._tail, self._in_call = [], "", False
-                continue
-            text, self._text = self._text + text, ""
-            start = text.find(self.START)
-            if start < 0:
-                cut = len(text) - partial_tag_suffix(text, (self.START,))
-                if cut:
-                    out.append(_Piece(text[:cut]))
-                self._text = text[cut:]
+        if self._in_call:  # a call begun in an earlier piece: look for END across the seam
+            window = self._tail + text
+            end = window.find(self.END)
+            if end < 0:
+                self._call.append(text)
+                self._tail = window[-(len(self.END) - 1):]
                 return out
-            if start:
-                out.append(_Piece(text[:start]))
-            text, self._in_call = text[start + len(self.START):], True
+            cut = end - len(self._tail)  # where END starts in `text` (< 0: in the tail)
+            body = "".join(self._call)
+            body = body[:len(body) + cut] if cut < 0 else body + text[:cut]
+            out.append(_Piece(self.START + body + self.END, _json_values(body)))
+            self._call, self._tail, self._in_call = [], "", False
+            buf, pos = text, cut + len(self.END)
+        else:
+            buf, pos, self._text = self._text + text, 0, ""
+        # One scan of `buf` from `pos` on: linear in the piece, however many calls it holds.
+        while True:
+            start = buf.find(self.START, pos)
+            if start < 0:
+                rest = buf[pos:]
+                cut = len(rest) - partial_tag_suffix(rest, (self.START,))
+                if cut:
+                    out.append(_Piece(rest[:cut]))
+                self._text = rest[cut:]
+                return out
+            if start > pos:
+                out.append(_Piece(buf[pos:start]))
+            pos = start + len(self.START)
+            end = buf.find(self.END, pos)
+            if end < 0:  # the call goes on in the next piece
+                rest = buf[pos:]
+                self._call, self._tail, self._in_call = [rest], rest[-(len(self.END) - 1):], True
+                return out
+            body = buf[pos:end]
+            out.append(_Piece(self.START + body + self.END, _json_values(body)))
+            pos = end + len(self.END)
 
     def finish(self) -> list[_Piece]:
         if self._in_call:  # the output ended inside a call: it counts if its JSON is whole

@@ -251,12 +251,18 @@ def create_app(args: ServerArgs, tm: TokenizerManager, metrics: ServerMetrics) -
     @app.post("/parse_function_call", openapi_extra=json_body(ParseFunctionCallInput))
     async def parse_function_call_route(request: Request) -> JSONResponse:
         body = await parse_body(request, ParseFunctionCallInput)
-        return JSONResponse(parse_function_call(body, args.tool_call_parser, args.limits))
+        return JSONResponse(await asyncio.to_thread(
+            parse_function_call, body, args.tool_call_parser, args.limits, max_parse_chars()))
 
     @app.post("/separate_reasoning", openapi_extra=json_body(SeparateReasoningInput))
     async def separate_reasoning_route(request: Request) -> JSONResponse:
         body = await parse_body(request, SeparateReasoningInput)
-        return JSONResponse(separate_reasoning(body, args.reasoning_parser))
+        return JSONResponse(await asyncio.to_thread(
+            separate_reasoning, body, args.reasoning_parser, max_parse_chars()))
+
+    def max_parse_chars() -> int:
+        """The parse routes take texts as long as a prompt may be."""
+        return args.limits.max_prompt_chars(tm.model_info.context_len)
 
     @app.post("/abort_request", openapi_extra=json_body(AbortReqInput))
     async def abort_request(request: Request) -> Response:

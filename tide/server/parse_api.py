@@ -2,7 +2,8 @@
 
 For clients that generate through `/generate` (token ids in, token ids out, as RL rollouts of
 multi-turn tool use do) and want the same tool calls and thinking a chat completion would give.
-The work is linear in the text, which the body limit bounds.
+The work is linear in the text, which may be no longer than a prompt (`max_chars`: the context
+length times `prompt_chars_per_token`); the routes run it on a worker thread.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ def _parser_name(given: str | None, default: str | None, known: tuple[str, ...],
 
 
 def parse_function_call(body: ParseFunctionCallInput, default_parser: str | None,
-                        limits: RequestLimits) -> dict[str, Any]:
+                        limits: RequestLimits, max_chars: int) -> dict[str, Any]:
     """`{"normal_text", "calls": [{"tool_index", "name", "parameters"}]}` as sglang answers, with
     `parameters` the call's arguments as JSON text and `tool_index` its function's place in
     `tools`."""
     name = _parser_name(body.tool_call_parser, default_parser, TOOL_CALL_PARSERS,
                         "tool_call_parser")
     check_at_most(len(body.tools), limits.max_tools, "tools", "tools")
+    check_at_most(len(body.text), max_chars, "text", "characters")
     names = [tool.function.name for tool in body.tools]
     parser = FunctionCallParser(name, names)
     text, calls = parser.feed(body.text)
@@ -46,10 +48,12 @@ def parse_function_call(body: ParseFunctionCallInput, default_parser: str | None
                        "parameters": call.arguments} for call in calls + more_calls]}
 
 
-def separate_reasoning(body: SeparateReasoningInput, default_parser: str | None) -> dict[str, Any]:
+def separate_reasoning(body: SeparateReasoningInput, default_parser: str | None,
+                       max_chars: int) -> dict[str, Any]:
     """`{"text", "reasoning_text"}` as sglang answers: the answer and the thinking."""
     name = _parser_name(body.reasoning_parser, default_parser, tuple(REASONING_PARSERS),
                         "reasoning_parser")
+    check_at_most(len(body.text), max_chars, "text", "characters")
     parser = ReasoningParser(name)
     reasoning, answer = parser.feed(body.text)
     more_reasoning, more_answer = parser.finish()

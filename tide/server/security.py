@@ -103,8 +103,9 @@ def _netloc(netloc: str, scheme: str) -> str:
 
 
 def check_allowed_host(value: str) -> str:
-    """An `allowed_hosts` entry, lower-cased: a host name (RFC 1123 labels, at most 253
-    characters, a trailing dot dropped) or an IP literal, without a port; else ValueError."""
+    """An `allowed_hosts` entry, lower-cased: a host name (labels of letters, digits, `-` and `_`,
+    as container service names have; at most 253 characters, a trailing dot dropped) or an IP
+    literal, without a port; else ValueError."""
     name = value.strip().lower().removesuffix(".") if isinstance(value, str) else ""
     if name.startswith("[") and name.endswith("]"):
         name = name[1:-1]
@@ -118,7 +119,7 @@ def check_allowed_host(value: str) -> str:
     return name
 
 
-_HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_HOST_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
 
 
 def host_problem(headers: Headers, allowed: frozenset[str] = frozenset()) -> str | None:
@@ -129,8 +130,10 @@ def host_problem(headers: Headers, allowed: frozenset[str] = frozenset()) -> str
     if host is None:
         return None  # HTTP/1.0 clients may send none; a browser always does
     name = host.strip()
-    if name.startswith("["):  # [v6]:port
-        name = name[1:].split("]", 1)[0]
+    if name.startswith("["):  # [v6] or [v6]:port, nothing else after the bracket
+        name, _, after = name[1:].partition("]")
+        if after and not re.fullmatch(r":[0-9]*", after):
+            return f"Host {host[:100]!r} is not a host name or address"
     elif name.count(":") == 1:
         name = name.split(":", 1)[0]
     name = name.lower().removesuffix(".")  # "localhost." is the same name

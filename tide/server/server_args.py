@@ -92,10 +92,12 @@ class ServerArgs:
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or not (
                 1 <= self.dp_size <= 64):
             raise ValueError(f"dp_size must be an integer in [1, 64], got {self.dp_size!r}")
-        if isinstance(self.allowed_hosts, str):
-            raise ValueError("allowed_hosts must be a list of host names, not a string")
+        if isinstance(self.allowed_hosts, str) or not isinstance(self.allowed_hosts,
+                                                                  (list, tuple, type(None))):
+            raise ValueError("allowed_hosts must be a list of host names")
         object.__setattr__(self, "allowed_hosts",
-                           tuple(dict.fromkeys(check_allowed_host(h) for h in self.allowed_hosts)))
+                           tuple(dict.fromkeys(check_allowed_host(h)
+                                               for h in self.allowed_hosts or ())))
         check_tool_call_parser(self.tool_call_parser)
         check_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.weight_version, str) or not self.weight_version:
