@@ -77,7 +77,7 @@ from tide.server.protocol import (
     UpdateWeightsFromTensorInput,
     UpdateWeightVersionInput,
 )
-from tide.server.security import BrowserGuard, check_allowed_host, is_loopback_host
+from tide.server.security import BrowserGuard, check_allowed_hosts, is_loopback_host
 from tide.server.tokenizer_manager import client_gone
 from tide.server.utils import parse_body
 from tide.version import __version__
@@ -140,12 +140,7 @@ class DiffusionServerArgs:
             value = getattr(self, name)
             if value is not None and not value:
                 raise ValueError(f"{name} must not be empty")
-        if isinstance(self.allowed_hosts, str) or not isinstance(self.allowed_hosts,
-                                                                  (list, tuple, type(None))):
-            raise ValueError("allowed_hosts must be a list of host names")
-        object.__setattr__(self, "allowed_hosts",
-                           tuple(dict.fromkeys(check_allowed_host(h)
-                                               for h in self.allowed_hosts or ())))
+        object.__setattr__(self, "allowed_hosts", check_allowed_hosts(self.allowed_hosts))
         self.limits  # noqa: B018 - the timeouts checked now, not at the first request
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests <= 0:
             raise ValueError(f"max_queued_requests must be a positive integer, got "

@@ -119,6 +119,16 @@ def check_allowed_host(value: str) -> str:
     return name
 
 
+def check_allowed_hosts(value: object) -> tuple[str, ...]:
+    """A server's `allowed_hosts` (a list or tuple of `check_allowed_host` entries, or None for
+    none), checked and normalised, without repeats; else ValueError."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("allowed_hosts must be a list of host names")
+    return tuple(dict.fromkeys(check_allowed_host(h) for h in value))
+
+
 _HOST_LABEL = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?")
 
 
@@ -162,7 +172,7 @@ class BrowserGuard:
                  allowed_hosts: tuple[str, ...] = ()) -> None:
         self.app = app
         self.loopback_only = loopback_only
-        self.allowed_hosts = frozenset(check_allowed_host(h) for h in allowed_hosts)
+        self.allowed_hosts = frozenset(check_allowed_hosts(allowed_hosts))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -11,7 +11,7 @@ from tide.config import DEMO_MODEL_PATH, EngineConfig
 from tide.server.function_call_parser import check_tool_call_parser
 from tide.server.limits import RequestLimits
 from tide.server.reasoning_parser import check_reasoning_parser
-from tide.server.security import check_allowed_host, is_loopback_host
+from tide.server.security import check_allowed_hosts, is_loopback_host
 
 DEMO_MODEL_NAME = "tide-demo"
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -92,12 +92,7 @@ class ServerArgs:
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or not (
                 1 <= self.dp_size <= 64):
             raise ValueError(f"dp_size must be an integer in [1, 64], got {self.dp_size!r}")
-        if isinstance(self.allowed_hosts, str) or not isinstance(self.allowed_hosts,
-                                                                  (list, tuple, type(None))):
-            raise ValueError("allowed_hosts must be a list of host names")
-        object.__setattr__(self, "allowed_hosts",
-                           tuple(dict.fromkeys(check_allowed_host(h)
-                                               for h in self.allowed_hosts or ())))
+        object.__setattr__(self, "allowed_hosts", check_allowed_hosts(self.allowed_hosts))
         check_tool_call_parser(self.tool_call_parser)
         check_reasoning_parser(self.reasoning_parser)
         if not isinstance(self.weight_version, str) or not self.weight_version:
