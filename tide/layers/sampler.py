@@ -303,7 +303,8 @@ class Sampler:
         return DeviceSample(ids, logp)
 
     def _sample_rows(self, logits: torch.Tensor, info: SamplingBatchInfo) -> DeviceSample:
-        """Every row of `logits` through the general path (penalties, truncation, top logprobs)."""
+        """Every row of `logits` through the general path (logit bias, penalties, truncation, top
+        logprobs)."""
         logits = logits.float()
         params = info.params
         if any(p.edits_logits for p in params):
