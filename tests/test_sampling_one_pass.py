@@ -37,9 +37,18 @@ if HAS_TRITON and INTERPRETED:
         tl.store(E + offs, _exp1(tl.load(U + offs, mask=mask, other=0.5), False), mask=mask)
 
 
+def _one_pass_row(p: SamplingParams, top_logprobs_num: int = 0, output: int = 0,
+                  ending: tuple[int, ...] = (), offset: int = 0) -> bool:
+    info = SamplingBatchInfo([p], [[5] * output], [[1]], [top_logprobs_num > 0], [top_logprobs_num],
+                             output_offset=offset, ending_ids=[ending])
+    return _one_pass(info, 0)
+
+
 def test_which_rows_take_one_pass():
-    """Greedy, temperature and truncated (top-k / top-p / min-p) rows do; penalties and top
-    logprobs do not. Only drawn rows search for a truncation bound."""
+    """Greedy, temperature and truncated (top-k / top-p / min-p) rows do; penalties, top logprobs
+    and rows whose ending tokens are banned (`min_new_tokens` not reached) do not. Only drawn rows
+    search for a truncation bound."""
+    _one_pass = _one_pass_row
     assert _one_pass(SamplingParams(temperature=0.0), 0)
     assert _one_pass(SamplingParams(temperature=1.0), 0)
     assert _one_pass(SamplingParams(temperature=0.7, seed=3), 0)
@@ -49,6 +58,11 @@ def test_which_rows_take_one_pass():
     assert not _one_pass(SamplingParams(temperature=1.0), 3)
     assert not _one_pass(SamplingParams(temperature=0.0, repetition_penalty=1.2), 0)
     assert not _one_pass(SamplingParams(temperature=1.0, top_p=0.9, frequency_penalty=0.5), 0)
+    minimum = SamplingParams(temperature=1.0, min_new_tokens=3)
+    assert not _one_pass(minimum, 0, output=2, ending=(7,))  # its third token: 7 banned
+    assert _one_pass(minimum, 0, output=3, ending=(7,))
+    assert _one_pass(minimum, 0, output=2, ending=(7,), offset=1)  # overlap: one more on the device
+    assert _one_pass(minimum, 0, output=0, ending=())  # nothing would end it (ignore_eos, no ids)
     assert _truncates(SamplingParams(temperature=1.0, top_p=0.9))
     assert _truncates(SamplingParams(temperature=1.0, top_k=20))
     assert _truncates(SamplingParams(temperature=1.0, min_p=0.1))

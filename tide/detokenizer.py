@@ -8,7 +8,10 @@
 * **Word boundaries.** Decoding the output alone can drop a leading space (SentencePiece strips it from
   the first token), so a few prompt tokens are decoded with it as context and their text subtracted.
 * **Stop strings.** Text is never released past the start of a stop string, and the tail that could be
-  the beginning of one is held back until it is clear whether the stop string follows.
+  the beginning of one is held back until it is clear whether the stop string follows. With
+  `min_new_tokens`, a stop string counts only where the min_new_tokens-th output token or a later one
+  completes it: the scheduler's decoder (token by token) and the server's (in chunks, split at that
+  token) then agree on the match.
 
 Invariant: `visible_text` only ever grows by appending (each value is a prefix of the next), so a stream
 can send `visible_text[sent:]` at any time.
@@ -35,6 +38,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        min_new_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
@@ -49,6 +53,8 @@ class IncrementalDetokenizer:
         self._stops = [s for s in stop if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._scanned = 0
+        self._min_new_tokens = min_new_tokens
+        self._added = 0  # output tokens given to `add`
         self.stop_pos: int | None = None
         self.stop_matched: str | None = None
         self.finished = False
@@ -61,6 +67,16 @@ class IncrementalDetokenizer:
         """Append new output tokens; decoded text appears once its characters are complete."""
         if not token_ids or self.stop_matched is not None:
             return
+        first_armed = self._min_new_tokens - 1 - self._added  # index of the min_new_tokens-th token
+        if 0 < first_armed < len(token_ids):
+            self._append(token_ids[:first_armed], armed=False)
+            self._append(token_ids[first_armed:], armed=True)
+        else:
+            self._append(token_ids, armed=first_armed <= 0)
+
+    def _append(self, token_ids: Sequence[int], armed: bool) -> None:
+        """`add` for tokens all before (`armed` False) or all from the min_new_tokens-th on."""
+        self._added += len(token_ids)
         self._ids.extend(token_ids)
         new = self._pending_text()
         if new.endswith(_REPLACEMENT):
@@ -74,7 +90,7 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._emitted = 0
-        self._scan_stops()
+        self._scan_stops(armed)
 
     def finish(self) -> None:
         """No more tokens: flush held-back bytes (even an incomplete character) and stop prefixes."""
@@ -85,7 +101,7 @@ class IncrementalDetokenizer:
             self.text += new[self._emitted :]
             self._read_offset = len(self._ids)
             self._emitted = 0
-            self._scan_stops()
+            self._scan_stops(self._added >= self._min_new_tokens)
         self.finished = True
 
     def _pending_text(self) -> str:
@@ -94,8 +110,13 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset :])
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
-    def _scan_stops(self) -> None:
+    def _scan_stops(self, armed: bool = True) -> None:
+        """Find the first stop string that ends in text added since the last scan (when `armed`;
+        otherwise that text is only marked scanned)."""
         if not self._stops or self.stop_matched is not None:
+            return
+        if not armed:
+            self._scanned = len(self.text)
             return
         start = max(0, self._scanned - self._max_stop + 1)
         best: tuple[int, str] | None = None

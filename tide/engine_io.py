@@ -123,11 +123,20 @@ def make_output(req: Req, tokenizer: Tokenizer | None, latency: float) -> Genera
     `text` key without a tokenizer: ids only), output ids and meta info."""
     out: GenerateOutput = {"output_ids": list(req.output_ids), "meta_info": {}}
     if tokenizer is not None:
-        text = tokenizer.decode(req.output_ids,
-                                skip_special_tokens=req.sampling_params.skip_special_tokens)
+        skip = req.sampling_params.skip_special_tokens
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=skip)
         matched = (req.finished_reason or {}).get("matched")
-        if isinstance(matched, str) and matched in text:
-            text = text[: text.index(matched)]
+        if isinstance(matched, str):
+            # The match ends in the text of the min_new_tokens-th token or a later one: an
+            # occurrence before that was passed over.
+            minimum = req.sampling_params.min_new_tokens
+            start = 0
+            if minimum > 1:
+                before = tokenizer.decode(req.output_ids[:minimum - 1], skip_special_tokens=skip)
+                start = max(0, len(before) - len(matched) + 1)
+            pos = text.find(matched, start)
+            if pos >= 0:
+                text = text[:pos]
         out["text"] = text
     meta: dict[str, Any] = {
         "id": req.rid,

@@ -38,6 +38,10 @@ class SamplingParams:
     for `repetition_penalty` (over prompt and generated tokens). `logit_bias` maps token ids
     (ints, or decimal strings as JSON carries them; stored as ints) to a value added to that token's
     logit before the penalties, as OpenAI's `logit_bias` does.
+
+    `min_new_tokens` (at most `max_new_tokens`): until that many tokens are out, the tokens that
+    would end the request (eos unless `ignore_eos`, and `stop_token_ids`) get no probability, and a
+    stop string counts only where the min_new_tokens-th token or a later one completes it.
     """
 
     max_new_tokens: int = 128
@@ -55,6 +59,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logit_bias: dict[int, float] | None = None
+    min_new_tokens: int = 0
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -92,6 +97,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         _int_field("max_new_tokens", self.max_new_tokens, lo=0, hi=MAX_INT32)
+        _int_field("min_new_tokens", self.min_new_tokens, lo=0, hi=MAX_INT32)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be at most max_new_tokens "
+                             f"({self.max_new_tokens}), got {self.min_new_tokens}")
         _num_field("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

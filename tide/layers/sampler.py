@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,9 @@ class SamplingBatchInfo:
     # previous step's token on the device): a seeded row draws with output position
     # len(output_ids[i]) + output_offset. Penalties need the tokens themselves and never overlap.
     output_offset: int = 0
+    # Per row, the tokens that would end it (eos unless ignored, its stop_token_ids), given where it
+    # asks for `min_new_tokens`: they are banned while its output is shorter (empty: none given).
+    ending_ids: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -65,6 +68,15 @@ class SamplingBatchInfo:
 
     def output_position(self, i: int) -> int:
         return len(self.output_ids[i]) + self.output_offset
+
+    def bans_endings(self, i: int) -> bool:
+        """Whether row i's ending tokens are banned at this step (`min_new_tokens` not reached)."""
+        return (i < len(self.ending_ids) and bool(self.ending_ids[i])
+                and self.output_position(i) < self.params[i].min_new_tokens)
+
+    def edits_row(self, i: int) -> bool:
+        """Whether row i's logits are changed before sampling at this step."""
+        return self.params[i].edits_logits or self.bans_endings(i)
 
     def row(self, i: int) -> SamplingBatchInfo:
         """Row i alone."""
@@ -76,7 +88,9 @@ class SamplingBatchInfo:
                                  [self.prompt_ids[i] for i in rows],
                                  [self.return_logprob[i] for i in rows],
                                  [self.top_logprobs_num[i] for i in rows],
-                                 output_offset=self.output_offset)
+                                 output_offset=self.output_offset,
+                                 ending_ids=[self.ending_ids[i] for i in rows]
+                                 if self.ending_ids else [])
 
 
 ARGMAX_ONLY = SamplingBatchInfo([], [], [], [], [], argmax_only=True)
@@ -257,7 +271,7 @@ class Sampler:
             return DeviceSample(ids)
         if not self._one_pass_on(logits.device):
             return self._sample_rows(logits, info)
-        one_pass = [i for i in range(info.size) if _one_pass(info.params[i], info.top_logprobs_num[i])]
+        one_pass = [i for i in range(info.size) if _one_pass(info, i)]
         if len(one_pass) == info.size:
             return self._one_pass(logits, info, None)
         if not one_pass:
@@ -303,11 +317,11 @@ class Sampler:
         return DeviceSample(ids, logp)
 
     def _sample_rows(self, logits: torch.Tensor, info: SamplingBatchInfo) -> DeviceSample:
-        """Every row of `logits` through the general path (logit bias, penalties, truncation, top
-        logprobs)."""
+        """Every row of `logits` through the general path (logit bias, penalties, banned ending
+        tokens, truncation, top logprobs)."""
         logits = logits.float()
         params = info.params
-        if any(p.edits_logits for p in params):
+        if any(info.edits_row(i) for i in range(info.size)):
             logits = edit_logits(logits, info)
         temps = device_tensor([p.temperature or 1.0 for p in params], torch.float32,
                               logits.device).unsqueeze(1)
@@ -364,10 +378,11 @@ class Sampler:
         return torch.log_softmax(scaled, dim=-1)
 
 
-def _one_pass(p: SamplingParams, top_logprobs_num: int) -> bool:
-    """Whether a row may take `triton_ops.sample_rows`: no logit bias, no penalties and no top
-    logprobs (greedy, temperature, top-k, top-p and min-p rows do)."""
-    return not p.edits_logits and top_logprobs_num == 0
+def _one_pass(info: SamplingBatchInfo, i: int) -> bool:
+    """Whether row i may take `triton_ops.sample_rows` at this step: no logit edit (bias,
+    penalties, banned ending tokens) and no top logprobs (greedy, temperature, top-k, top-p and
+    min-p rows do)."""
+    return not info.edits_row(i) and info.top_logprobs_num[i] == 0
 
 
 def _truncates(p: SamplingParams) -> bool:
@@ -424,11 +439,15 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def edit_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """An edited copy of `logits`: each row's logit bias added, then frequency/presence penalties
-    over its output, then the repetition penalty over its prompt and output."""
+    """An edited copy of `logits`: the tokens that would end a row before its `min_new_tokens` set
+    to -inf, then each row's logit bias added, then frequency/presence penalties over its output,
+    then the repetition penalty over its prompt and output."""
     logits = logits.clone()
     vocab = logits.shape[1]
     for i, p in enumerate(info.params):
+        if info.bans_endings(i):  # first: -inf stays -inf under the bias and the penalties
+            banned = device_tensor(list(info.ending_ids[i]), torch.int64, logits.device)
+            logits[i].index_fill_(0, banned, -math.inf)
         if p.logit_bias:
             tokens = device_tensor(list(p.logit_bias), torch.int64, logits.device)
             bias = device_tensor(list(p.logit_bias.values()), torch.float32, logits.device)

@@ -56,6 +56,9 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     # Decodes the output as it grows, to find stop strings (set by the scheduler when there are any).
     stop_detokenizer: IncrementalDetokenizer | None = None
+    # The tokens that would end it (eos unless ignored, its stop_token_ids), banned until it has
+    # `min_new_tokens` (set by the scheduler where that is > 0; empty otherwise).
+    ending_ids: tuple[int, ...] = ()
 
     def all_token_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
@@ -70,9 +73,11 @@ class Req:
 
     @property
     def argmax_only(self) -> bool:
-        """Its next token is the argmax of the logits: greedy, no logit edits, no logprobs."""
+        """Its next token is the argmax of the logits: greedy, no logit edits, no logprobs (and
+        no ending token banned: `min_new_tokens` reached)."""
         p = self.sampling_params
-        return p.is_greedy and not p.edits_logits and not self.return_logprob
+        return (p.is_greedy and not p.edits_logits and not self.return_logprob
+                and len(self.output_ids) >= p.min_new_tokens)
 
     @property
     def wants_input_logprobs(self) -> bool:

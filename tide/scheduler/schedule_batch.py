@@ -69,4 +69,5 @@ def sampling_info(reqs: list[Req], output_offset: int = 0) -> SamplingBatchInfo:
         return_logprob=[r.return_logprob for r in reqs],
         top_logprobs_num=[r.top_logprobs_num for r in reqs],
         output_offset=output_offset,
+        ending_ids=[r.ending_ids for r in reqs],
     )

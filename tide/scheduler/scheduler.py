@@ -197,7 +197,19 @@ class Scheduler:
             return
         if params.stop_strs and self.tokenizer is not None and req.stop_detokenizer is None:
             req.stop_detokenizer = IncrementalDetokenizer(
-                self.tokenizer, req.origin_input_ids, params.skip_special_tokens, params.stop_strs)
+                self.tokenizer, req.origin_input_ids, params.skip_special_tokens, params.stop_strs,
+                min_new_tokens=params.min_new_tokens)
+        if params.min_new_tokens > 0:
+            ending = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                ending |= self.eos_token_ids
+            if self.model_config is not None and len(ending) >= self.model_config.vocab_size:
+                req.finished_reason = {
+                    "type": "abort", "message": "min_new_tokens: every token of the vocabulary "
+                    "would end the request (eos and stop_token_ids), so none could be sampled"}
+                req.weight_version = self.handover.weight_version
+                return
+            req.ending_ids = tuple(sorted(ending))
         self.waiting.append(req)
 
     @property

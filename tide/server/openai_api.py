@@ -131,6 +131,16 @@ class OpenAIServingBase:
         return make_sampling_params(params, "", _OPENAI_NAMES, limits=limits,
                                     vocab_size=self.tm.model_info.vocab_size)
 
+    @staticmethod
+    def _with_lengths(params: SamplingParams, req: _OpenAISampling, max_new: int,
+                      max_param: str) -> SamplingParams:
+        """`params` with the output budget resolved from the prompt (`max_new`) and the request's
+        `min_tokens` (400 naming it when it exceeds that budget)."""
+        if req.min_tokens > max_new:
+            raise invalid_request(f"min_tokens ({req.min_tokens}) must be at most {max_param} "
+                                  f"({max_new})", "min_tokens", "invalid_value")
+        return dataclasses.replace(params, max_new_tokens=max_new, min_new_tokens=req.min_tokens)
+
     def _reserve_rid(self, rid: str | None, count: int, owner: str) -> None:
         """400 `duplicate_rid` unless the `count` sequences' rids (`rid`, or `rid-i` for several)
         are free; they stay reserved until `submit` (a stream submits once its response starts)."""
@@ -252,7 +262,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
         # With max_tokens null, every prompt gets the room the longest one leaves.
         max_tokens = min(self.tm.resolve_max_new_tokens(len(p.ids), req.max_tokens, "prompt",
                                                         "max_tokens") for p in prompts)
-        params = dataclasses.replace(params, max_new_tokens=max_tokens)
+        params = self._with_lengths(params, req, max_tokens, "max_tokens")
         if req.logprobs is not None:
             echoed = sum(len(p.ids) for p in prompts) if req.echo else 0
             check_logprob_entries(
@@ -498,7 +508,7 @@ class OpenAIServingChat(OpenAIServingBase):
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_new = self.tm.resolve_max_new_tokens(len(prompt_ids), max_new, "messages", max_param)
-        params = dataclasses.replace(params, max_new_tokens=max_new)
+        params = self._with_lengths(params, req, max_new, max_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if logprobs is not None:
             check_logprob_entries(req.n * max_new * (1 + logprobs), self.tm.limits.max_logprob_entries,

@@ -94,6 +94,7 @@ class _OpenAISampling(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=2.0)
     stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)  # at least this many tokens (min_new_tokens)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: Rid | None = None

@@ -378,7 +378,8 @@ class TokenizerManager:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strs
+                self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strs,
+                min_new_tokens=params.min_new_tokens,
             )
         # The scheduler sees a fresh id, so a late output for an earlier request that used the same
         # client rid can never land on this one.

@@ -23,7 +23,7 @@ M = TypeVar("M", bound=BaseModel)
 
 _SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                     "presence_penalty", "repetition_penalty", "stop_token_ids", "stop", "ignore_eos",
-                    "skip_special_tokens", "seed", "n", "logit_bias")
+                    "skip_special_tokens", "seed", "n", "logit_bias", "min_new_tokens")
 _DEFAULT_LIMITS = RequestLimits()
 _json_decoder = msgspec.json.Decoder()
 _DIGIT_MAP = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))  # digit -> "1"

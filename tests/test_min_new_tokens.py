@@ -1,0 +1,257 @@
+"""`min_new_tokens` (sglang's name; `min_tokens` in the OpenAI routes): until a request has that many
+tokens, the tokens that would end it get no probability and stop strings do not count.
+
+Truth: HF transformers' `min_new_tokens` (its `MinNewTokensLengthLogitsProcessor`, which bans the
+eos ids it is given) for tokens and logprobs; a hand-written scan of the unconstrained greedy text
+for stop strings."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import httpx
+import pytest
+import tide
+import torch
+from tide.detokenizer import IncrementalDetokenizer
+from tide.layers.sampler import SamplingBatchInfo, edit_logits
+from tide.sampling_params import SamplingParams
+from tide.scheduler.request import Req
+
+from conftest import VOCAB, random_prompts
+from server_utils import assert_error, running_server, serve_model_path
+from test_overlap import _reqs as overlap_reqs
+from test_overlap import _same as overlap_same
+
+PROMPT = random_prompts(41, [12])[0]
+
+
+@pytest.fixture(scope="module")
+def demo_engine():
+    """The built-in demo model (trained: its greedy text has words and spaces)."""
+    with tide.Engine() as engine:
+        yield engine
+
+
+def test_min_new_tokens_is_checked():
+    assert SamplingParams(min_new_tokens=5, max_new_tokens=5).min_new_tokens == 5
+    for bad in (-1, "3", True, 2.0):
+        with pytest.raises(ValueError, match="min_new_tokens"):
+            SamplingParams(min_new_tokens=bad)
+    with pytest.raises(ValueError, match="min_new_tokens must be at most max_new_tokens"):
+        SamplingParams(min_new_tokens=9, max_new_tokens=8)
+
+
+def test_ending_tokens_are_banned_until_the_minimum():
+    """The ban is -inf on the ending ids, first (a bias or penalty cannot lift it), while the
+    row's output position (overlap's offset included) is below the minimum; argmax-only rows
+    wait until it is reached."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0, 0.0, 1.0]])
+    params = SamplingParams(temperature=0, min_new_tokens=3, logit_bias={1: 50.0},
+                            repetition_penalty=1.5)
+    info = SamplingBatchInfo([params], [[4, 4]], [[0]], [False], [0], ending_ids=[(1, 3)])
+    out = edit_logits(logits, info)[0]
+    assert out[1] == -torch.inf and out[3] == -torch.inf
+    assert out[5] == 1.0 and out[2] == -1.0
+    assert out[0] == pytest.approx(0.5 / 1.5)  # the prompt's token, penalised
+    assert info.bans_endings(0)
+    info = dataclasses.replace(info, output_offset=1)  # overlap: its third token is sampled now
+    assert not info.bans_endings(0)
+    assert edit_logits(logits, info)[0][1] == 3.0 + 50.0
+    req = Req("r", [0], SamplingParams(temperature=0, min_new_tokens=2), output_ids=[4])
+    req.ending_ids = (1,)
+    assert not req.argmax_only
+    req.output_ids.append(5)
+    assert req.argmax_only
+
+
+def test_hf_min_new_tokens_parity(llama_engine, hf_model_for):
+    """Greedy tokens and logprobs equal HF's `min_new_tokens` with the same ending ids; the ban
+    matters on this prompt (the plain greedy output ends at its second token)."""
+    model = hf_model_for("llama")
+    plain = llama_engine.generate(input_ids=PROMPT, sampling_params={
+        "temperature": 0, "max_new_tokens": 16, "ignore_eos": True})["output_ids"]
+    ending = [plain[1], plain[4]]
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True,
+              "stop_token_ids": ending}
+    early = llama_engine.generate(input_ids=PROMPT, sampling_params=params)
+    assert early["output_ids"] == plain[:2]
+    out = llama_engine.generate(input_ids=PROMPT, return_logprob=True,
+                                sampling_params=params | {"min_new_tokens": 6})
+    got = out["output_ids"]
+    assert len(got) >= 6 and not set(got[:6]) & set(ending)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=16, min_new_tokens=6, eos_token_id=ending,
+                            pad_token_id=0)
+    assert got == hf[0, len(PROMPT):].tolist()
+    if got[-1] in ending:
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": got[-1]}
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + got[:-1]])).logits[0, len(PROMPT) - 1:].float()
+    logits[:6, ending] = -torch.inf
+    ref = torch.log_softmax(logits, dim=-1)[torch.arange(len(got)), torch.tensor(got)]
+    lps = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+    assert lps == pytest.approx(ref.tolist(), abs=1e-4)
+
+
+def test_sampled_rows_never_end_before_the_minimum(llama_engine):
+    """Drawn rows (seeded, in one batch with greedy ones) whose ending ids are half the
+    vocabulary: each has at least `min_new_tokens` tokens, none of them ending ones, where
+    without the minimum they end within a few tokens."""
+    ending = list(range(VOCAB // 2))
+    base = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True,
+            "stop_token_ids": ending}
+    prompts = random_prompts(43, [7, 11, 5, 9])
+    params = [base | {"seed": i, "min_new_tokens": 10 + i} for i in range(3)]
+    params.append({"temperature": 0, "max_new_tokens": 12, "ignore_eos": True,
+                   "stop_token_ids": ending, "min_new_tokens": 12})
+    outs = llama_engine.generate(input_ids=prompts, sampling_params=params)
+    for p, out in zip(params, outs):
+        ids = out["output_ids"]
+        assert len(ids) >= p["min_new_tokens"]
+        assert min(ids[:p["min_new_tokens"]]) >= VOCAB // 2
+        if len(ids) < p["max_new_tokens"]:
+            assert ids[-1] < VOCAB // 2  # it ended on an ending id, after the minimum
+    without = llama_engine.generate(input_ids=prompts[:3], sampling_params=[
+        base | {"seed": i} for i in range(3)])
+    assert min(len(o["output_ids"]) for o in without) < 10
+
+
+def test_overlap_schedule_gives_the_same_tokens(llama_path):
+    """The overlap schedule (driven step by step on CPU, `test_overlap`'s harness) decides the ban
+    with the token still on the device counted: the same tokens and logprobs as one step at a time,
+    where some row ends on the very first token it may end on (a ban one step too long would show).
+    Batch-invariant matmuls: a row that stops rides one extra step there."""
+    ending = list(range(VOCAB // 2))
+    params = [{"temperature": 0.8 * (i % 2), "seed": i, "max_new_tokens": 20,
+               "ignore_eos": True, "stop_token_ids": ending, "min_new_tokens": 3 + i}
+              for i in range(8)]
+    prompts = random_prompts(47, [6, 13, 8, 4, 10, 7, 12, 5])
+    with tide.Engine(str(llama_path), max_total_tokens=4096,
+                     enable_deterministic_inference=True) as engine:
+        out = overlap_same(engine, lambda: overlap_reqs(prompts, params, logprobs=True))
+    at_first_chance = 0
+    for p, (ids, _, _, logprobs, _) in zip(params, (out[f"r{i}"] for i in range(len(params)))):
+        assert min(ids[:p["min_new_tokens"]]) >= VOCAB // 2 and len(logprobs) == len(ids)
+        at_first_chance += len(ids) == p["min_new_tokens"] + 1 and ids[-1] < VOCAB // 2
+    assert at_first_chance >= 1
+
+
+def _expected_stop(tokenizer, ids: list[int], stop: str, minimum: int) -> tuple[str, int] | None:
+    """(text, token count) of the first `stop` that ends in the text of token `minimum` or a
+    later one, by a plain scan of the decoded prefixes; None if there is none."""
+    before = len(tokenizer.decode(ids[:minimum - 1]))
+    for j in range(minimum, len(ids) + 1):
+        text = tokenizer.decode(ids[:j])
+        pos = text.find(stop, max(0, before - len(stop) + 1))
+        if pos >= 0:
+            return text[:pos], j
+    return None
+
+
+def test_stop_strings_count_from_the_minimum(demo_engine):
+    """A stop string completed before the `min_new_tokens`-th token is passed over; the first one
+    completed at or after it ends the request, the text cut there. The minimum is put just past the
+    first occurrence, so the request must pass it."""
+    prompt = "The quick brown fox"
+    plain = demo_engine.generate(prompt=prompt, sampling_params={
+        "temperature": 0, "max_new_tokens": 48, "ignore_eos": True})
+    ids, text = plain["output_ids"], plain["text"]
+    tokenizer = demo_engine.tokenizer
+    stop = " the" if text.count(" the") >= 2 else max(set(text), key=text.count)
+    assert text.count(stop) >= 2, text
+    first_end = text.find(stop) + len(stop)
+    minimum = next(j for j in range(1, len(ids) + 1)
+                   if len(tokenizer.decode(ids[:j])) >= first_end) + 1
+    expected = _expected_stop(tokenizer, ids, stop, minimum)
+    assert expected is not None, (text, stop, minimum)
+    out = demo_engine.generate(prompt=prompt, sampling_params={
+        "temperature": 0, "max_new_tokens": 48, "ignore_eos": True, "stop": stop,
+        "min_new_tokens": minimum})
+    assert (out["text"], len(out["output_ids"])) == expected
+    assert out["output_ids"] == ids[:expected[1]]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop in out["text"]  # the passed-over occurrence stays in the text
+    early = demo_engine.generate(prompt=prompt, sampling_params={
+        "temperature": 0, "max_new_tokens": 48, "ignore_eos": True, "stop": stop})
+    assert early["text"] == text[:text.find(stop)]
+
+
+def test_detokenizer_chunks_agree_with_tokens(demo_engine):
+    """The server's decoder gets tokens in chunks; split anywhere, it finds the stop the
+    scheduler's token-by-token decoder finds, for every minimum."""
+    tokenizer = demo_engine.tokenizer
+    prompt_ids = tokenizer.encode("In the beginning")
+    ids = demo_engine.generate(input_ids=prompt_ids, sampling_params={
+        "temperature": 0, "max_new_tokens": 40, "ignore_eos": True})["output_ids"]
+    rng = random.Random(5)
+    for stop in (" ", "e", " the"):
+        for minimum in (0, 1, 2, 5, 9, 17, 40):
+            one = IncrementalDetokenizer(tokenizer, prompt_ids, stop=[stop],
+                                         min_new_tokens=minimum)
+            for t in ids:
+                one.add([t])
+            expected = _expected_stop(tokenizer, ids, stop, max(minimum, 1))
+            assert (one.visible_text if one.stop_matched else None) == (
+                expected[0] if expected else None)
+            for _ in range(6):
+                chunked = IncrementalDetokenizer(tokenizer, prompt_ids, stop=[stop],
+                                                 min_new_tokens=minimum)
+                i = 0
+                while i < len(ids):
+                    n = rng.randint(1, 7)
+                    chunked.add(ids[i:i + n])
+                    i += n
+                chunked.finish()
+                one_text = one.visible_text if one.stop_matched else None
+                assert (chunked.stop_matched, chunked.stop_pos) == (one.stop_matched,
+                                                                    one.stop_pos)
+                if one_text is not None:
+                    assert chunked.visible_text == one_text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = serve_model_path(tmp_path_factory.mktemp("serve-model"))
+    with running_server(path, log_dir=tmp_path_factory.mktemp("server-log")) as srv:
+        yield srv
+
+
+def test_server_routes_take_the_minimum(server):
+    """`min_tokens` in the OpenAI routes, `min_new_tokens` in /generate's sampling_params; a
+    minimum above the output budget, or not a count, is a 400 naming the field."""
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 12,
+            "temperature": 0, "stop": [" "]}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert plain["usage"]["completion_tokens"] < 6, plain
+    held = httpx.post(server.url + "/v1/completions", json=body | {"min_tokens": 6},
+                      timeout=60).json()
+    assert held["usage"]["completion_tokens"] >= 6, held
+    chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "temperature": 0, "min_tokens": 8}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert reply["usage"]["completion_tokens"] == 8, reply
+    gen = httpx.post(server.url + "/generate", json={
+        "text": "The quick brown fox", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 12, "stop": " ", "min_new_tokens": 6}},
+        timeout=60).json()
+    assert gen["meta_info"]["completion_tokens"] >= 6, gen
+
+    resp = httpx.post(server.url + "/v1/completions", json=body | {"min_tokens": 13}, timeout=60)
+    assert_error(resp, 400, "min_tokens")
+    resp = httpx.post(server.url + "/v1/chat/completions",
+                      json=chat | {"max_tokens": None, "max_completion_tokens": 4}, timeout=60)
+    assert_error(resp, 400, "min_tokens")
+    assert "max_completion_tokens" in resp.json()["error"]["message"]
+    resp = httpx.post(server.url + "/v1/completions", json=body | {"min_tokens": -1}, timeout=60)
+    assert_error(resp, 400, "min_tokens")
+    for bad in (-1, "3", 13):
+        resp = httpx.post(server.url + "/generate", json={
+            "text": "x", "sampling_params": {"max_new_tokens": 12, "min_new_tokens": bad}},
+            timeout=60)
+        assert_error(resp, 400, "sampling_params.min_new_tokens")
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
