@@ -258,3 +258,32 @@ def test_logit_bias_rows_on_a_cuda_engine(tmp_path):
     assert outs[2] == plain[2] and outs[4] == plain[3]
     assert outs[3] == [9] * 24
     engine.shutdown()
+
+
+def test_min_new_tokens_rows_on_a_cuda_engine(tmp_path):
+    """`min_new_tokens` rows beside plain ones on a CUDA engine (graphs, overlap, one-pass sampling
+    for the plain rows and, once their minimum is reached, for the drawn ones): no ending token
+    before the minimum, where without it they end within a few tokens; the plain rows keep their
+    tokens."""
+    import tide
+    from conftest import VOCAB, build_checkpoint
+
+    path = build_checkpoint(tmp_path / "llama", "llama")
+    engine = tide.Engine(str(path), dtype="float32", max_total_tokens=8192)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 90)]
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    plain = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)]
+    ending = list(range(VOCAB // 2))
+    held = [{**greedy, "temperature": t, "seed": i, "stop_token_ids": ending, "min_new_tokens": m}
+            for i, (t, m) in enumerate([(0, 12), (1.0, 16), (0.7, 20)])]
+    outs = engine.generate(input_ids=[prompts[0], prompts[1], prompts[2], prompts[3], prompts[2]],
+                           sampling_params=[held[0], held[1], held[2], greedy, greedy])
+    for p, out in zip(held, outs):
+        ids = out["output_ids"]
+        assert len(ids) >= p["min_new_tokens"] and min(ids[:p["min_new_tokens"]]) >= VOCAB // 2
+        assert len(ids) == p["max_new_tokens"] or ids[-1] < VOCAB // 2
+    assert outs[3]["output_ids"] == plain[3] and outs[4]["output_ids"] == plain[2]
+    free = engine.generate(input_ids=prompts[:3], sampling_params=[
+        {k: v for k, v in p.items() if k != "min_new_tokens"} for p in held])
+    assert min(len(o["output_ids"]) for o in free) < 12
+    engine.shutdown()
