@@ -39,7 +39,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         min_new_tokens: int = 0,
+        keep_stop: bool = False,
     ) -> None:
+        """`keep_stop` (`no_stop_trim`): once a stop string is found, the text after its start is
+        shown too (the text of every token added) rather than cut there."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
@@ -54,6 +57,7 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._scanned = 0
         self._min_new_tokens = min_new_tokens
+        self._keep_stop = keep_stop
         self._added = 0  # output tokens given to `add`
         self.stop_pos: int | None = None
         self.stop_matched: str | None = None
@@ -141,7 +145,7 @@ class IncrementalDetokenizer:
     def visible_text(self) -> str:
         """Text that may be shown now: never past a stop string, never a possible stop prefix."""
         if self.stop_pos is not None:
-            end = self.stop_pos
+            end = len(self.text) if self._keep_stop else self.stop_pos
         elif self.finished or not self._stops:
             end = len(self.text)
         else:

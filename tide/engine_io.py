@@ -123,13 +123,18 @@ def make_output(req: Req, tokenizer: Tokenizer | None, latency: float) -> Genera
     `text` key without a tokenizer: ids only), output ids and meta info."""
     out: GenerateOutput = {"output_ids": list(req.output_ids), "meta_info": {}}
     if tokenizer is not None:
-        skip = req.sampling_params.skip_special_tokens
-        text = tokenizer.decode(req.output_ids, skip_special_tokens=skip)
+        params = req.sampling_params
+        skip = params.skip_special_tokens
         matched = (req.finished_reason or {}).get("matched")
-        if isinstance(matched, str):
+        # A matched stop token (the last) or stop string stays out of the text, as sglang's does,
+        # unless `no_stop_trim`.
+        trim = not params.no_stop_trim
+        ids = req.output_ids[:-1] if trim and isinstance(matched, int) else req.output_ids
+        text = tokenizer.decode(ids, skip_special_tokens=skip)
+        if trim and isinstance(matched, str):
             # The match ends in the text of the min_new_tokens-th token or a later one: an
             # occurrence before that was passed over.
-            minimum = req.sampling_params.min_new_tokens
+            minimum = params.min_new_tokens
             start = 0
             if minimum > 1:
                 before = tokenizer.decode(req.output_ids[:minimum - 1], skip_special_tokens=skip)

@@ -42,6 +42,9 @@ class SamplingParams:
     `min_new_tokens` (at most `max_new_tokens`): until that many tokens are out, the tokens that
     would end the request (eos unless `ignore_eos`, and `stop_token_ids`) get no probability, and a
     stop string counts only where the min_new_tokens-th token or a later one completes it.
+
+    A request that ends on a stop string or a stop token (eos included) leaves it out of its text
+    (the token stays in the output ids); `no_stop_trim` keeps the text of every output token.
     """
 
     max_new_tokens: int = 128
@@ -60,6 +63,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] | None = None
     min_new_tokens: int = 0
+    no_stop_trim: bool = False
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -137,7 +141,7 @@ class SamplingParams:
                 for t in self.stop_token_ids
             ):
                 raise ValueError(f"stop_token_ids must be a list of integers in [0, {MAX_INT32}]")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

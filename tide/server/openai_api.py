@@ -125,6 +125,7 @@ class OpenAIServingBase:
             "skip_special_tokens": req.skip_special_tokens,
             "seed": req.seed,
             "logit_bias": req.logit_bias,
+            "no_stop_trim": req.no_stop_trim,
         }
         if req.stop:
             self.tm.require_tokenizer("stop")

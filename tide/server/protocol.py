@@ -95,6 +95,7 @@ class _OpenAISampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=2.0)
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(default=0, ge=0)  # at least this many tokens (min_new_tokens)
+    no_stop_trim: bool = False  # keep a matched stop string / stop token in the text
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: Rid | None = None

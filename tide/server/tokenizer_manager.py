@@ -379,7 +379,7 @@ class TokenizerManager:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strs,
-                min_new_tokens=params.min_new_tokens,
+                min_new_tokens=params.min_new_tokens, keep_stop=params.no_stop_trim,
             )
         # The scheduler sees a fresh id, so a late output for an earlier request that used the same
         # client rid can never land on this one.
@@ -617,6 +617,7 @@ class TokenizerManager:
             if state is None:
                 continue  # finished here already (client gone, shutdown)
             new_ids = msg.new_token_ids[i]
+            reason = msg.finished_reasons[i]
             if new_ids:
                 gap = None if state.last_token_time is None else now - state.last_token_time
                 if state.first_token_time is None:
@@ -632,7 +633,11 @@ class TokenizerManager:
                             [(_finite(lp), int(t)) for lp, t in row] for row in msg.new_top_logprobs[i]
                         )
                 if state.detok is not None:
-                    state.detok.add(new_ids)
+                    # A matched stop token (always the last) stays out of the text, as sglang's
+                    # does, unless `no_stop_trim`.
+                    trim = (reason is not None and isinstance(reason.get("matched"), int)
+                            and not state.params.no_stop_trim)
+                    state.detok.add(new_ids[:-1] if trim else new_ids)
             if msg.input_token_logprobs and msg.input_token_logprobs[i]:
                 state.input_token_logprobs = [None if x is None else _finite(x)
                                               for x in msg.input_token_logprobs[i]]
@@ -643,7 +648,6 @@ class TokenizerManager:
             state.cached_tokens = msg.cached_tokens[i]
             if msg.weight_versions:
                 state.weight_version = msg.weight_versions[i]
-            reason = msg.finished_reasons[i]
             if reason is not None:  # stop strings too: the scheduler finds them, once
                 self._finish(state, dict(reason))
             state.event.set()

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ M = TypeVar("M", bound=BaseModel)
 
 _SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                     "presence_penalty", "repetition_penalty", "stop_token_ids", "stop", "ignore_eos",
-                    "skip_special_tokens", "seed", "n", "logit_bias", "min_new_tokens")
+                    "skip_special_tokens", "seed", "n", "logit_bias", "min_new_tokens", "no_stop_trim")
 _DEFAULT_LIMITS = RequestLimits()
 _json_decoder = msgspec.json.Decoder()
 _DIGIT_MAP = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))  # digit -> "1"
@@ -273,7 +274,9 @@ def make_sampling_params(params: dict[str, Any] | None, param_prefix: str,
         sp.check_vocab(vocab_size)
     except (ValueError, TypeError) as e:
         message = str(e)
-        field = next((f for f in _SAMPLING_FIELDS if message.startswith(f)), None)
+        # The whole leading word names the field ("no_stop_trim ..." is not about "n").
+        lead = re.match(r"[a-z_]+", message)
+        field = lead.group(0) if lead and lead.group(0) in _SAMPLING_FIELDS else None
         if message.startswith("unknown sampling_params"):
             unknown = [k for k in (params or {}) if k not in _SAMPLING_FIELDS]
             field = unknown[0] if unknown else None

@@ -1,5 +1,9 @@
-"""`min_new_tokens` (sglang's name; `min_tokens` in the OpenAI routes): until a request has that many
+"""When a request may stop and what its text keeps.
+
+`min_new_tokens` (sglang's name; `min_tokens` in the OpenAI routes): until a request has that many
 tokens, the tokens that would end it get no probability and stop strings do not count.
+`no_stop_trim` (sglang's name, in every route): the text keeps a matched stop string and what its
+token decoded past it, or a matched stop token's text, which are left out by default (as sglang does).
 
 Truth: HF transformers' `min_new_tokens` (its `MinNewTokensLengthLogitsProcessor`, which bans the
 eos ids it is given) for tokens and logprobs; a hand-written scan of the unconstrained greedy text
@@ -255,3 +259,55 @@ def test_server_routes_take_the_minimum(server):
             timeout=60)
         assert_error(resp, 400, "sampling_params.min_new_tokens")
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def _stream_text(url: str, body: dict) -> tuple[str, dict]:
+    """A /generate stream's text, put together from its cumulative events, and its last event."""
+    import json
+
+    resp = httpx.post(url + "/generate", json=body | {"stream": True}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    texts = [e["text"] for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # only ever appended to
+    return texts[-1], events[-1]
+
+
+def test_stop_text_is_trimmed_unless_no_stop_trim(demo_engine, server):
+    """A matched stop token's text and a matched stop string stay out of the text by default and in
+    it with `no_stop_trim`; `output_ids` keep the token either way. The Python API, /generate (whole
+    and streamed: the server's own decoder) and /v1/completions agree."""
+    prompt = "The quick brown fox"
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    ids = demo_engine.generate(prompt=prompt, sampling_params=greedy)["output_ids"]
+    tokenizer = demo_engine.tokenizer
+    token = ids[3]
+    assert token not in ids[:3] and tokenizer.decode(ids[3:4]).strip()  # a token with text
+    full = tokenizer.decode(ids)
+    stop = next(s for s in (" the", " ", "e") if full.find(s, 1) > 0)
+    cases = [
+        ({"stop_token_ids": [token]}, tokenizer.decode(ids[:3]), 4),
+        ({"stop_token_ids": [token], "no_stop_trim": True}, tokenizer.decode(ids[:4]), 4),
+    ]
+    cut = full.find(stop, 1)
+    ends = next(j for j in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:j])) >= cut + len(stop))
+    cases += [({"stop": stop}, full[:cut], ends),
+              ({"stop": stop, "no_stop_trim": True}, tokenizer.decode(ids[:ends]), ends)]
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    for extra, text, count in cases:
+        params = greedy | extra
+        out = demo_engine.generate(prompt=prompt, sampling_params=params)
+        assert (out["text"], out["output_ids"]) == (text, ids[:count]), extra
+        gen = httpx.post(server.url + "/generate", json={
+            "text": prompt, "sampling_params": params}, timeout=60).json()
+        assert (gen["text"], gen["output_ids"]) == (text, ids[:count]), extra
+        streamed, last = _stream_text(server.url, {"text": prompt, "sampling_params": params})
+        assert streamed == text and last["output_ids"] == ids[:count], extra
+        body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, **{k: v for k, v in extra.items()}}
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["text"] == text, (extra, reply)
+    resp = httpx.post(server.url + "/generate", json={
+        "text": "x", "sampling_params": {"no_stop_trim": "yes"}}, timeout=60)
+    assert_error(resp, 400, "sampling_params.no_stop_trim")
