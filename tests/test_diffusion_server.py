@@ -87,8 +87,14 @@ def test_concurrent_requests_get_their_own_images(client, engine):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda a: one(*a), prompts))
     for (p, s), (got, _) in zip(prompts, results):
-        want = engine.generate(p, seed=s, num_inference_steps=4, height=32, width=32)
-        assert np.array_equal(got, np.asarray(want["images"][0]))
+        want = np.asarray(engine.generate(p, seed=s, num_inference_steps=4, height=32,
+                                          width=32)["images"][0]).astype(int)
+        # Which requests share a batch depends on when they arrive, and a batch moves the floats
+        # by ~1e-6, which can round a pixel to the next level: each value within 1 of the image
+        # made alone, and nearly all equal (another seed or prompt differs everywhere).
+        diff = np.abs(got.astype(int) - want)
+        assert got.shape == want.shape and diff.max() <= 1, diff.max()
+        assert (diff > 0).mean() < 0.01, (diff > 0).mean()
 
 
 @pytest.mark.parametrize("body, status, param", [
