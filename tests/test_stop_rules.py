@@ -1,7 +1,8 @@
 """When a request may stop and what its text keeps.
 
 `min_new_tokens` (sglang's name; `min_tokens` in the OpenAI routes): until a request has that many
-tokens, the tokens that would end it get no probability and stop strings do not count.
+tokens, the tokens that would end it get no probability and stop strings completed by then do not
+count: no stop ends it before its min_new_tokens + 1-th token (vLLM's `min_tokens`).
 `no_stop_trim` (sglang's name, in every route): the text keeps a matched stop string and what its
 token decoded past it, or a matched stop token's text, which are left out by default (as sglang does).
 
@@ -68,6 +69,8 @@ def test_ending_tokens_are_banned_until_the_minimum():
     assert not req.argmax_only
     req.output_ids.append(5)
     assert req.argmax_only
+    free = Req("f", [0], SamplingParams(temperature=0, min_new_tokens=2, ignore_eos=True))
+    assert free.argmax_only  # nothing would end it: nothing to ban, the graphs' argmax serves
 
 
 def test_hf_min_new_tokens_parity(llama_engine, hf_model_for):
@@ -144,22 +147,26 @@ def test_overlap_schedule_gives_the_same_tokens(llama_path):
     assert at_first_chance >= 1
 
 
-def _expected_stop(tokenizer, ids: list[int], stop: str, minimum: int) -> tuple[str, int] | None:
-    """(text, token count) of the first `stop` that ends in the text of token `minimum` or a
-    later one, by a plain scan of the decoded prefixes; None if there is none."""
-    before = len(tokenizer.decode(ids[:minimum - 1]))
-    for j in range(minimum, len(ids) + 1):
+def _expected_stop(tokenizer, ids: list[int], stops: list[str],
+                   minimum: int) -> tuple[str, int] | None:
+    """(text, token count) where the stop strings end a request with `min_new_tokens=minimum`, by a
+    plain scan of the decoded prefixes: at the first token after the minimum whose text completes
+    one (an occurrence that reaches into that token's text), the earliest such occurrence; None if
+    there is none."""
+    for j in range(minimum + 1, len(ids) + 1):
+        before = len(tokenizer.decode(ids[:j - 1]))
         text = tokenizer.decode(ids[:j])
-        pos = text.find(stop, max(0, before - len(stop) + 1))
-        if pos >= 0:
-            return text[:pos], j
+        found = [pos for stop in stops
+                 if (pos := text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        if found:
+            return text[:min(found)], j
     return None
 
 
 def test_stop_strings_count_from_the_minimum(demo_engine):
-    """A stop string completed before the `min_new_tokens`-th token is passed over; the first one
-    completed at or after it ends the request, the text cut there. The minimum is put just past the
-    first occurrence, so the request must pass it."""
+    """A stop string completed by the `min_new_tokens`-th token is passed over, also beside a longer
+    stop string; the first one completed after it ends the request, the text cut there. The minimum
+    is the token that completes the first occurrence, so the request must pass it."""
     prompt = "The quick brown fox"
     plain = demo_engine.generate(prompt=prompt, sampling_params={
         "temperature": 0, "max_new_tokens": 48, "ignore_eos": True})
@@ -169,40 +176,44 @@ def test_stop_strings_count_from_the_minimum(demo_engine):
     assert text.count(stop) >= 2, text
     first_end = text.find(stop) + len(stop)
     minimum = next(j for j in range(1, len(ids) + 1)
-                   if len(tokenizer.decode(ids[:j])) >= first_end) + 1
-    expected = _expected_stop(tokenizer, ids, stop, minimum)
-    assert expected is not None, (text, stop, minimum)
-    out = demo_engine.generate(prompt=prompt, sampling_params={
-        "temperature": 0, "max_new_tokens": 48, "ignore_eos": True, "stop": stop,
-        "min_new_tokens": minimum})
-    assert (out["text"], len(out["output_ids"])) == expected
-    assert out["output_ids"] == ids[:expected[1]]
-    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert stop in out["text"]  # the passed-over occurrence stays in the text
+                   if len(tokenizer.decode(ids[:j])) >= first_end)
+    for stops in ([stop], [stop, "Z" * 30]):
+        expected = _expected_stop(tokenizer, ids, stops, minimum)
+        assert expected is not None and expected[1] > minimum, (text, stops, minimum)
+        out = demo_engine.generate(prompt=prompt, sampling_params={
+            "temperature": 0, "max_new_tokens": 48, "ignore_eos": True, "stop": stops,
+            "min_new_tokens": minimum})
+        assert (out["text"], len(out["output_ids"])) == expected, stops
+        assert out["output_ids"] == ids[:expected[1]]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop in out["text"]  # the passed-over occurrence stays in the text
     early = demo_engine.generate(prompt=prompt, sampling_params={
         "temperature": 0, "max_new_tokens": 48, "ignore_eos": True, "stop": stop})
     assert early["text"] == text[:text.find(stop)]
 
 
+STOP_LISTS = ([" "], ["e"], [" the"], ["of", "Z" * 30], [" the", "e"], ["in", " nearest"])
+
+
 def test_detokenizer_chunks_agree_with_tokens(demo_engine):
     """The server's decoder gets tokens in chunks; split anywhere, it finds the stop the
-    scheduler's token-by-token decoder finds, for every minimum."""
+    scheduler's token-by-token decoder finds, for every minimum and stop lists of mixed lengths,
+    and both find the plain scan's."""
     tokenizer = demo_engine.tokenizer
     prompt_ids = tokenizer.encode("In the beginning")
     ids = demo_engine.generate(input_ids=prompt_ids, sampling_params={
         "temperature": 0, "max_new_tokens": 40, "ignore_eos": True})["output_ids"]
     rng = random.Random(5)
-    for stop in (" ", "e", " the"):
+    for stops in STOP_LISTS:
         for minimum in (0, 1, 2, 5, 9, 17, 40):
-            one = IncrementalDetokenizer(tokenizer, prompt_ids, stop=[stop],
-                                         min_new_tokens=minimum)
+            one = IncrementalDetokenizer(tokenizer, prompt_ids, stop=stops, min_new_tokens=minimum)
             for t in ids:
                 one.add([t])
-            expected = _expected_stop(tokenizer, ids, stop, max(minimum, 1))
-            assert (one.visible_text if one.stop_matched else None) == (
-                expected[0] if expected else None)
+            expected = _expected_stop(tokenizer, ids, stops, minimum)
+            one_text = one.visible_text if one.stop_matched else None
+            assert one_text == (expected[0] if expected else None), (stops, minimum)
             for _ in range(6):
-                chunked = IncrementalDetokenizer(tokenizer, prompt_ids, stop=[stop],
+                chunked = IncrementalDetokenizer(tokenizer, prompt_ids, stop=stops,
                                                  min_new_tokens=minimum)
                 i = 0
                 while i < len(ids):
@@ -210,11 +221,22 @@ def test_detokenizer_chunks_agree_with_tokens(demo_engine):
                     chunked.add(ids[i:i + n])
                     i += n
                 chunked.finish()
-                one_text = one.visible_text if one.stop_matched else None
                 assert (chunked.stop_matched, chunked.stop_pos) == (one.stop_matched,
                                                                     one.stop_pos)
                 if one_text is not None:
                     assert chunked.visible_text == one_text
+
+
+def test_eos_ids_past_the_vocabulary_are_not_banned(tmp_path):
+    """A config's eos id outside the vocabulary names no token: requests with a minimum run."""
+    from conftest import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "llama", "llama", eos_token_id=[1, VOCAB + 3])
+    with tide.Engine(str(path)) as engine:
+        out = engine.generate(input_ids=PROMPT, sampling_params={
+            "temperature": 0, "max_new_tokens": 8, "min_new_tokens": 4})
+    assert out["meta_info"]["finish_reason"]["type"] != "abort", out["meta_info"]
+    assert len(out["output_ids"]) >= 4 and 1 not in out["output_ids"][:4]
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +246,7 @@ def server(tmp_path_factory):
         yield srv
 
 
-def test_server_routes_take_the_minimum(server):
+def test_server_routes_take_the_minimum(server, demo_engine):
     """`min_tokens` in the OpenAI routes, `min_new_tokens` in /generate's sampling_params; a
     minimum above the output budget, or not a count, is a 400 naming the field."""
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
@@ -234,7 +256,7 @@ def test_server_routes_take_the_minimum(server):
     assert plain["usage"]["completion_tokens"] < 6, plain
     held = httpx.post(server.url + "/v1/completions", json=body | {"min_tokens": 6},
                       timeout=60).json()
-    assert held["usage"]["completion_tokens"] >= 6, held
+    assert held["usage"]["completion_tokens"] > 6, held
     chat = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
             "temperature": 0, "min_tokens": 8}
     reply = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
@@ -243,7 +265,18 @@ def test_server_routes_take_the_minimum(server):
         "text": "The quick brown fox", "sampling_params": {
             "temperature": 0, "max_new_tokens": 12, "stop": " ", "min_new_tokens": 6}},
         timeout=60).json()
-    assert gen["meta_info"]["completion_tokens"] >= 6, gen
+    assert gen["meta_info"]["completion_tokens"] > 6, gen
+    # The server's own decoder (whole and streamed) cuts where the Python API does.
+    for stops in STOP_LISTS:
+        params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True, "stop": stops,
+                  "min_new_tokens": 9}
+        want = demo_engine.generate(prompt="In the beginning", sampling_params=params)
+        whole = httpx.post(server.url + "/generate", json={
+            "text": "In the beginning", "sampling_params": params}, timeout=60).json()
+        streamed, last = _stream_text(server.url, {"text": "In the beginning",
+                                                   "sampling_params": params})
+        assert whole["text"] == streamed == want["text"], stops
+        assert whole["output_ids"] == last["output_ids"] == want["output_ids"], stops
 
     resp = httpx.post(server.url + "/v1/completions", json=body | {"min_tokens": 13}, timeout=60)
     assert_error(resp, 400, "min_tokens")

@@ -9,9 +9,9 @@
   the first token), so a few prompt tokens are decoded with it as context and their text subtracted.
 * **Stop strings.** Text is never released past the start of a stop string, and the tail that could be
   the beginning of one is held back until it is clear whether the stop string follows. With
-  `min_new_tokens`, a stop string counts only where the min_new_tokens-th output token or a later one
-  completes it: the scheduler's decoder (token by token) and the server's (in chunks, split at that
-  token) then agree on the match.
+  `min_new_tokens`, a stop string counts only where a token after the min_new_tokens-th completes it
+  (as vLLM's `min_tokens` does): the scheduler's decoder (token by token) and the server's (in chunks,
+  split at that token) then agree on the match.
 
 Invariant: `visible_text` only ever grows by appending (each value is a prefix of the next), so a stream
 can send `visible_text[sent:]` at any time.
@@ -71,7 +71,7 @@ class IncrementalDetokenizer:
         """Append new output tokens; decoded text appears once its characters are complete."""
         if not token_ids or self.stop_matched is not None:
             return
-        first_armed = self._min_new_tokens - 1 - self._added  # index of the min_new_tokens-th token
+        first_armed = self._min_new_tokens - self._added  # index of the token after the minimum
         if 0 < first_armed < len(token_ids):
             self._append(token_ids[:first_armed], armed=False)
             self._append(token_ids[first_armed:], armed=True)
@@ -79,7 +79,7 @@ class IncrementalDetokenizer:
             self._append(token_ids, armed=first_armed <= 0)
 
     def _append(self, token_ids: Sequence[int], armed: bool) -> None:
-        """`add` for tokens all before (`armed` False) or all from the min_new_tokens-th on."""
+        """`add` for tokens all up to the min_new_tokens-th (`armed` False) or all after it."""
         self._added += len(token_ids)
         self._ids.extend(token_ids)
         new = self._pending_text()
@@ -105,7 +105,7 @@ class IncrementalDetokenizer:
             self.text += new[self._emitted :]
             self._read_offset = len(self._ids)
             self._emitted = 0
-            self._scan_stops(self._added >= self._min_new_tokens)
+            self._scan_stops(self._added > self._min_new_tokens)
         self.finished = True
 
     def _pending_text(self) -> str:
@@ -116,16 +116,16 @@ class IncrementalDetokenizer:
 
     def _scan_stops(self, armed: bool = True) -> None:
         """Find the first stop string that ends in text added since the last scan (when `armed`;
-        otherwise that text is only marked scanned)."""
+        otherwise that text is only marked scanned). Each stop is searched from where an occurrence
+        would reach the new text, so one lying wholly in text scanned unarmed is passed over."""
         if not self._stops or self.stop_matched is not None:
             return
         if not armed:
             self._scanned = len(self.text)
             return
-        start = max(0, self._scanned - self._max_stop + 1)
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            pos = self.text.find(stop, start)
+            pos = self.text.find(stop, max(0, self._scanned - len(stop) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is not None:

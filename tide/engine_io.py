@@ -132,12 +132,12 @@ def make_output(req: Req, tokenizer: Tokenizer | None, latency: float) -> Genera
         ids = req.output_ids[:-1] if trim and isinstance(matched, int) else req.output_ids
         text = tokenizer.decode(ids, skip_special_tokens=skip)
         if trim and isinstance(matched, str):
-            # The match ends in the text of the min_new_tokens-th token or a later one: an
-            # occurrence before that was passed over.
+            # The match ends in the text of a token after the min_new_tokens-th: an occurrence
+            # before that was passed over.
             minimum = params.min_new_tokens
             start = 0
-            if minimum > 1:
-                before = tokenizer.decode(req.output_ids[:minimum - 1], skip_special_tokens=skip)
+            if minimum > 0:
+                before = tokenizer.decode(req.output_ids[:minimum], skip_special_tokens=skip)
                 start = max(0, len(before) - len(matched) + 1)
             pos = text.find(matched, start)
             if pos >= 0:

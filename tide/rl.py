@@ -21,7 +21,8 @@ compute the differentiable logprobs with the trainer's own forward). The K/V of 
 live in scratch buffers for the one call; nothing is cached between calls. The weights are copied into
 tide's layout on every call (the trainer changes them between calls). Of the sampling parameters
 only the temperature is modelled (below 1e-5: greedy, scored at 1, as the engine does); the engine's
-logprobs of a request with repetition/frequency/presence penalties come from penalised logits.
+logprobs of a request with repetition/frequency/presence penalties, a `logit_bias` or (before its
+`min_new_tokens`) banned ending tokens come from the edited logits.
 """
 
 from __future__ import annotations

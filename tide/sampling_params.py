@@ -41,7 +41,8 @@ class SamplingParams:
 
     `min_new_tokens` (at most `max_new_tokens`): until that many tokens are out, the tokens that
     would end the request (eos unless `ignore_eos`, and `stop_token_ids`) get no probability, and a
-    stop string counts only where the min_new_tokens-th token or a later one completes it.
+    stop string counts only where a later token completes it (vLLM's `min_tokens`): no stop ends
+    the request before its min_new_tokens + 1-th token.
 
     A request that ends on a stop string or a stop token (eos included) leaves it out of its text
     (the token stays in the output ids); `no_stop_trim` keeps the text of every output token.

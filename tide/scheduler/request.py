@@ -74,10 +74,10 @@ class Req:
     @property
     def argmax_only(self) -> bool:
         """Its next token is the argmax of the logits: greedy, no logit edits, no logprobs (and
-        no ending token banned: `min_new_tokens` reached)."""
+        no ending token banned: none to ban, or `min_new_tokens` reached)."""
         p = self.sampling_params
         return (p.is_greedy and not p.edits_logits and not self.return_logprob
-                and len(self.output_ids) >= p.min_new_tokens)
+                and (not self.ending_ids or len(self.output_ids) >= p.min_new_tokens))
 
     @property
     def wants_input_logprobs(self) -> bool:

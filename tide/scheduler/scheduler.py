@@ -203,6 +203,8 @@ class Scheduler:
             ending = set(params.stop_token_ids or ())
             if not params.ignore_eos:
                 ending |= self.eos_token_ids
+            if self.model_config is not None:  # a config's eos id past the vocabulary is no token
+                ending = {t for t in ending if t < self.model_config.vocab_size}
             if self.model_config is not None and len(ending) >= self.model_config.vocab_size:
                 req.finished_reason = {
                     "type": "abort", "message": "min_new_tokens: every token of the vocabulary "
