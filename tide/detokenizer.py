@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tide.tokenizer import decode
+
 if TYPE_CHECKING:
     from tide.tokenizer import Tokenizer
 
@@ -40,11 +42,14 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         min_new_tokens: int = 0,
         keep_stop: bool = False,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         """`keep_stop` (`no_stop_trim`): once a stop string is found, the text after its start is
-        shown too (the text of every token added) rather than cut there."""
+        shown too (the text of every token added) rather than cut there.
+        `spaces_between_special_tokens` goes to the tokenizer's `decode` (`tide.tokenizer.decode`)."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
         if context and self._decode(context).endswith(_REPLACEMENT):
             context = []  # the prompt ends mid-character; its text is no clean prefix
@@ -65,7 +70,7 @@ class IncrementalDetokenizer:
         self._visible_len = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return decode(self._tokenizer, ids, self._skip, self._spaces)
 
     def add(self, token_ids: Sequence[int]) -> None:
         """Append new output tokens; decoded text appears once its characters are complete."""

@@ -13,7 +13,7 @@ from typing import Any, Required, TypedDict
 
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
-from tide.tokenizer import Tokenizer
+from tide.tokenizer import Tokenizer, decode
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
@@ -130,14 +130,15 @@ def make_output(req: Req, tokenizer: Tokenizer | None, latency: float) -> Genera
         # unless `no_stop_trim`.
         trim = not params.no_stop_trim
         ids = req.output_ids[:-1] if trim and isinstance(matched, int) else req.output_ids
-        text = tokenizer.decode(ids, skip_special_tokens=skip)
+        spaces = params.spaces_between_special_tokens
+        text = decode(tokenizer, ids, skip, spaces)
         if trim and isinstance(matched, str):
             # The match ends in the text of a token after the min_new_tokens-th: an occurrence
             # before that was passed over.
             minimum = params.min_new_tokens
             start = 0
             if minimum > 0:
-                before = tokenizer.decode(req.output_ids[:minimum], skip_special_tokens=skip)
+                before = decode(tokenizer, req.output_ids[:minimum], skip, spaces)
                 start = max(0, len(before) - len(matched) + 1)
             pos = text.find(matched, start)
             if pos >= 0:

@@ -24,6 +24,9 @@ MIN_REPETITION_PENALTY = 0.01
 # (OpenAI's range: -100 bans a token, 100 all but forces it).
 MAX_LOGIT_BIAS_TOKENS = 1024
 LOGIT_BIAS_MAX = 100.0
+# sglang's sampling fields for what tide does not do (constrained decoding, regex stops, custom
+# logit processors): accepted when null, as its clients send them unused; else a ValueError naming them.
+UNSUPPORTED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "custom_params")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repetition_penalty")
 
@@ -46,6 +49,10 @@ class SamplingParams:
 
     A request that ends on a stop string or a stop token (eos included) leaves it out of its text
     (the token stays in the output ids); `no_stop_trim` keeps the text of every output token.
+    `spaces_between_special_tokens` goes to the tokenizer's `decode` (transformers' argument;
+    tokenizers backed by the `tokenizers` library put no spaces around special tokens either way).
+    `sampling_seed` is sglang's name for `seed`: it is moved there on construction (giving both with
+    different values is an error).
     """
 
     max_new_tokens: int = 128
@@ -65,10 +72,19 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_new_tokens: int = 0
     no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
+    sampling_seed: int | None = None
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.sampling_seed is not None:
+            _int_field("sampling_seed", self.sampling_seed, lo=0, hi=MAX_SEED)
+            if self.seed is not None and self.seed != self.sampling_seed:
+                raise ValueError(f"sampling_seed ({self.sampling_seed}) and seed ({self.seed}) "
+                                 "name the same seed; give one")
+            # `seed` is the one read from here on (copies of an n > 1 request change it alone).
+            self.seed, self.sampling_seed = self.sampling_seed, None
         self.validate()
         for name in _FLOAT_FIELDS:  # ints are accepted; the sampler and the wire take floats
             setattr(self, name, float(getattr(self, name)))
@@ -142,7 +158,8 @@ class SamplingParams:
                 for t in self.stop_token_ids
             ):
                 raise ValueError(f"stop_token_ids must be a list of integers in [0, {MAX_INT32}]")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
@@ -173,6 +190,11 @@ class SamplingParams:
             params = {f.name: getattr(params, f.name) for f in dataclasses.fields(cls) if f.init}
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        for name in UNSUPPORTED_FIELDS:
+            if params.get(name) is not None:
+                raise ValueError(f"{name} is not supported by tide (no constrained decoding, regex "
+                                 "stops or custom logit processors); leave it out or null")
+        params = {k: v for k, v in params.items() if k not in UNSUPPORTED_FIELDS}
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(params) - known)
         if unknown:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from tide.config import EngineConfig
 
@@ -18,10 +18,22 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False,
+               **kwargs: Any) -> str: ...
 
     def apply_chat_template(self, conversation: list[dict[str, str]], tokenize: bool = True,
                             add_generation_prompt: bool = False) -> str | list[int]: ...
+
+
+def decode(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool,
+           spaces_between_special_tokens: bool = True) -> str:
+    """`tokenizer.decode` with sglang's decoding switches. transformers' default for
+    `spaces_between_special_tokens` (True) is left to it, so a tokenizer whose `decode` takes only
+    `skip_special_tokens` serves every request that does not turn it off."""
+    if spaces_between_special_tokens:
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                            spaces_between_special_tokens=False)
 
 
 def load_tokenizer(config: EngineConfig) -> Tokenizer | None:

@@ -198,7 +198,8 @@ class Scheduler:
         if params.stop_strs and self.tokenizer is not None and req.stop_detokenizer is None:
             req.stop_detokenizer = IncrementalDetokenizer(
                 self.tokenizer, req.origin_input_ids, params.skip_special_tokens, params.stop_strs,
-                min_new_tokens=params.min_new_tokens)
+                min_new_tokens=params.min_new_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
         if params.min_new_tokens > 0:
             ending = set(params.stop_token_ids or ())
             if not params.ignore_eos:

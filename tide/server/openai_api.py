@@ -126,6 +126,7 @@ class OpenAIServingBase:
             "seed": req.seed,
             "logit_bias": req.logit_bias,
             "no_stop_trim": req.no_stop_trim,
+            "spaces_between_special_tokens": req.spaces_between_special_tokens,
         }
         if req.stop:
             self.tm.require_tokenizer("stop")

@@ -96,6 +96,7 @@ class _OpenAISampling(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(default=0, ge=0)  # at least this many tokens (min_new_tokens)
     no_stop_trim: bool = False  # keep a matched stop string / stop token in the text
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: Rid | None = None
@@ -217,6 +218,20 @@ class SeparateReasoningInput(BaseModel):
     reasoning_parser: str | None = None
 
 
+def _only(default: None | bool) -> Any:
+    """The check of a field tide does not implement: only `default` (null, or false) passes."""
+    def check(value: Any) -> Any:
+        if value is not default:
+            shown = "null" if default is None else "false"
+            raise ValueError(f"not supported by tide; leave it out or send {shown}")
+        return value
+    return AfterValidator(check)
+
+
+_NullOnly = Annotated[Any, _only(None)]
+_FalseOnly = Annotated[Any, _only(False)]
+
+
 class GenerateReqInput(BaseModel):
     """`POST /generate` (sglang's body): one item or a batch, by text or by token ids."""
 
@@ -231,6 +246,28 @@ class GenerateReqInput(BaseModel):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # sglang's fields for what tide does not serve (images, LoRA, hidden states, sessions, custom
+    # logit processors, disaggregation...): accepted at the defaults its clients send them with,
+    # else a 400 naming the field. `log_metrics` (sglang's per-request metrics switch) is taken and
+    # not used: tide's metrics count every request.
+    input_embeds: _NullOnly = None
+    image_data: _NullOnly = None
+    video_data: _NullOnly = None
+    audio_data: _NullOnly = None
+    modalities: _NullOnly = None
+    lora_path: _NullOnly = None
+    lora_id: _NullOnly = None
+    custom_logit_processor: _NullOnly = None
+    return_hidden_states: _FalseOnly = False
+    return_routed_experts: _FalseOnly = False
+    token_ids_logprob: _NullOnly = None
+    session_params: _NullOnly = None
+    bootstrap_host: _NullOnly = None
+    bootstrap_port: _NullOnly = None
+    bootstrap_room: _NullOnly = None
+    data_parallel_rank: _NullOnly = None
+    priority: _NullOnly = None
+    log_metrics: bool = True
 
 
 class AbortReqInput(BaseModel):

@@ -380,6 +380,7 @@ class TokenizerManager:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop_strs,
                 min_new_tokens=params.min_new_tokens, keep_stop=params.no_stop_trim,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
         # The scheduler sees a fresh id, so a late output for an earlier request that used the same
         # client rid can never land on this one.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import math
@@ -15,16 +16,15 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from tide.sampling_params import SamplingParams
+from tide.sampling_params import UNSUPPORTED_FIELDS, SamplingParams
 from tide.server.errors import APIError, from_validation_error, invalid_request
 from tide.server.limits import RequestLimits, check_at_most
 from tide.server.security import require_json_content_type
 
 M = TypeVar("M", bound=BaseModel)
 
-_SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                    "presence_penalty", "repetition_penalty", "stop_token_ids", "stop", "ignore_eos",
-                    "skip_special_tokens", "seed", "n", "logit_bias", "min_new_tokens", "no_stop_trim")
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init) + \
+    UNSUPPORTED_FIELDS
 _DEFAULT_LIMITS = RequestLimits()
 _json_decoder = msgspec.json.Decoder()
 _DIGIT_MAP = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))  # digit -> "1"
