@@ -9,6 +9,7 @@ keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import re
@@ -120,6 +121,16 @@ def test_batches_spread_over_replicas_and_match_one_engine(replicas, ref):
         assert [v is None for v, _ in g] == [v is None for v, _ in e]
         assert [v for v, _ in g if v is not None] == pytest.approx(
             [v for v, _ in e if v is not None], abs=1e-5)
+    assert all(r["outstanding_requests"] == 0 for r in replicas.router.describe())
+    # async_generate: concurrent calls, each one prompt, give generate's outputs.
+
+    async def concurrent() -> list:
+        return await asyncio.gather(*[replicas.async_generate(prompt=p, sampling_params=GREEDY)
+                                      for p in PROMPTS])
+
+    outs = asyncio.run(concurrent())
+    want_ids = [o["output_ids"] for o in ref.generate(prompt=PROMPTS, sampling_params=GREEDY)]
+    assert [o["output_ids"] for o in outs] == want_ids
     assert all(r["outstanding_requests"] == 0 for r in replicas.router.describe())
 
 

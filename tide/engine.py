@@ -3,17 +3,20 @@
 A thin driver over the scheduler side (`tide.scheduler.create_scheduler`): it turns `generate`
 arguments into requests, steps the scheduler until they finish, and forwards every handover call to
 the scheduler's `Handover`. It alone holds the lock that lets `generate` run from several threads
-while another pauses, updates or continues: those interleave only between steps.
+while another pauses, updates or continues: those interleave only between steps. `async_generate`
+awaits instead: a background thread steps while any such call waits (`_AsyncWaiter`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from tide.config import EngineConfig
@@ -49,6 +52,28 @@ logger = logging.getLogger(__name__)
 UpdateOption = bool | str | None
 
 
+@dataclass
+class _AsyncWaiter:
+    """One `async_generate` call: its requests, and the future (of `loop`) their outputs resolve."""
+
+    reqs: list[Req]
+    single: bool
+    start: float
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    cancelled: bool = False
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Set `future` (on its loop's thread) unless its awaiting task went away first."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class Engine:
     """Load a model and generate.
 
@@ -79,6 +104,9 @@ class Engine:
         self._controls_waiting = 0
         self._controls_lock = threading.Lock()
         self._shut_down = False
+        # `async_generate` calls waiting for their requests, and the thread that steps for them.
+        self._waiters: list[_AsyncWaiter] = []
+        self._stepper: threading.Thread | None = None
 
     @property
     def worker(self) -> ModelWorker:
@@ -121,22 +149,125 @@ class Engine:
         Every item is validated before any is submitted, so bad input raises `ValueError` and leaves
         the engine as it was.
         """
-        if self._shut_down:
-            raise RuntimeError("the engine is shut down")
-        blocked = self.handover.memory_block_reason
-        if blocked is not None:
-            raise ValueError(blocked)
-        single, reqs = build_requests(prompt, input_ids, sampling_params, return_logprob,
-                                      top_logprobs_num, rid, self.tokenizer, self._limits,
-                                      logprob_start_len)
+        single, reqs = self._build(prompt, sampling_params, input_ids, return_logprob,
+                                   top_logprobs_num, rid, logprob_start_len)
         start = time.perf_counter()
         with self._cond:
             for req in reqs:
                 self.scheduler.add_request(req)
         self._run_until_finished(reqs)
+        return self._outputs(reqs, single, start)
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: SamplingParamsDict | list[SamplingParamsDict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
+        rid: str | list[str] | None = None,
+        logprob_start_len: int | list[int] = -1,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        """`generate` for asyncio code (sglang's name), with the same arguments and outputs. The
+        requests join the running batch at once, and the call returns when they have finished: the
+        requests of many concurrent calls (an agent loop's trajectories) decode together. A
+        background thread steps the scheduler while any call waits; the event loop never blocks
+        on a step. Bad input raises `ValueError` before anything is submitted. Cancelling the
+        awaiting task aborts its requests that have not finished."""
+        single, reqs = self._build(prompt, sampling_params, input_ids, return_logprob,
+                                   top_logprobs_num, rid, logprob_start_len)
+        loop = asyncio.get_running_loop()
+        waiter = _AsyncWaiter(reqs, single, time.perf_counter(), loop.create_future(), loop)
+        # Ahead of the stepping thread (as a control call): calls made together join one batch.
+        with self._open():
+            for req in reqs:
+                self.scheduler.add_request(req)
+            self._waiters.append(waiter)
+            if self._stepper is None:
+                self._stepper = threading.Thread(target=self._step_for_waiters, daemon=True,
+                                                 name="tide-async-generate")
+                self._stepper.start()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            waiter.cancelled = True  # the stepping thread aborts its requests between steps
+            raise
+
+    def _build(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
+               top_logprobs_num: Any, rid: Any, logprob_start_len: Any) -> tuple[bool, list[Req]]:
+        """`generate`'s arguments as requests, every one validated (ValueError) before any is
+        submitted."""
+        if self._shut_down:
+            raise RuntimeError("the engine is shut down")
+        blocked = self.handover.memory_block_reason
+        if blocked is not None:
+            raise ValueError(blocked)
+        return build_requests(prompt, input_ids, sampling_params, return_logprob,
+                              top_logprobs_num, rid, self.tokenizer, self._limits,
+                              logprob_start_len)
+
+    def _outputs(self, reqs: list[Req], single: bool, start: float
+                 ) -> GenerateOutput | list[GenerateOutput]:
         latency = time.perf_counter() - start
         outputs = [make_output(r, self.tokenizer, latency) for r in reqs]
         return outputs[0] if single and len(outputs) == 1 else outputs
+
+    def _step_for_waiters(self) -> None:
+        """The `async_generate` thread: step while any call waits (yielding to control calls and
+        waiting out pauses as `generate` does), answer each call once its requests finish, abort
+        the requests of cancelled calls; exit when none waits (the next call starts another). A
+        step that raises fails every waiting call with the error (as `generate` would raise it)."""
+        try:
+            self._step_loop()
+        except Exception as e:
+            logger.exception("a step for async_generate failed")
+            with self._cond:
+                self._fail_waiters(e)
+                self._stepper = None
+
+    def _step_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._settle_waiters()
+                if not self._waiters:
+                    self._stepper = None
+                    return
+                sched = self.scheduler
+                if self._shut_down or self._controls_waiting or sched.is_blocked():
+                    self._cond.wait(timeout=0.05)
+                    continue
+                if not sched.has_work():
+                    self._fail_waiters(RuntimeError(
+                        "scheduler went idle with requests still pending"))
+                    continue
+                sched.step()
+                self._cond.notify_all()
+
+    def _settle_waiters(self) -> None:
+        """Under the lock: answer the waiters whose requests have all finished; abort the
+        unfinished requests of cancelled ones."""
+        pending: list[_AsyncWaiter] = []
+        for waiter in self._waiters:
+            if waiter.cancelled:
+                for req in waiter.reqs:
+                    if not req.finished:
+                        self.scheduler.abort(req.rid, "the awaiting task was cancelled")
+                continue
+            if not all(r.finished for r in waiter.reqs):
+                pending.append(waiter)
+                continue
+            self._answer(waiter, self._outputs(waiter.reqs, waiter.single, waiter.start), None)
+        self._waiters = pending
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        for waiter in self._waiters:
+            self._answer(waiter, None, error)
+        self._waiters = []
+
+    @staticmethod
+    def _answer(waiter: _AsyncWaiter, result: Any, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody awaits it
+            waiter.loop.call_soon_threadsafe(_resolve, waiter.future, result, error)
 
     def _run_until_finished(self, reqs: list[Req]) -> None:
         """Step the scheduler until every request in `reqs` has finished. Any thread that holds the

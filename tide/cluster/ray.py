@@ -28,7 +28,9 @@ Ray is imported only here, and only when a `RayEngine` is made, so tide works wi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -263,6 +265,22 @@ class RayEngine:
             raise error
         flat = [out for i in range(len(items)) for out in per_item_out[i]]
         return flat[0] if single and len(flat) == 1 else flat
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: SamplingParamsDict | list[SamplingParamsDict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        top_logprobs_num: int | list[int] = 0,
+        rid: str | list[str] | None = None,
+        logprob_start_len: int | list[int] = -1,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        """`generate`, awaited: it runs on a worker thread of the event loop's default executor
+        (the replicas batch concurrent calls as `Engine.generate` from several threads does)."""
+        call = functools.partial(self.generate, prompt, sampling_params, input_ids,
+                                 return_logprob, top_logprobs_num, rid, logprob_start_len)
+        return await asyncio.get_running_loop().run_in_executor(None, call)
 
     def _aborted(self, item: Any, per_item: dict[str, Any], i: int, reason: str,
                  latency: float) -> list[GenerateOutput]:
