@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import tide
 from conftest import random_prompts
@@ -141,3 +142,24 @@ def test_shutdown_answers_waiting_calls(llama_path):
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(engine.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_concurrent_calls_on_a_cuda_engine(tmp_path):
+    """A CUDA engine (graphs, overlap) stepped from the background thread: concurrent calls give
+    the tokens one `generate` call gives, and share decode steps."""
+    from conftest import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "llama", "llama")
+    with tide.Engine(str(path), dtype="float32", max_total_tokens=8192) as engine:
+        ref = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        before = engine.scheduler.stats.num_forward_decode
+
+        async def main() -> list:
+            return await asyncio.gather(*[engine.async_generate(input_ids=p, sampling_params=GREEDY)
+                                          for p in PROMPTS])
+
+        outs = asyncio.run(main())
+        assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+        assert engine.scheduler.stats.num_forward_decode - before < 3 * GREEDY["max_new_tokens"]

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tide.config import EngineConfig
 from tide.engine_io import (
     GenerateOutput,
@@ -218,6 +220,9 @@ class Engine:
         the requests of cancelled calls; exit when none waits (the next call starts another). A
         step that raises fails every waiting call with the error (as `generate` would raise it)."""
         try:
+            device = self.model_runner.device
+            if device.type == "cuda":  # this thread's current device, as the runner's maker's
+                torch.cuda.set_device(device)
             self._step_loop()
         except Exception as e:
             logger.exception("a step for async_generate failed")
