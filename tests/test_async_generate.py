@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
+import tide
 import torch
 
-import tide
 from conftest import random_prompts
 
 PROMPTS = random_prompts(61, [5, 9, 14, 7, 20, 11, 6, 17])

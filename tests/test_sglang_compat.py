@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_utils import assert_error, running_server, serve_model_path
-
-from conftest import random_prompts
 from tide.detokenizer import IncrementalDetokenizer
 from tide.engine_io import make_output
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
+
+from conftest import random_prompts
+from server_utils import assert_error, running_server, serve_model_path
 
 PROMPT = random_prompts(53, [9])[0]
 
