@@ -26,7 +26,7 @@ def engine(llama_path):
 
 def _idle(engine) -> None:
     deadline = time.monotonic() + 10
-    while engine.scheduler.has_work() or engine._stepper is not None:
+    while engine.scheduler.has_work() or engine._async.running:
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.01)
 
@@ -142,6 +142,111 @@ def test_shutdown_answers_waiting_calls(llama_path):
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(engine.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY))
+
+
+def test_cancelling_aborts_only_that_calls_requests(engine):
+    """Two calls with one rid (rids are unique within a call only): cancelling one leaves the
+    other's request running to its end."""
+    long = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+
+    async def main() -> dict:
+        victim = asyncio.create_task(engine.async_generate(input_ids=PROMPTS[3],
+                                                           sampling_params=long, rid="same"))
+        other = asyncio.create_task(engine.async_generate(input_ids=PROMPTS[4],
+                                                          sampling_params=long, rid="same"))
+        while len(engine.scheduler.running) < 2:
+            await asyncio.sleep(0.002)
+        victim.cancel()
+        return await other
+
+    out = asyncio.run(main())
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == 60
+    _idle(engine)
+
+
+def test_a_failing_step_fails_its_calls_and_leaves_nothing_behind(engine, monkeypatch):
+    """A step that raises fails the calls waiting then (their requests aborted, nothing left
+    queued or holding KV); the next call runs."""
+    real = engine.scheduler.step
+    calls = {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom in step")
+        return real()
+
+    monkeypatch.setattr(engine.scheduler, "step", step)
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="boom in step"):
+            await asyncio.gather(*[engine.async_generate(input_ids=p, sampling_params=GREEDY)
+                                   for p in PROMPTS[:3]])
+
+    asyncio.run(main())
+    _idle(engine)
+    assert engine.flush_cache(empty_cache=False)
+    out = asyncio.run(engine.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY))
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def test_the_event_loop_never_waits_for_the_engine_lock(engine):
+    """While another thread holds the engine lock (a control call, a weight update draining),
+    making calls does not block the event loop: a 5 ms heartbeat keeps beating."""
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with engine._control():
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+
+    async def main() -> tuple[float, list]:
+        gaps: list[float] = []
+
+        async def beat() -> None:
+            last = time.monotonic()
+            while not release.is_set():
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        beating = asyncio.create_task(beat())
+        calls = [asyncio.create_task(engine.async_generate(input_ids=p, sampling_params=GREEDY))
+                 for p in PROMPTS[:4]]
+        await asyncio.sleep(0.4)  # the calls wait behind the lock; the loop does not
+        release.set()
+        outs = await asyncio.gather(*calls)
+        await beating
+        return max(gaps), outs
+
+    worst, outs = asyncio.run(main())
+    holder.join(10)
+    assert worst < 0.2, worst
+    assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
+
+
+def test_sglang_arguments_for_what_tide_lacks(engine):
+    """sglang's generate arguments are taken at their defaults (as verl-style code passes them)
+    and refused, naming them, otherwise; an unknown name is a TypeError."""
+    kwargs = {"image_data": None, "lora_path": None, "return_hidden_states": False,
+              "custom_logit_processor": None, "stream": False}
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, **kwargs)
+    same = asyncio.run(engine.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY,
+                                             **kwargs))
+    assert out["output_ids"] == same["output_ids"]
+    for name, value in (("image_data", "img.png"), ("stream", True), ("lora_path", "a")):
+        with pytest.raises(ValueError, match=f"^{name} is not supported"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, **{name: value})
+    with pytest.raises(TypeError, match="no_such_argument"):
+        engine.generate(input_ids=PROMPTS[0], no_such_argument=1)
+    assert not engine.scheduler.has_work()
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ A thin driver over the scheduler side (`tide.scheduler.create_scheduler`): it tu
 arguments into requests, steps the scheduler until they finish, and forwards every handover call to
 the scheduler's `Handover`. It alone holds the lock that lets `generate` run from several threads
 while another pauses, updates or continues: those interleave only between steps. `async_generate`
-awaits instead: a background thread steps while any such call waits (`_AsyncWaiter`).
+awaits instead: a background thread steps while any such call waits (`tide.async_calls`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from tide.async_calls import AsyncCall, AsyncCalls
 from tide.config import EngineConfig
 from tide.engine_io import (
     GenerateOutput,
@@ -30,7 +28,7 @@ from tide.engine_io import (
     make_output,
 )
 from tide.executor.model_runner import ModelRunner
-from tide.io_struct import WeightUpdateOptions
+from tide.io_struct import ENGINE_UNUSED_ARGS, WeightUpdateOptions, check_unused_args
 from tide.memory.ledger import MemoryLedger
 from tide.scheduler.handover import (
     DiskUpdate,
@@ -52,28 +50,6 @@ logger = logging.getLogger(__name__)
 # Values of the `WeightUpdateOptions` keyword arguments (`flush_cache`, `torch_empty_cache`,
 # `abort_all_requests`, `weight_version`) that every `update_weights_*` method takes.
 UpdateOption = bool | str | None
-
-
-@dataclass
-class _AsyncWaiter:
-    """One `async_generate` call: its requests, and the future (of `loop`) their outputs resolve."""
-
-    reqs: list[Req]
-    single: bool
-    start: float
-    future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-    cancelled: bool = False
-
-
-def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    """Set `future` (on its loop's thread) unless its awaiting task went away first."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 class Engine:
@@ -106,9 +82,7 @@ class Engine:
         self._controls_waiting = 0
         self._controls_lock = threading.Lock()
         self._shut_down = False
-        # `async_generate` calls waiting for their requests, and the thread that steps for them.
-        self._waiters: list[_AsyncWaiter] = []
-        self._stepper: threading.Thread | None = None
+        self._async = AsyncCalls(self, self.model_runner.device)  # async_generate's calls
 
     @property
     def worker(self) -> ModelWorker:
@@ -137,6 +111,7 @@ class Engine:
         top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         logprob_start_len: int | list[int] = -1,
+        **unused: Any,
     ) -> GenerateOutput | list[GenerateOutput]:
         """Generate for one item (returns a dict) or a list of items (returns a list of dicts).
 
@@ -152,7 +127,7 @@ class Engine:
         the engine as it was.
         """
         single, reqs = self._build(prompt, sampling_params, input_ids, return_logprob,
-                                   top_logprobs_num, rid, logprob_start_len)
+                                   top_logprobs_num, rid, logprob_start_len, unused)
         start = time.perf_counter()
         with self._cond:
             for req in reqs:
@@ -169,36 +144,34 @@ class Engine:
         top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         logprob_start_len: int | list[int] = -1,
+        **unused: Any,
     ) -> GenerateOutput | list[GenerateOutput]:
         """`generate` for asyncio code (sglang's name), with the same arguments and outputs. The
-        requests join the running batch at once, and the call returns when they have finished: the
+        requests join the running batch, and the call returns when they have finished: the
         requests of many concurrent calls (an agent loop's trajectories) decode together. A
-        background thread steps the scheduler while any call waits; the event loop never blocks
-        on a step. Bad input raises `ValueError` before anything is submitted. Cancelling the
-        awaiting task aborts its requests that have not finished."""
+        background thread submits them and steps the scheduler while any call waits
+        (`tide.async_calls`); the event loop never takes the engine lock. Bad input raises
+        `ValueError` before anything is submitted. Cancelling the awaiting task aborts the call's
+        unfinished requests (those very requests: another call's with the same rid runs on)."""
         single, reqs = self._build(prompt, sampling_params, input_ids, return_logprob,
-                                   top_logprobs_num, rid, logprob_start_len)
+                                   top_logprobs_num, rid, logprob_start_len, unused)
         loop = asyncio.get_running_loop()
-        waiter = _AsyncWaiter(reqs, single, time.perf_counter(), loop.create_future(), loop)
-        # Ahead of the stepping thread (as a control call): calls made together join one batch.
-        with self._open():
-            for req in reqs:
-                self.scheduler.add_request(req)
-            self._waiters.append(waiter)
-            if self._stepper is None:
-                self._stepper = threading.Thread(target=self._step_for_waiters, daemon=True,
-                                                 name="tide-async-generate")
-                self._stepper.start()
+        start = time.perf_counter()
+        call = AsyncCall(reqs, loop.create_future(), loop,
+                         lambda done: self._outputs(done, single, start))
+        self._async.submit(call)
         try:
-            return await waiter.future
+            return await call.future
         except asyncio.CancelledError:
-            waiter.cancelled = True  # the stepping thread aborts its requests between steps
+            call.cancelled = True  # the thread aborts its requests between steps
             raise
 
     def _build(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
-               top_logprobs_num: Any, rid: Any, logprob_start_len: Any) -> tuple[bool, list[Req]]:
+               top_logprobs_num: Any, rid: Any, logprob_start_len: Any,
+               unused: dict[str, Any]) -> tuple[bool, list[Req]]:
         """`generate`'s arguments as requests, every one validated (ValueError) before any is
-        submitted."""
+        submitted; `unused`: sglang's arguments for what tide lacks (`check_unused_args`)."""
+        check_unused_args(unused, ENGINE_UNUSED_ARGS)
         if self._shut_down:
             raise RuntimeError("the engine is shut down")
         blocked = self.handover.memory_block_reason
@@ -213,66 +186,6 @@ class Engine:
         latency = time.perf_counter() - start
         outputs = [make_output(r, self.tokenizer, latency) for r in reqs]
         return outputs[0] if single and len(outputs) == 1 else outputs
-
-    def _step_for_waiters(self) -> None:
-        """The `async_generate` thread: step while any call waits (yielding to control calls and
-        waiting out pauses as `generate` does), answer each call once its requests finish, abort
-        the requests of cancelled calls; exit when none waits (the next call starts another). A
-        step that raises fails every waiting call with the error (as `generate` would raise it)."""
-        try:
-            device = self.model_runner.device
-            if device.type == "cuda":  # this thread's current device, as the runner's maker's
-                torch.cuda.set_device(device)
-            self._step_loop()
-        except Exception as e:
-            logger.exception("a step for async_generate failed")
-            with self._cond:
-                self._fail_waiters(e)
-                self._stepper = None
-
-    def _step_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._settle_waiters()
-                if not self._waiters:
-                    self._stepper = None
-                    return
-                sched = self.scheduler
-                if self._shut_down or self._controls_waiting or sched.is_blocked():
-                    self._cond.wait(timeout=0.05)
-                    continue
-                if not sched.has_work():
-                    self._fail_waiters(RuntimeError(
-                        "scheduler went idle with requests still pending"))
-                    continue
-                sched.step()
-                self._cond.notify_all()
-
-    def _settle_waiters(self) -> None:
-        """Under the lock: answer the waiters whose requests have all finished; abort the
-        unfinished requests of cancelled ones."""
-        pending: list[_AsyncWaiter] = []
-        for waiter in self._waiters:
-            if waiter.cancelled:
-                for req in waiter.reqs:
-                    if not req.finished:
-                        self.scheduler.abort(req.rid, "the awaiting task was cancelled")
-                continue
-            if not all(r.finished for r in waiter.reqs):
-                pending.append(waiter)
-                continue
-            self._answer(waiter, self._outputs(waiter.reqs, waiter.single, waiter.start), None)
-        self._waiters = pending
-
-    def _fail_waiters(self, error: BaseException) -> None:
-        for waiter in self._waiters:
-            self._answer(waiter, None, error)
-        self._waiters = []
-
-    @staticmethod
-    def _answer(waiter: _AsyncWaiter, result: Any, error: BaseException | None) -> None:
-        with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody awaits it
-            waiter.loop.call_soon_threadsafe(_resolve, waiter.future, result, error)
 
     def _run_until_finished(self, reqs: list[Req]) -> None:
         """Step the scheduler until every request in `reqs` has finished. Any thread that holds the

@@ -321,3 +321,34 @@ def decode_input(data: bytes) -> SchedulerInput:
 
 def decode_output(data: bytes) -> SchedulerOutput:
     return _output_decoder.decode(data)
+
+
+# sglang's generate arguments for what tide does not serve (images, LoRA, hidden states, sessions,
+# custom logit processors, disaggregation, priorities): taken at the defaults its clients pass when
+# they do not use them, else a ValueError naming the argument (a 400 over HTTP).
+UNUSED_ARGS: dict[str, bool | None] = {
+    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+    "modalities": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
+    "return_hidden_states": False, "return_routed_experts": False, "token_ids_logprob": None,
+    "session_params": None, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "data_parallel_rank": None, "priority": None,
+}
+# `Engine.generate` / `async_generate` also take sglang's `stream` (tide's in-process calls return
+# whole outputs; the HTTP server streams).
+ENGINE_UNUSED_ARGS: dict[str, bool | None] = {**UNUSED_ARGS, "stream": False}
+
+
+def unsupported(name: str, default: bool | None) -> str:
+    """The error of an unused argument given another value than its default."""
+    shown = "None/null" if default is None else "False/false"
+    return f"{name} is not supported by tide; leave it out or pass {shown}"
+
+
+def check_unused_args(args: dict[str, Any], table: dict[str, bool | None]) -> None:
+    """TypeError for a name not in `table` (as for any unknown keyword argument); ValueError
+    naming an argument given another value than its default."""
+    for name, value in args.items():
+        if name not in table:
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+        if value is not table[name]:
+            raise ValueError(unsupported(name, table[name]))

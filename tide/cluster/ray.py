@@ -34,6 +34,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tide.cluster.router import (
@@ -180,6 +181,9 @@ class RayEngine:
                 remove_placement_group(pg)
             raise
         self.has_tokenizer = bool(self.replica_info[0]["has_tokenizer"])
+        # async_generate's threads: as many calls at once as the replicas together take.
+        self._executor = ThreadPoolExecutor(max_workers=MAX_CONCURRENT_CALLS * num_replicas,
+                                            thread_name_prefix="tide-ray-generate")
 
     def _wait_ready(self, timeout: float) -> list[dict[str, Any]]:
         ray = self._ray
@@ -276,11 +280,13 @@ class RayEngine:
         rid: str | list[str] | None = None,
         logprob_start_len: int | list[int] = -1,
     ) -> GenerateOutput | list[GenerateOutput]:
-        """`generate`, awaited: it runs on a worker thread of the event loop's default executor
-        (the replicas batch concurrent calls as `Engine.generate` from several threads does)."""
+        """`generate`, awaited: it runs on a thread of this engine's own pool (as many as the
+        replicas take calls at once), and the replicas batch concurrent calls as
+        `Engine.generate` from several threads does. Cancelling the awaiting task does not stop
+        the call: its items run to their end on the replicas."""
         call = functools.partial(self.generate, prompt, sampling_params, input_ids,
                                  return_logprob, top_logprobs_num, rid, logprob_start_len)
-        return await asyncio.get_running_loop().run_in_executor(None, call)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     def _aborted(self, item: Any, per_item: dict[str, Any], i: int, reason: str,
                  latency: float) -> list[GenerateOutput]:
@@ -483,6 +489,7 @@ class RayEngine:
         from ray.util.placement_group import remove_placement_group
 
         ray = self._ray
+        self._executor.shutdown(wait=False, cancel_futures=True)
         refs = [self.actors[i].shutdown.remote() for i in self.router.live_indices()]
         ray.wait(refs, num_returns=len(refs), timeout=30)
         for actor in self.actors:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -460,17 +461,26 @@ class Scheduler:
 
     def abort(self, rid: str | None = None, message: str = "aborted") -> list[Req]:
         """Finish the request `rid` (all requests if None) with finish_reason abort."""
+        return self._abort_where(lambda req: rid is None or req.rid == rid, message)
+
+    def abort_reqs(self, reqs: list[Req], message: str = "aborted") -> list[Req]:
+        """Finish these very requests (not others that share their rids) with finish_reason
+        abort, where they have not finished."""
+        ids = set(map(id, reqs))
+        return self._abort_where(lambda req: id(req) in ids, message)
+
+    def _abort_where(self, chosen: Callable[[Req], bool], message: str) -> list[Req]:
         self.settle()
         aborted: list[Req] = []
         for req in list(self.waiting):
-            if rid is None or req.rid == rid:
+            if chosen(req):
                 self.waiting.remove(req)
                 aborted.append(req)
         for req in list(self.running):
-            if rid is None or req.rid == rid:
+            if chosen(req):
                 self.running.remove(req)
                 aborted.append(req)
-        if self.chunked_req is not None and (rid is None or self.chunked_req.rid == rid):
+        if self.chunked_req is not None and chosen(self.chunked_req):
             aborted.append(self.chunked_req)
             self.chunked_req = None
         for req in aborted:

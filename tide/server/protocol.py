@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 
-from tide.io_struct import WeightUpdateOptions, check_weight_version
+from tide.io_struct import UNUSED_ARGS, WeightUpdateOptions, check_weight_version, unsupported
 from tide.sampling_params import MIN_REPETITION_PENALTY
 from tide.weights.distributed import (
     DEFAULT_JOIN_TIMEOUT_S,
@@ -218,21 +218,29 @@ class SeparateReasoningInput(BaseModel):
     reasoning_parser: str | None = None
 
 
-def _only(default: None | bool) -> Any:
-    """The check of a field tide does not implement: only `default` (null, or false) passes."""
+def _only(name: str, default: None | bool) -> Any:
+    """A field tide does not implement: only `default` (null, or false) passes."""
     def check(value: Any) -> Any:
         if value is not default:
-            shown = "null" if default is None else "false"
-            raise ValueError(f"not supported by tide; leave it out or send {shown}")
+            raise ValueError(unsupported(name, default))
         return value
-    return AfterValidator(check)
+    return Annotated[Any, AfterValidator(check)]
 
 
-_NullOnly = Annotated[Any, _only(None)]
-_FalseOnly = Annotated[Any, _only(False)]
+def _unused_fields() -> type[BaseModel]:
+    """sglang's `/generate` fields for what tide does not serve (`tide.engine_io.UNUSED_ARGS`):
+    taken at the defaults its clients send, else a 400 naming the field. `log_metrics` (its
+    per-request metrics switch) is taken and not used: tide's metrics count every request."""
+    fields: dict[str, Any] = {name: (_only(name, default), default)
+                              for name, default in UNUSED_ARGS.items()}
+    fields["log_metrics"] = (bool, True)
+    return create_model("_UnusedGenerateFields", __config__=_STRICT, **fields)
 
 
-class GenerateReqInput(BaseModel):
+_UnusedGenerateFields = _unused_fields()
+
+
+class GenerateReqInput(_UnusedGenerateFields):  # type: ignore[misc,valid-type]
     """`POST /generate` (sglang's body): one item or a batch, by text or by token ids."""
 
     model_config = _STRICT
@@ -246,28 +254,6 @@ class GenerateReqInput(BaseModel):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
-    # sglang's fields for what tide does not serve (images, LoRA, hidden states, sessions, custom
-    # logit processors, disaggregation...): accepted at the defaults its clients send them with,
-    # else a 400 naming the field. `log_metrics` (sglang's per-request metrics switch) is taken and
-    # not used: tide's metrics count every request.
-    input_embeds: _NullOnly = None
-    image_data: _NullOnly = None
-    video_data: _NullOnly = None
-    audio_data: _NullOnly = None
-    modalities: _NullOnly = None
-    lora_path: _NullOnly = None
-    lora_id: _NullOnly = None
-    custom_logit_processor: _NullOnly = None
-    return_hidden_states: _FalseOnly = False
-    return_routed_experts: _FalseOnly = False
-    token_ids_logprob: _NullOnly = None
-    session_params: _NullOnly = None
-    bootstrap_host: _NullOnly = None
-    bootstrap_port: _NullOnly = None
-    bootstrap_room: _NullOnly = None
-    data_parallel_rank: _NullOnly = None
-    priority: _NullOnly = None
-    log_metrics: bool = True
 
 
 class AbortReqInput(BaseModel):
