@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tide.scheduler",),
     # data parallel: the router and the controller `tide serve --dp-size` starts (scheduler processes)
     ("tide.cluster.router", "tide.cluster.dp_controller"),
-    ("tide.engine", "tide.engine_io", "tide.server"),
+    ("tide.engine", "tide.engine_io", "tide.async_calls", "tide.server"),
     # tide.cluster.ray: replicas holding an Engine
     ("tide.cli", "tide.__main__", "tide.diffusion", "tide.cluster", "tide"),
 ]

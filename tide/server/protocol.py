@@ -228,7 +228,7 @@ def _only(name: str, default: None | bool) -> Any:
 
 
 def _unused_fields() -> type[BaseModel]:
-    """sglang's `/generate` fields for what tide does not serve (`tide.engine_io.UNUSED_ARGS`):
+    """sglang's `/generate` fields for what tide does not serve (`tide.io_struct.UNUSED_ARGS`):
     taken at the defaults its clients send, else a 400 naming the field. `log_metrics` (its
     per-request metrics switch) is taken and not used: tide's metrics count every request."""
     fields: dict[str, Any] = {name: (_only(name, default), default)
