@@ -672,3 +672,21 @@ def test_a_child_whose_forwards_succeed_sends_nothing_back():
     group.local = type("Local", (), {"forward_launch": lambda self, batch: "launched"})()
     assert group.forward_launch(_prefill_batch()) == "launched"
     assert [msg[0] for msg in pipe.sent] == ["forward"]
+
+
+def test_async_generate_on_ranks(llama_path):
+    """`async_generate` steps a TP=2 engine from its background thread (the ranks' sockets used from
+    another thread than the one that made them): concurrent calls give `generate`'s outputs."""
+    import asyncio
+
+    with tide.Engine(str(llama_path), tp_size=2, **OPTIONS) as engine:
+        want = _run(engine)
+
+        async def main() -> list:
+            return await asyncio.gather(*[engine.async_generate(
+                input_ids=p, sampling_params=GREEDY, return_logprob=True) for p in PROMPTS])
+
+        outs = asyncio.run(main())
+    got = [(o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
+           for o in outs]
+    _assert_same(got, want)
