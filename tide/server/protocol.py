@@ -231,8 +231,10 @@ def _unused_fields() -> type[BaseModel]:
     """sglang's `/generate` fields for what tide does not serve (`tide.io_struct.UNUSED_ARGS`):
     taken at the defaults its clients send, else a 400 naming the field. `log_metrics` (its
     per-request metrics switch) is taken and not used: tide's metrics count every request."""
-    fields: dict[str, Any] = {name: (_only(name, default), default)
-                              for name, default in UNUSED_ARGS.items()}
+    fields: dict[str, Any] = {
+        name: (_only(name, default), Field(default=default, description=(
+            f"sglang's; not supported by tide: only {'null' if default is None else 'false'}")))
+        for name, default in UNUSED_ARGS.items()}
     fields["log_metrics"] = (bool, True)
     return create_model("_UnusedGenerateFields", __config__=_STRICT, **fields)
 
