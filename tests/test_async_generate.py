@@ -191,6 +191,44 @@ def test_a_failing_step_fails_its_calls_and_leaves_nothing_behind(engine, monkey
     assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_no_call_waits_forever_after_a_defect(engine, monkeypatch):
+    """Failures outside a step (a request that cannot be queued, an interrupt on the stepping
+    thread) answer every waiting call with an error, leave nothing queued, and the next call runs
+    on a new thread."""
+    real_add, real_step = engine.scheduler.add_request, engine.scheduler.step
+    added = {"n": 0}
+
+    def add_request(req):
+        added["n"] += 1
+        if added["n"] == 2:
+            raise RuntimeError("cannot queue")
+        return real_add(req)
+
+    async def three() -> list:
+        return await asyncio.wait_for(asyncio.gather(
+            *[engine.async_generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS[:3]],
+            return_exceptions=True), 30)
+
+    monkeypatch.setattr(engine.scheduler, "add_request", add_request)
+    outs = asyncio.run(three())
+    assert any(isinstance(o, RuntimeError) and "cannot queue" in str(o) for o in outs)
+    monkeypatch.setattr(engine.scheduler, "add_request", real_add)
+    _idle(engine)
+
+    def interrupted():
+        raise KeyboardInterrupt("simulated")
+
+    monkeypatch.setattr(engine.scheduler, "step", interrupted)
+    outs = asyncio.run(three())
+    assert all(isinstance(o, RuntimeError) and "KeyboardInterrupt" in str(o) for o in outs)
+    monkeypatch.setattr(engine.scheduler, "step", real_step)
+    _idle(engine)
+    assert engine.flush_cache(empty_cache=False)
+    out = asyncio.run(engine.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY))
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+
+
 def test_the_event_loop_never_waits_for_the_engine_lock(engine):
     """While another thread holds the engine lock (a control call, a weight update draining),
     making calls does not block the event loop: a 5 ms heartbeat keeps beating."""

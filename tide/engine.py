@@ -130,6 +130,8 @@ class Engine:
                                    top_logprobs_num, rid, logprob_start_len, unused)
         start = time.perf_counter()
         with self._cond:
+            if self._shut_down:  # shut down since `_build` looked
+                raise RuntimeError("the engine is shut down")
             for req in reqs:
                 self.scheduler.add_request(req)
         self._run_until_finished(reqs)
