@@ -129,6 +129,12 @@ def test_batches_spread_over_replicas_and_match_one_engine(replicas, ref):
                                       for p in PROMPTS])
 
     outs = asyncio.run(concurrent())
+    # sglang's unused arguments, as for Engine.generate
+    one = replicas.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, image_data=None,
+                            stream=False)
+    assert one["output_ids"] == single["output_ids"]
+    with pytest.raises(ValueError, match="^lora_path is not supported"):
+        replicas.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, lora_path="adapter")
     want_ids = [o["output_ids"] for o in ref.generate(prompt=PROMPTS, sampling_params=GREEDY)]
     assert [o["output_ids"] for o in outs] == want_ids
     assert all(r["outstanding_requests"] == 0 for r in replicas.router.describe())

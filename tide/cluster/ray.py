@@ -46,6 +46,7 @@ from tide.cluster.router import (
 )
 from tide.config import EngineConfig
 from tide.engine_io import GenerateOutput, SamplingParamsDict
+from tide.io_struct import ENGINE_UNUSED_ARGS, check_unused_args
 
 # Engine methods a replica actor runs on request (nothing else is reachable through `call`).
 _HANDOVER_METHODS = frozenset({
@@ -209,10 +210,13 @@ class RayEngine:
         top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         logprob_start_len: int | list[int] = -1,
+        **unused: Any,
     ) -> GenerateOutput | list[GenerateOutput]:
         """`Engine.generate`, with the items of a batch spread over the replicas (least
         outstanding requests first). Items on a replica that dies come back with finish reason
-        `abort` and a message naming it; a bad item raises `ValueError` as in `Engine.generate`."""
+        `abort` and a message naming it; a bad item raises `ValueError` as in `Engine.generate`,
+        sglang's unused arguments too (`tide.io_struct.ENGINE_UNUSED_ARGS`)."""
+        check_unused_args(unused, ENGINE_UNUSED_ARGS)
         if (prompt is None) == (input_ids is None):
             raise ValueError("exactly one of prompt or input_ids must be given")
         inputs: Any = prompt if prompt is not None else input_ids
@@ -279,11 +283,13 @@ class RayEngine:
         top_logprobs_num: int | list[int] = 0,
         rid: str | list[str] | None = None,
         logprob_start_len: int | list[int] = -1,
+        **unused: Any,
     ) -> GenerateOutput | list[GenerateOutput]:
         """`generate`, awaited: it runs on a thread of this engine's own pool (as many as the
         replicas take calls at once), and the replicas batch concurrent calls as
         `Engine.generate` from several threads does. Cancelling the awaiting task does not stop
         the call: its items run to their end on the replicas."""
+        check_unused_args(unused, ENGINE_UNUSED_ARGS)
         call = functools.partial(self.generate, prompt, sampling_params, input_ids,
                                  return_logprob, top_logprobs_num, rid, logprob_start_len)
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
