@@ -94,3 +94,37 @@ def test_unfinished_partial_stop_is_flushed_at_finish(tokenizer):
     assert seen[-1] == " fine, the "  # "end" could begin "endless"
     detok.finish()
     assert detok.visible_text == " fine, the end"
+
+
+class _Counting:
+    """A tokenizer that counts the token ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=False, **kwargs) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_bytes_no_token_completes_are_not_held_forever(tokenizer, chunk):
+    """A lone UTF-8 continuation byte, sampled again and again (a `logit_bias` of 100 on it does
+    that), never completes a character: the decoder must not hold it back and decode the whole
+    held run again on every token (quadratic: 8000 tokens took seconds, in the scheduler loop and
+    on the server's event loop)."""
+    lone = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd"
+                and tokenizer.decode([i, i]) == "\ufffd\ufffd")
+    counting = _Counting(tokenizer)
+    detok = IncrementalDetokenizer(counting, tokenizer.encode("Hi"), True, ["zz"])
+    n = 3000
+    seen = []
+    for _ in range(0, n, chunk):
+        detok.add([lone] * chunk)
+        seen.append(detok.visible_text)
+    _assert_growing(seen)
+    assert counting.decoded < 40 * n, counting.decoded  # linear, not ~n * n / 2
+    assert len(detok.text) >= n - 2 * 8 * chunk  # shown as it comes, not all at finish
+    detok.finish()
+    assert detok.visible_text == "\ufffd" * n == tokenizer.decode([lone] * n)

@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+# A character is at most 4 bytes, so an unfinished one lies in at most 3 tokens (of at least a byte
+# each). Text still ending in an unfinished character after this many held tokens *and* this many
+# `add`s is bytes no later token completes (a lone UTF-8 continuation byte, repeated): it is shown
+# as decoded, so each decode stays short (holding it forever made every `add` decode all of it).
+_MAX_HELD = 8
 
 
 class IncrementalDetokenizer:
@@ -64,6 +69,7 @@ class IncrementalDetokenizer:
         self._min_new_tokens = min_new_tokens
         self._keep_stop = keep_stop
         self._added = 0  # output tokens given to `add`
+        self._held_adds = 0  # `_append`s since the pending text last ended in a whole character
         self.stop_pos: int | None = None
         self.stop_matched: str | None = None
         self.finished = False
@@ -88,7 +94,10 @@ class IncrementalDetokenizer:
         self._added += len(token_ids)
         self._ids.extend(token_ids)
         new = self._pending_text()
-        if new.endswith(_REPLACEMENT):
+        unfinished = new.endswith(_REPLACEMENT)
+        self._held_adds = self._held_adds + 1 if unfinished else 0
+        if unfinished and (len(self._ids) - self._read_offset <= _MAX_HELD
+                           or self._held_adds <= _MAX_HELD):
             # Show what is complete; keep the unfinished character(s) for later.
             safe = new.rstrip(_REPLACEMENT)
             if len(safe) > self._emitted:
@@ -99,6 +108,7 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._emitted = 0
+            self._held_adds = 0
         self._scan_stops(armed)
 
     def finish(self) -> None:
