@@ -344,3 +344,29 @@ def test_stop_text_is_trimmed_unless_no_stop_trim(demo_engine, server):
     resp = httpx.post(server.url + "/generate", json={
         "text": "x", "sampling_params": {"no_stop_trim": "yes"}}, timeout=60)
     assert_error(resp, 400, "sampling_params.no_stop_trim")
+
+
+def test_python_text_cuts_a_stop_whose_character_the_minimum_splits(llama_engine):
+    """min_new_tokens=2 ends inside "é" (two byte tokens): the second byte, the 3rd token, completes
+    the stop string "é", so the scheduler's decoder (and the server's) end there and cut it; the
+    Python API's text must be cut there too (it kept "é": "Xé" where the server sent "X")."""
+    from tide.engine_io import make_output
+
+    tokenizer = llama_engine.tokenizer
+    ids = tokenizer.encode("Xéaa")
+    e_acute = [t for t in ids if tokenizer.decode([t]) == "\ufffd"]
+    assert len(e_acute) == 2, [tokenizer.decode([t]) for t in ids]  # "é" is two byte tokens
+    prompt = tokenizer.encode("Hello")
+    params = SamplingParams(stop=["é"], min_new_tokens=2, max_new_tokens=8)
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop=params.stop_strs, min_new_tokens=2)
+    n = 0
+    for t in ids:
+        detok.add([t])
+        n += 1
+        if detok.stop_matched:
+            break
+    assert (detok.stop_matched, n, detok.visible_text) == ("é", 3, "X")
+    req = Req(rid="r", origin_input_ids=prompt, sampling_params=params)
+    req.output_ids = ids[:n]
+    req.finished_reason = {"type": "stop", "matched": "é"}
+    assert make_output(req, tokenizer, 0.0)["text"] == detok.visible_text == "X"

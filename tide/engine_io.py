@@ -138,8 +138,10 @@ def make_output(req: Req, tokenizer: Tokenizer | None, latency: float) -> Genera
             minimum = params.min_new_tokens
             start = 0
             if minimum > 0:
+                # Without a character the minimum-th token leaves unfinished: the decoders hold
+                # it back, so the token that finishes it (after the minimum) may complete a stop.
                 before = decode(tokenizer, req.output_ids[:minimum], skip, spaces)
-                start = max(0, len(before) - len(matched) + 1)
+                start = max(0, len(before.rstrip("\ufffd")) - len(matched) + 1)
             pos = text.find(matched, start)
             if pos >= 0:
                 text = text[:pos]
