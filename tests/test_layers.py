@@ -15,7 +15,7 @@ import tide
 
 # Lowest first. A module belongs to the longest prefix listed; it may import its own layer and below.
 LAYERS: list[tuple[str, ...]] = [
-    ("tide.config", "tide.model_config", "tide.sampling_params", "tide.io_struct",
+    ("tide.config", "tide.model_config", "tide.sampling_params", "tide.io_struct", "tide.grammar",
      "tide.tokenizer", "tide.detokenizer", "tide.version", "tide.demo_model"),
     ("tide.memory", "tide.weights", "tide.parallel"),
     ("tide.executor.forward_batch",),  # what a forward reads: models and backends take it

@@ -319,6 +319,41 @@ def test_tool_call_comes_back_as_tool_calls(client, scripted_model):
     assert resp.usage.prompt_tokens == prompt_tokens[id(ASK)]
 
 
+def test_forced_tool_calls(client):
+    """tool_choice 'required' or a named function: the output is one call of the request's
+    functions in the parser's format, its arguments following the function's schema, also where
+    the model would have answered in text (greeting), thinking first (the call), or called
+    another function; streamed as well."""
+    pytest.importorskip("xgrammar")
+    both = [*TOOLS, {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+            "additionalProperties": False}}}]
+    named_time = {"type": "function", "function": {"name": "get_time"}}
+    for messages, choice, name in [(ASK, "required", "get_weather"),
+                                   (ASK, named_time, "get_time"),
+                                   (GREET, named_time, "get_time")]:
+        resp = _chat(client, messages, both, tool_choice=choice)
+        out = resp.choices[0]
+        assert out.finish_reason == "tool_calls", out
+        assert out.message.content is None
+        [call] = out.message.tool_calls
+        assert call.function.name == name
+        args = json.loads(call.function.arguments)
+        if name == "get_time":
+            assert args in ({"zone": "UTC"}, {"zone": "CET"})
+        else:
+            # The model was trained to think first; forced, it does not, and its city differs.
+            assert set(args) <= {"city"} and all(isinstance(v, str) for v in args.values())
+        chunks = list(client.chat.completions.create(
+            model="scripted", messages=messages, tools=both, tool_choice=choice, temperature=0,
+            max_tokens=160, stream=True))
+        streamed = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])
+                    if ch.choices]
+        assert [(c.function.name, c.function.arguments) for c in streamed] == [
+            (name, call.function.arguments)]
+
+
 def test_plain_answer_keeps_content_and_reasoning(client):
     choice = _chat(client, GREET).choices[0]
     assert choice.finish_reason == "stop"
@@ -392,8 +427,13 @@ def _said(arguments: str) -> dict:
 
 
 BAD_TOOL_REQUESTS = [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "min_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": 5}}}}}], "tool_choice": "required"},
      "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": TOOLS * 2}, "tools.1.function.name"),

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tide.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, option_help
+from tide.config import GRAMMAR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, option_help
 from tide.diffusion import cli as diffusion_cli
 from tide.diffusion.config import is_diffusion_model
 from tide.server.function_call_parser import TOOL_CALL_PARSERS
@@ -63,6 +63,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _engine_option(p, "disable_radix_cache", action="store_true")
     _engine_option(p, "disable_overlap_schedule", action="store_true")
     _engine_option(p, "enable_mixed_chunk", action="store_true")
+    _engine_option(p, "grammar_backend", choices=list(GRAMMAR_BACKENDS))
     _engine_option(p, "attention_backend", choices=["auto", "triton", "torch_native"])
     _engine_option(p, "enable_deterministic_inference", action="store_true")
     _engine_option(p, "kv_cache_dtype", choices=list(KV_CACHE_DTYPES))
@@ -77,7 +78,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model_path", "device", "dtype", "max_total_tokens", "context_length",
             "chunked_prefill_size", "tp_size", "disable_custom_all_reduce", "disable_radix_cache",
             "disable_overlap_schedule",
-            "enable_mixed_chunk", "attention_backend", "load_format",
+            "enable_mixed_chunk", "grammar_backend", "attention_backend", "load_format",
             "enable_deterministic_inference", "kv_cache_dtype", "quantization", "log_level")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 

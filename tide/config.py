@@ -19,6 +19,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 QUANTIZATIONS = ("fp8",)
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_SEED = 2**63 - 1
 MAX_DP_RANK = 4096  # data-parallel replicas an engine can be one of
@@ -107,6 +108,10 @@ class EngineConfig:
     enable_mixed_chunk: bool = _option(
         False, "running requests decode in the same forward as a prefill batch instead of waiting "
                "for it")
+    grammar_backend: str = _option(
+        "xgrammar", "constrained decoding (json_schema, regex, ebnf, response_format): xgrammar "
+                    "(needs the xgrammar package: pip install 'tide[grammar]') or none (such "
+                    "requests are refused)")
     # Releasing memory to a colocated trainer (release/resume_memory_occupation).
     enable_memory_saver: bool = _option(
         False, "allocate KV cache, weights and CUDA graphs so release_memory_occupation / "
@@ -164,6 +169,9 @@ class EngineConfig:
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(
                 f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got "
+                             f"{self.grammar_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

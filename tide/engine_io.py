@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Required, TypedDict
 
+from tide.grammar import grammar_of
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
 from tide.tokenizer import Tokenizer, decode
@@ -44,6 +45,7 @@ class InputLimits:
     context_len: int
     max_total_tokens: int
     no_tokenizer_reason: str = "the checkpoint has no tokenizer files"
+    grammar_backend: str = "xgrammar"
 
 
 def build_requests(
@@ -86,6 +88,13 @@ def build_requests(
         if sp.stop_strs and tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer and this engine has none "
                              f"({limits.no_tokenizer_reason}); use stop_token_ids")
+        grammar = grammar_of(sp)
+        if grammar is not None and tokenizer is None:
+            raise ValueError(f"{grammar[0]} needs a tokenizer and this engine has none "
+                             f"({limits.no_tokenizer_reason})")
+        if grammar is not None and limits.grammar_backend == "none":
+            raise ValueError(f"{grammar[0]} needs constrained decoding, which this engine runs "
+                             "without (grammar_backend='none')")
         _check_length(ids, sp, limits)
         top_n = top_nums[i]
         if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= vocab:

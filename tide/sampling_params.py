@@ -15,6 +15,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from tide.grammar import GRAMMAR_FIELDS, check_grammar
+
 MAX_SEED = 2**63 - 1
 MAX_INT32 = 2**31 - 1
 GREEDY_TEMPERATURE = 1e-5
@@ -24,9 +26,9 @@ MIN_REPETITION_PENALTY = 0.01
 # (OpenAI's range: -100 bans a token, 100 all but forces it).
 MAX_LOGIT_BIAS_TOKENS = 1024
 LOGIT_BIAS_MAX = 100.0
-# sglang's sampling fields for what tide does not do (constrained decoding, regex stops, custom
-# logit processors): accepted when null, as its clients send them unused; else a ValueError naming them.
-UNSUPPORTED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "custom_params")
+# sglang's sampling fields for what tide does not do (structural tags, regex stops, custom logit
+# processors): accepted when null, as its clients send them unused; else a ValueError naming them.
+UNSUPPORTED_FIELDS = ("structural_tag", "stop_regex", "custom_params")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                  "repetition_penalty")
 
@@ -53,6 +55,10 @@ class SamplingParams:
     tokenizers backed by the `tokenizers` library put no spaces around special tokens either way).
     `sampling_seed` is sglang's name for `seed`: it is moved there on construction (giving both with
     different values is an error).
+
+    Constrained decoding (`tide.grammar`): at most one of `json_schema` (a JSON schema, as JSON
+    text), `regex` and `ebnf` holds the output to that grammar; the request ends on eos once the
+    grammar is complete. It cannot be combined with `min_new_tokens`.
     """
 
     max_new_tokens: int = 128
@@ -74,6 +80,9 @@ class SamplingParams:
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True
     sampling_seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -112,9 +121,14 @@ class SamplingParams:
         )
 
     @property
+    def constrained(self) -> bool:
+        """Whether a grammar holds the output (`json_schema`, `regex` or `ebnf`)."""
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+
+    @property
     def edits_logits(self) -> bool:
-        """Whether the logits are changed before sampling (penalties or a logit bias)."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Whether the logits are changed before sampling (penalties, a logit bias or a grammar)."""
+        return self.has_penalties or bool(self.logit_bias) or self.constrained
 
     def validate(self) -> None:
         _int_field("max_new_tokens", self.max_new_tokens, lo=0, hi=MAX_INT32)
@@ -166,6 +180,14 @@ class SamplingParams:
             _int_field("seed", self.seed, lo=0, hi=MAX_SEED)
         _int_field("n", self.n, lo=1, hi=MAX_INT32)
         _logit_bias(self.logit_bias)
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"give at most one of json_schema, regex and ebnf, got {grammars}")
+        if grammars:
+            check_grammar(grammars[0], getattr(self, grammars[0]))
+            if self.min_new_tokens > 0:
+                raise ValueError(f"min_new_tokens cannot be combined with {grammars[0]} (the "
+                                 "grammar decides where the output may end)")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError unless `top_k` and `stop_token_ids` fit a vocabulary of this size."""
@@ -192,7 +214,7 @@ class SamplingParams:
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
         for name in UNSUPPORTED_FIELDS:
             if params.get(name) is not None:
-                raise ValueError(f"{name} is not supported by tide (no constrained decoding, regex "
+                raise ValueError(f"{name} is not supported by tide (no structural tags, regex "
                                  "stops or custom logit processors); leave it out or null")
         params = {k: v for k, v in params.items() if k not in UNSUPPORTED_FIELDS}
         known = {f.name for f in dataclasses.fields(cls) if f.init}

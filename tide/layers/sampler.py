@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tide.grammar import GrammarMasks, apply_bitmask
 from tide.layers import batch_invariant
 from tide.memory.host_copy import device_tensor
 from tide.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class SamplingBatchInfo:
     # Per row, the tokens that would end it (eos unless ignored, its stop_token_ids), given where it
     # asks for `min_new_tokens`: they are banned while its output is shorter (empty: none given).
     ending_ids: list[tuple[int, ...]] = field(default_factory=list)
+    # Constrained decoding: row i may draw only the tokens its grammar allows (`tide.grammar`;
+    # every token for rows without one). None: no row has one.
+    grammar: GrammarMasks | None = None
 
     @property
     def size(self) -> int:
@@ -90,7 +94,9 @@ class SamplingBatchInfo:
                                  [self.top_logprobs_num[i] for i in rows],
                                  output_offset=self.output_offset,
                                  ending_ids=[self.ending_ids[i] for i in rows]
-                                 if self.ending_ids else [])
+                                 if self.ending_ids else [],
+                                 grammar=None if self.grammar is None
+                                 else self.grammar.select(rows))
 
 
 ARGMAX_ONLY = SamplingBatchInfo([], [], [], [], [], argmax_only=True)
@@ -439,11 +445,14 @@ def truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def edit_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """An edited copy of `logits`: the tokens that would end a row before its `min_new_tokens` set
-    to -inf, then each row's logit bias added, then frequency/presence penalties over its output,
-    then the repetition penalty over its prompt and output."""
+    """An edited copy of `logits`: the tokens a row's grammar does not allow and those that would
+    end it before its `min_new_tokens` set to -inf, then each row's logit bias added, then
+    frequency/presence penalties over its output, then the repetition penalty over its prompt and
+    output."""
     logits = logits.clone()
     vocab = logits.shape[1]
+    if info.grammar is not None:
+        apply_bitmask(logits, info.grammar.bitmask())
     for i, p in enumerate(info.params):
         if info.bans_endings(i):  # first: -inf stays -inf under the bias and the penalties
             banned = device_tensor(list(info.ending_ids[i]), torch.int64, logits.device)

@@ -460,6 +460,7 @@ class Handover:
     def shutdown(self, message: str) -> None:
         """Abort every request, answer every queued update, leave every trainer group."""
         self.scheduler.abort(message=message)
+        self.scheduler.shutdown_grammar()
         self.cancel_pending_updates(message)
         for name in self.group_names():
             self.worker.weight_updater.destroy_group(name)

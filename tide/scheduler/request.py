@@ -10,7 +10,10 @@ import torch
 from tide.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from tide.detokenizer import IncrementalDetokenizer
+    from tide.grammar import RequestGrammar
     from tide.memory.radix_cache import RadixCache, TreeNode
 
 # Why a request ended (sglang's shape): {"type": "stop", "matched": token id or stop string},
@@ -59,6 +62,11 @@ class Req:
     # The tokens that would end it (eos unless ignored, its stop_token_ids), banned until it has
     # `min_new_tokens` (set by the scheduler where that is > 0; empty otherwise).
     ending_ids: tuple[int, ...] = ()
+    # Constrained decoding: its grammar compiling (while it waits in the scheduler's
+    # `grammar_queue`), then its matcher, which every sampled token advances.
+    grammar_future: Future | None = None
+    grammar_deadline: float = 0.0  # time.monotonic() by which it must have compiled
+    grammar: RequestGrammar | None = None
 
     def all_token_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

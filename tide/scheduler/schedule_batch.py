@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tide.executor.forward_batch import ForwardMode
+from tide.grammar import GrammarMasks
 from tide.layers.sampler import ARGMAX_ONLY, PromptScoring, SamplingBatchInfo
 from tide.scheduler.request import Req
 
@@ -70,4 +71,12 @@ def sampling_info(reqs: list[Req], output_offset: int = 0) -> SamplingBatchInfo:
         top_logprobs_num=[r.top_logprobs_num for r in reqs],
         output_offset=output_offset,
         ending_ids=[r.ending_ids for r in reqs],
+        grammar=_grammar_masks(reqs),
     )
+
+
+def _grammar_masks(reqs: list[Req]) -> GrammarMasks | None:
+    """The rows' allowed next tokens under their grammars (filled when the sampler asks), or None
+    when no request has a grammar."""
+    constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+    return GrammarMasks(len(reqs), constrained) if constrained else None

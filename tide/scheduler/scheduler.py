@@ -19,8 +19,10 @@ back to the allocator, and they re-queue with their output so far) and the ratio
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,8 @@ import torch
 from tide.config import EngineConfig
 from tide.detokenizer import IncrementalDetokenizer
 from tide.executor.forward_batch import ForwardMode
+from tide.grammar import COMPILE_TIMEOUT_S, GrammarBackend, grammar_of
+from tide.grammar import available as grammar_available
 from tide.layers.sampler import PromptScoring, SampleOutput
 from tide.memory.ledger import MemoryLedger
 from tide.memory.radix_cache import RadixCache
@@ -45,6 +49,7 @@ from tide.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 CLIP_MAX_NEW_TOKENS = 4096
+GRAMMAR_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to compile
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
@@ -107,6 +112,9 @@ class Scheduler:
             self.swa_window = model_config.sliding_window
         self.tree_cache = self._new_tree()
         self.waiting: deque[Req] = deque()
+        # Requests whose grammar is compiling (sglang's name); they join `waiting` when it is done.
+        self.grammar_queue: list[Req] = []
+        self._grammar_backend: GrammarBackend | None = None
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -179,6 +187,9 @@ class Scheduler:
             **self.worker.device_info(),
         }
         info["kv_cache_layout"] = self.worker.kv_layout()
+        # "none" where constrained decoding cannot run (off, or no xgrammar installed)
+        info["grammar_backend"] = (self.config.grammar_backend if grammar_available()
+                                   else "none")
         if self.model_config is not None:
             info.update(architecture=self.model_config.architecture,
                         vocab_size=self.model_config.vocab_size)
@@ -214,7 +225,75 @@ class Scheduler:
                 req.weight_version = self.handover.weight_version
                 return
             req.ending_ids = tuple(sorted(ending))
+        spec = grammar_of(params)
+        if spec is not None:
+            try:
+                req.grammar_future = self._grammar_compiler().compile(*spec)
+                req.grammar_deadline = time.monotonic() + COMPILE_TIMEOUT_S
+            except ValueError as e:
+                req.finished_reason = {"type": "abort", "message": str(e)}
+                req.weight_version = self.handover.weight_version
+                return
+            self.grammar_queue.append(req)
+            return
         self.waiting.append(req)
+
+    def _grammar_compiler(self) -> GrammarBackend:
+        """The grammar backend, made at the first constrained request (ValueError when this
+        engine cannot constrain: no tokenizer, `grammar_backend` none, or no xgrammar)."""
+        if self._grammar_backend is not None:
+            return self._grammar_backend
+        if self.config.grammar_backend == "none":
+            raise ValueError("constrained decoding is off (grammar_backend is none)")
+        if self.tokenizer is None:
+            raise ValueError("constrained decoding needs the model's tokenizer "
+                             "(the engine runs with skip_tokenizer_init)")
+        vocab = (self.model_config.vocab_size if self.model_config is not None
+                 else len(self.tokenizer))  # type: ignore[arg-type]
+        self._grammar_backend = GrammarBackend(self.tokenizer, vocab, sorted(self.eos_token_ids))
+        return self._grammar_backend
+
+    def shutdown_grammar(self) -> None:
+        """Stop the grammar compiler's thread (compiles not yet started are dropped)."""
+        if self._grammar_backend is not None:
+            self._grammar_backend.shutdown()
+
+    def _poll_grammars(self) -> list[Req]:
+        """Requests whose grammar has compiled join `waiting` with their matcher; those whose
+        grammar failed finish with an abort saying why (returned). With nothing else to do, waits
+        a little for a compile rather than spin."""
+        if not self.grammar_queue:
+            return []
+        if not (self.waiting or self.running or self.chunked_req or self._launched):
+            pending = [r.grammar_future for r in self.grammar_queue if r.grammar_future is not None]
+            wait(pending, timeout=GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+        failed: list[Req] = []
+        still: list[Req] = []
+        now = time.monotonic()
+        for req in self.grammar_queue:
+            future = req.grammar_future
+            if future is not None and not future.done() and now > req.grammar_deadline:
+                req.grammar_future = None
+                field = (grammar_of(req.sampling_params) or ("grammar",))[0]
+                req.finished_reason = {"type": "abort", "message": f"{field} did not compile "
+                                       f"within {COMPILE_TIMEOUT_S:g} s"}
+                req.weight_version = self.handover.weight_version
+                failed.append(req)
+                continue
+            if future is None or not future.done():
+                still.append(req)
+                continue
+            req.grammar_future = None
+            try:
+                req.grammar = self._grammar_compiler().matcher(future.result())
+            except Exception as e:  # noqa: BLE001 - a failed compile ends this request only
+                req.finished_reason = {"type": "abort", "message": str(e) or type(e).__name__}
+                req.weight_version = self.handover.weight_version
+                failed.append(req)
+                continue
+            self.waiting.append(req)
+        self.grammar_queue = still
+        return failed
 
     @property
     def launched(self) -> LaunchedBatch | None:
@@ -222,10 +301,11 @@ class Scheduler:
         return self._launched
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._launched)
+        return bool(self.waiting or self.running or self.chunked_req or self._launched
+                    or self.grammar_queue)
 
     def num_queued(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.grammar_queue)
 
     def num_running(self) -> int:
         """Requests holding KV: running, or a prompt mid-chunk."""
@@ -254,6 +334,7 @@ class Scheduler:
         fails is aborted alone (see `TpModelWorker.sample`); the rest go on.
         """
         got, self._ready = self._ready, []
+        got = _merge(got, self._poll_grammars())
         if not self.handover.may_step():
             return got  # a pause or a release settled any launched batch first
         if self._launched is not None:
@@ -471,7 +552,9 @@ class Scheduler:
 
     def _abort_where(self, chosen: Callable[[Req], bool], message: str) -> list[Req]:
         self.settle()
-        aborted: list[Req] = []
+        aborted: list[Req] = [r for r in self.grammar_queue if chosen(r)]
+        if aborted:
+            self.grammar_queue = [r for r in self.grammar_queue if not chosen(r)]
         for req in list(self.waiting):
             if chosen(req):
                 self.waiting.remove(req)
@@ -981,6 +1064,12 @@ class Scheduler:
 
     def _check_finished(self, req: Req, token: int) -> FinishReason | None:
         params = req.sampling_params
+        grammar = req.grammar
+        if grammar is not None:
+            if not grammar.accept(token):  # the sampler only lets allowed tokens through
+                return {"type": "abort", "message": f"token {token} breaks the request's grammar"}
+            if grammar.terminated:
+                return {"type": "stop", "matched": token}
         if not params.ignore_eos and token in self.eos_token_ids:
             return {"type": "stop", "matched": token}
         if token in params.stop_token_ids:  # type: ignore[operator]
@@ -998,8 +1087,9 @@ class Scheduler:
 
 
 def _may_overlap(reqs: list[Req]) -> bool:
-    """Their next step may run before their last token reaches the host: penalties read it."""
-    return not any(r.sampling_params.has_penalties for r in reqs)
+    """Their next step may run before their last token reaches the host: penalties read it, and
+    a grammar's allowed tokens follow from it."""
+    return not any(r.sampling_params.has_penalties or r.grammar is not None for r in reqs)
 
 
 def _merge(first: list[Req], then: list[Req]) -> list[Req]:

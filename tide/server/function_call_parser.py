@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
+from tide.grammar import framed_json_ebnf
 from tide.server.text_segments import Opening, Trimmed, partial_tag_suffix
 
 
@@ -196,6 +197,36 @@ _FORMATS: dict[str, tuple[Callable[[], _Format], Callable[[], str]]] = {
     "mistral": (lambda: _LeadingCalls("[TOOL_CALLS]", "["), _mistral_call_id),
 }
 TOOL_CALL_PARSERS = tuple(_FORMATS)
+
+
+# name -> (text before a forced call, the arguments' key, text after it): the call's framing in
+# that format, for tool_choice "required" or a named function (one call, compact JSON).
+_FORCED: dict[str, tuple[str, str, str]] = {
+    "qwen25": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "qwen": ("<tool_call>\n", "arguments", "\n</tool_call>"),
+    "llama3": ("", "parameters", ""),
+    "mistral": ("[", "arguments", "]"),  # the [TOOL_CALLS] marker is a special token: left out
+}
+
+
+def forced_call_grammar(parser: str, tools: list[dict[str, Any]], name: str | None) -> str:
+    """EBNF text that holds an output to one call, in `parser`'s format, of the function `name`
+    (None: any of `tools`), its arguments following the function's `parameters` schema (any JSON
+    object where it has none). ValueError saying why when it cannot be built."""
+    prefix, key, suffix = _FORCED[parser]
+    options = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        params = function.get("parameters") or {"type": "object"}
+        options.append({"type": "object", "properties": {"name": {"const": function["name"]},
+                                                         key: params},
+                        "required": ["name", key], "additionalProperties": False})
+    if not options:
+        raise ValueError(f"no tool is named {name!r}")
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return framed_json_ebnf(prefix, schema, suffix)
 
 
 def check_tool_call_parser(name: str | None) -> str | None:

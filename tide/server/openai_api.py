@@ -21,8 +21,14 @@ Chat with `tools` (tool_choice `auto`) needs `--tool-call-parser`: calls come ba
 moves a reasoning model's thinking to `reasoning_content` (`reasoning_parser`). Earlier turns' calls
 (`messages[k].tool_calls`) and results (role `tool`) reach the chat template.
 
-Not supported (400): tool_choice `required` or a named function (forcing a call needs constrained
-decoding), the legacy `functions`, `best_of`, `suffix`.
+`response_format` (`json_object`, `json_schema`) and sglang's `json_schema` / `regex` / `ebnf` fields
+(one of them at most) constrain the output (`tide.grammar`).
+
+tool_choice `required` or a named function holds the output to one call in the parser's format
+(its arguments following the function's `parameters` schema) through constrained decoding; a
+thinking model does not think first.
+
+Not supported (400): the legacy `functions`, `best_of`, `suffix`.
 """
 
 from __future__ import annotations
@@ -44,9 +50,14 @@ from starlette.requests import Request
 from tide.sampling_params import SamplingParams
 from tide.server.auth import caller_of
 from tide.server.errors import APIError, invalid_request
-from tide.server.function_call_parser import FunctionCallParser, ToolCall
+from tide.server.function_call_parser import FunctionCallParser, ToolCall, forced_call_grammar
 from tide.server.limits import check_at_most, check_logprob_entries
-from tide.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from tide.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    _OpenAISampling,
+)
 from tide.server.reasoning_parser import ReasoningParser
 from tide.server.tokenizer_manager import (
     ClientDisconnected,
@@ -64,6 +75,33 @@ from tide.server.utils import (
 )
 
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+def _json_schema(req: _OpenAISampling) -> str | None:
+    """The JSON schema (as text) the request holds its output to: `response_format`'s (any JSON
+    object for `json_object`), or sglang's `json_schema` field; 400 when both are given."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.json_schema is not None:
+            raise invalid_request("response_format.json_schema needs type 'json_schema'",
+                                  "response_format", "invalid_value")
+        return req.json_schema
+    if req.json_schema is not None:
+        raise invalid_request("give response_format or json_schema, not both", "json_schema",
+                              "invalid_value")
+    if fmt.type == "json_object":
+        if fmt.json_schema is not None:
+            raise invalid_request("response_format.json_schema needs type 'json_schema'",
+                                  "response_format", "invalid_value")
+        return '{"type": "object"}'
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise invalid_request("response_format of type 'json_schema' needs json_schema.schema",
+                              "response_format", "invalid_value")
+    try:
+        return json.dumps(fmt.json_schema.schema_)
+    except (ValueError, RecursionError):
+        raise invalid_request("response_format.json_schema.schema is not serialisable JSON",
+                              "response_format", "invalid_value") from None
 
 
 def finish_reason_name(reason: dict[str, Any] | None) -> str | None:
@@ -127,10 +165,16 @@ class OpenAIServingBase:
             "logit_bias": req.logit_bias,
             "no_stop_trim": req.no_stop_trim,
             "spaces_between_special_tokens": req.spaces_between_special_tokens,
+            "regex": req.regex,
+            "ebnf": req.ebnf,
+            "json_schema": _json_schema(req),
         }
         if req.stop:
             self.tm.require_tokenizer("stop")
-        return make_sampling_params(params, "", _OPENAI_NAMES, limits=limits,
+        names = dict(_OPENAI_NAMES)
+        if req.response_format is not None and req.response_format.type != "text":
+            names["json_schema"] = "response_format"
+        return make_sampling_params(params, "", names, limits=limits,
                                     vocab_size=self.tm.model_info.vocab_size)
 
     @staticmethod
@@ -141,6 +185,10 @@ class OpenAIServingBase:
         if req.min_tokens > max_new:
             raise invalid_request(f"min_tokens ({req.min_tokens}) must be at most {max_param} "
                                   f"({max_new})", "min_tokens", "invalid_value")
+        if req.min_tokens and params.constrained:
+            raise invalid_request("min_tokens cannot be combined with response_format, json_schema, "
+                                  "regex or ebnf (the grammar decides where the output may end)",
+                                  "min_tokens", "invalid_value")
         return dataclasses.replace(params, max_new_tokens=max_new, min_new_tokens=req.min_tokens)
 
     def _reserve_rid(self, rid: str | None, count: int, owner: str) -> None:
@@ -499,10 +547,14 @@ class OpenAIServingChat(OpenAIServingBase):
             check_at_most(req.top_logprobs, self.tm.limits.max_top_logprobs, "top_logprobs")
         tools = self._tools(req)
         params = self.sampling_params(req, 1)
+        forced = tools is not None and req.tool_choice not in (None, "auto")
+        if forced:
+            params = self._force_call(req, params, tools or [])
         async with self.tm.admission:
             prompt_ids = await self._apply_template(req, tools)
         tool_names = frozenset(t["function"]["name"] for t in tools or ())
-        reasoning_parser = self.reasoning_parser if req.separate_reasoning else None
+        # A forced call is the whole output: there is no thinking to separate.
+        reasoning_parser = self.reasoning_parser if req.separate_reasoning and not forced else None
 
         def output_parser() -> ChatOutputParser:
             return ChatOutputParser(reasoning_parser, self.tool_call_parser if tools else None,
@@ -574,16 +626,32 @@ class OpenAIServingChat(OpenAIServingBase):
             seen.add(tool.function.name)
         if choice == "none":
             return None
-        if choice is not None and choice != "auto":
-            raise invalid_request(
-                "'tool_choice' may be 'auto' or 'none': forcing a tool call ('required' or a named "
-                "function) needs constrained decoding, which this server does not have",
-                "tool_choice", "unsupported_value")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+            raise invalid_request(f"'tool_choice.function.name': no tool is named "
+                                  f"'{choice.function.name}'", "tool_choice.function.name",
+                                  "invalid_value")
         if self.tool_call_parser is None:
             raise invalid_request(
                 "This server returns no tool calls: start it with --tool-call-parser NAME, or "
                 "send tool_choice 'none' to leave the tools out", "tools", "unsupported_value")
         return [tool.model_dump(exclude_none=True) for tool in req.tools]
+
+    def _force_call(self, req: ChatCompletionRequest, params: SamplingParams,
+                    tools: list[dict[str, Any]]) -> SamplingParams:
+        """`params` holding the output to one call (tool_choice 'required': of any tool; a named
+        function: of that one) in the tool-call parser's format, through constrained decoding."""
+        if params.constrained:
+            raise invalid_request("a forced tool call ('tool_choice' required or a named function) "
+                                  "cannot be combined with response_format, json_schema, regex or "
+                                  "ebnf", "tool_choice", "invalid_value")
+        assert self.tool_call_parser is not None  # `_tools` refused tools without a parser
+        name = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+        try:
+            ebnf = forced_call_grammar(self.tool_call_parser, tools, name)
+            return dataclasses.replace(params, ebnf=ebnf)
+        except ValueError as e:
+            raise invalid_request(f"'tool_choice' cannot be forced with these tools: {e}",
+                                  "tool_choice", "invalid_value") from None
 
     async def _apply_template(self, req: ChatCompletionRequest,
                               tools: list[dict[str, Any]] | None) -> list[int]:

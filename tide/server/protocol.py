@@ -71,6 +71,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the output must follow."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _OpenAISampling(BaseModel):
     """Sampling fields shared by completions and chat completions (plus sglang's extensions)."""
 
@@ -100,6 +118,11 @@ class _OpenAISampling(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     rid: Rid | None = None
+    # Constrained decoding: OpenAI's response_format, or sglang's fields (one of them at most)
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_OpenAISampling):

@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from tide.detokenizer import IncrementalDetokenizer
+from tide.grammar import grammar_of
 from tide.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -283,6 +284,19 @@ class TokenizerManager:
                 "(--skip-tokenizer-init): send token ids ('input_ids', or a prompt of ids) and "
                 "stop_token_ids instead", param, "tokenizer_missing")
 
+    def check_grammar_served(self, params: SamplingParams) -> None:
+        """A 400 naming the grammar field when this server cannot constrain outputs (no
+        tokenizer, `--grammar-backend none`, or no xgrammar in the scheduler's environment)."""
+        spec = grammar_of(params)
+        if spec is None:
+            return
+        self.require_tokenizer(spec[0])
+        if self.model_info.raw.get("grammar_backend", "none") == "none":
+            raise invalid_request(
+                f"'{spec[0]}' needs constrained decoding, which this server runs without "
+                "(--grammar-backend none, or the xgrammar package is not installed)", spec[0],
+                "unsupported_value")
+
     def check_prompt_chars(self, length: int, param: str) -> None:
         """A 400 (`context_length_exceeded`) for a text too long to fit the context whatever its
         tokens; checked before anything tokenizes it."""
@@ -371,6 +385,7 @@ class TokenizerManager:
         """Send one sequence (params.n must be 1) to the scheduler and start tracking it under
         `owner`'s scope (the caller's identity)."""
         self._check_serving()
+        self.check_grammar_served(params)
         rid = rid or self.new_rid()
         if (owner, rid) in self.rid_to_state:
             raise invalid_request(f"rid {rid!r} is already in use by a running request", "rid",

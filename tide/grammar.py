@@ -1,0 +1,289 @@
+"""Constrained decoding: a request's output held to a JSON schema, a regular expression or an EBNF
+grammar (sglang's sampling fields `json_schema`, `regex`, `ebnf`), through xgrammar.
+
+A grammar is compiled once per distinct text against the model's tokenizer (a cache of them), on a
+worker thread, so a long compile never holds up the scheduler's steps. Each request then gets its
+own matcher: before every token the matcher writes the set of tokens the grammar allows next as a
+bitmask (32 tokens a word, bit b of word w is token 32 w + b), the sampler gives every other token
+-inf, and the sampled token advances the matcher. When the grammar is complete only the tokenizer's
+stop tokens (eos) are allowed, and the request ends on one.
+
+xgrammar is an optional dependency (`pip install 'tide[grammar]'`); without it a request with a
+grammar is refused with a ValueError naming its field.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+# The sampling fields that take a grammar (at most one per request), in sglang's names.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# The longest grammar text a request may send (characters): parsing and compiling are bounded by it.
+MAX_GRAMMAR_CHARS = 65536
+# Deepest nesting of objects and arrays a JSON schema may have: xgrammar's schema conversion takes
+# time that grows steeply with depth (seconds at a few hundred levels), and real schemas are shallow.
+MAX_SCHEMA_DEPTH = 32
+# Compiled grammars kept for reuse (requests of one rollout send the same schema).
+CACHE_SIZE = 256
+# A request whose grammar has not compiled after this long ends with an abort (the compile goes on
+# and is cached for later requests with the same text).
+COMPILE_TIMEOUT_S = 300.0
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar
+
+
+def available() -> bool:
+    """Whether constrained decoding can run here (xgrammar is installed)."""
+    return _xgrammar() is not None
+
+
+def grammar_of(params: Any) -> tuple[str, str] | None:
+    """(field, text) of the grammar a `SamplingParams` asks for, or None."""
+    for name in GRAMMAR_FIELDS:
+        text = getattr(params, name, None)
+        if text is not None:
+            return name, text
+    return None
+
+
+def check_grammar(field: str, text: Any) -> None:
+    """ValueError naming `field` unless `text` is a grammar of that kind that xgrammar parses
+    (syntax only: no tokenizer is needed, and the result is cached per text)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{field} must be a string, got {type(text).__name__}")
+    if not text:
+        raise ValueError(f"{field} must not be empty")
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"{field} may be at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+    if field == "json_schema":
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        depth = _depth(schema)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"json_schema may nest objects and arrays at most {MAX_SCHEMA_DEPTH} "
+                             f"deep, got {depth}")
+    if not available():
+        raise ValueError(f"{field}: constrained decoding needs the xgrammar package "
+                         "(pip install 'tide[grammar]')")
+    error = _parse_error(field, text)
+    if error is not None:
+        raise ValueError(f"{field} is not a valid {_KIND[field]}: {error}")
+
+
+_KIND = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "EBNF grammar"}
+
+
+def _depth(value: Any) -> int:
+    """How deep JSON objects and arrays nest in `value` (a scalar: 0), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children: Iterable[Any]
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _parse_error(field: str, text: str) -> str | None:
+    xgr = _xgrammar()
+    try:
+        if field == "json_schema":
+            xgr.Grammar.from_json_schema(text)
+        elif field == "regex":
+            xgr.Grammar.from_regex(text)
+        else:
+            xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError, RecursionError) as e:
+        return _error_text(e)
+    return None
+
+
+def _error_text(e: BaseException) -> str:
+    """xgrammar's message without its C++ source prefix ("[time] file.cc:123: ")."""
+    text = str(e).strip()
+    head, sep, rest = text.partition(": ")
+    if sep and ".cc:" in head:
+        text = rest.strip()
+    return text[:300]
+
+
+def framed_json_ebnf(prefix: str, schema: dict[str, Any], suffix: str) -> str:
+    """EBNF text (for the `ebnf` field) of `prefix`, then compact JSON that follows `schema`,
+    then `suffix` (a tool call in a model family's format). ValueError when the schema is too
+    large, too deep or not one xgrammar takes, or xgrammar is not installed."""
+    xgr = _xgrammar()
+    if xgr is None:
+        raise ValueError("constrained decoding needs the xgrammar package "
+                         "(pip install 'tide[grammar]')")
+    text = json.dumps(schema)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"the schema may be at most {MAX_GRAMMAR_CHARS} characters, got "
+                         f"{len(text)}")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema may nest objects and arrays at most {MAX_SCHEMA_DEPTH} deep")
+    try:
+        parts = [xgr.Grammar.from_json_schema(text, any_whitespace=False)]
+        if prefix:
+            parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"))
+        if suffix:
+            parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}"))
+        grammar = parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
+    except (RuntimeError, ValueError, RecursionError) as e:
+        raise ValueError(f"the schema is not one constrained decoding takes: "
+                         f"{_error_text(e)}") from None
+    ebnf = str(grammar)
+    if len(ebnf) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"the grammar of the schema takes {len(ebnf)} characters, more than "
+                         f"{MAX_GRAMMAR_CHARS}")
+    return ebnf
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """32-bit words a row's bitmask of `vocab_size` tokens takes."""
+    return (vocab_size + 31) // 32
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Give -inf to every token of `logits` [B, V] whose bit is clear in `bitmask` [B, words]
+    (int32; a row of all ones (-1) changes nothing). Tokens past the bitmask keep their logits."""
+    vocab = logits.shape[1]
+    words = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(words.shape[0], -1)
+    n = min(vocab, allowed.shape[1])
+    logits[:, :n].masked_fill_(~allowed[:, :n], -torch.inf)
+
+
+class RequestGrammar:
+    """One request's position in its grammar. Not thread-safe: the scheduler's thread only."""
+
+    def __init__(self, matcher: Any, vocab_size: int, filler: Any) -> None:
+        self._matcher = matcher
+        self._filler = filler  # the backend's xgrammar BatchGrammarMatcher (threads)
+        self.bitmask_words = bitmask_words(vocab_size)
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False (and no change) when the grammar does not allow it."""
+        return bool(self._matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+        return bool(self._matcher.is_terminated())
+
+
+class GrammarMasks:
+    """The allowed next tokens of a batch's rows, as a bitmask [rows, words] (all ones for rows
+    without a grammar), computed when first asked for: the sampler asks after the forward is
+    launched, so on a GPU the matchers fill it while the device runs the forward. The requests'
+    last tokens must have been applied (their matchers advanced) before that."""
+
+    def __init__(self, rows: int, grammars: list[tuple[int, RequestGrammar]]) -> None:
+        self._rows = rows
+        self._grammars = grammars
+        self._bitmask: torch.Tensor | None = None
+
+    def bitmask(self) -> torch.Tensor:
+        if self._bitmask is None:
+            words = max(g.bitmask_words for _, g in self._grammars)
+            bitmask = torch.full((self._rows, words), -1, dtype=torch.int32)
+            filler = self._grammars[0][1]._filler
+            filler.batch_fill_next_token_bitmask([g._matcher for _, g in self._grammars], bitmask,
+                                                 [row for row, _ in self._grammars])
+            self._bitmask = bitmask
+        return self._bitmask
+
+    def select(self, rows: list[int]) -> GrammarMasks:
+        """The masks of rows `rows`, in that order (None: none of them has a grammar)."""
+        return _SelectedMasks(self, rows)
+
+
+class _SelectedMasks(GrammarMasks):
+    def __init__(self, parent: GrammarMasks, rows: list[int]) -> None:
+        super().__init__(len(rows), [])
+        self._parent, self._selected = parent, rows
+
+    def bitmask(self) -> torch.Tensor:
+        if self._bitmask is None:
+            self._bitmask = self._parent.bitmask()[self._selected]
+        return self._bitmask
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer (`vocab_size`: the model's, which may exceed the
+    tokenizer's) on a worker thread, keeping the last `CACHE_SIZE` distinct ones."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        xgr = _xgrammar()
+        if xgr is None:
+            raise ValueError("grammar_backend 'xgrammar' needs the xgrammar package "
+                             "(pip install 'tide[grammar]')")
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=stops or None)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tide-grammar")
+        # Fills a batch's masks on several threads (a row inside a JSON string checks most of
+        # the vocabulary: ~0.1 ms a row at 152k tokens on one core).
+        self._filler = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, field: str, text: str) -> Future:
+        """A future of the compiled grammar (shared by every request with the same text). A
+        grammar that fails to compile gives a future holding a ValueError naming `field`."""
+        key = (field, text)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self._pool.submit(self._compile, field, text)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, field: str, text: str) -> Any:
+        compile_with: Callable[[str], Any] = {
+            "json_schema": self._compiler.compile_json_schema,
+            "regex": self._compiler.compile_regex,
+            "ebnf": self._compiler.compile_grammar,
+        }[field]
+        try:
+            return compile_with(text)
+        except (RuntimeError, ValueError, RecursionError) as e:
+            raise ValueError(f"{field} could not be compiled: {_error_text(e)}") from None
+
+    def matcher(self, compiled: Any) -> RequestGrammar:
+        return RequestGrammar(self._xgr.GrammarMatcher(compiled), self.vocab_size, self._filler)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
