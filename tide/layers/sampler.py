@@ -453,14 +453,31 @@ def edit_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     vocab = logits.shape[1]
     if info.grammar is not None:
         apply_bitmask(logits, info.grammar.bitmask())
+    # The whole batch's bans, then its biases, each in one indexed write (two copies to the
+    # device, not two a row): -inf stays -inf under the bias and the penalties.
+    banned_rows: list[int] = []
+    banned: list[int] = []
+    biased_rows: list[int] = []
+    biased: list[int] = []
+    biases: list[float] = []
     for i, p in enumerate(info.params):
-        if info.bans_endings(i):  # first: -inf stays -inf under the bias and the penalties
-            banned = device_tensor(list(info.ending_ids[i]), torch.int64, logits.device)
-            logits[i].index_fill_(0, banned, -math.inf)
+        if info.bans_endings(i):
+            banned_rows.extend([i] * len(info.ending_ids[i]))
+            banned.extend(info.ending_ids[i])
         if p.logit_bias:
-            tokens = device_tensor(list(p.logit_bias), torch.int64, logits.device)
-            bias = device_tensor(list(p.logit_bias.values()), torch.float32, logits.device)
-            logits[i].index_add_(0, tokens, bias.to(logits.dtype))
+            biased_rows.extend([i] * len(p.logit_bias))
+            biased.extend(p.logit_bias)
+            biases.extend(p.logit_bias.values())
+    if banned:
+        where = device_tensor(banned_rows + banned, torch.int64, logits.device).view(2, -1)
+        logits.index_put_((where[0], where[1]), torch.tensor(-math.inf, dtype=logits.dtype,
+                                                             device=logits.device))
+    if biased:
+        where = device_tensor(biased_rows + biased, torch.int64, logits.device).view(2, -1)
+        values = device_tensor(biases, torch.float32, logits.device).to(logits.dtype)
+        # Each (row, token) once: the accumulation adds each bias once, in the logits' dtype.
+        logits.index_put_((where[0], where[1]), values, accumulate=True)
+    for i, p in enumerate(info.params):
         if not p.has_penalties:
             continue
         if p.frequency_penalty or p.presence_penalty:
