@@ -252,20 +252,23 @@ def test_a_grammar_that_never_compiles_times_out(llama_path, monkeypatch):
 
 
 def test_apply_bitmask_matches_a_boolean_mask():
+    """Masked tokens get -inf, allowed ones keep their logits, rows left out are untouched, and
+    tokens past the bitmask (a logits row wider than it) keep theirs."""
     rng = random.Random(0)
-    for vocab, dtype in ((37, torch.float32), (64, torch.bfloat16), (100, torch.float32)):
+    for vocab, dtype, rows in ((37, torch.float32, None), (64, torch.bfloat16, [0, 2]),
+                               (100, torch.float32, [1])):
         words = (vocab + 31) // 32
         bits = [[rng.random() < 0.3 for _ in range(words * 32)] for _ in range(3)]
         packed = torch.tensor([[sum(1 << b for b in range(32) if row[32 * w + b]) - (
             1 << 32 if row[32 * w + 31] else 0) for w in range(words)] for row in bits],
             dtype=torch.int32)
-        logits = torch.randn(3, vocab).to(dtype)
+        logits = torch.randn(3, vocab + 5).to(dtype)
         expected = logits.clone()
-        for r in range(3):
-            for t in range(vocab):
+        for r in (range(3) if rows is None else rows):
+            for t in range(min(vocab + 5, words * 32)):
                 if not bits[r][t]:
                     expected[r, t] = -torch.inf
-        apply_bitmask(logits, packed)
+        apply_bitmask(logits, packed, rows)
         assert torch.equal(logits, expected)
     logits = torch.randn(2, 40)  # an all-ones row changes nothing
     before = logits.clone()

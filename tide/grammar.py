@@ -168,15 +168,16 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
     """Give -inf to every token of `logits` [B, V] whose bit is clear in `bitmask` [B, words]
-    (int32; a row of all ones (-1) changes nothing). Tokens past the bitmask keep their logits."""
-    vocab = logits.shape[1]
+    (int32; on the host or the logits' device), in rows `rows` only (None: all), with xgrammar's
+    kernel (its Triton kernel on CUDA, its C++ loop on CPU). Tokens past the bitmask keep their
+    logits."""
+    xgr = _xgrammar()
     words = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(words.shape[0], -1)
-    n = min(vocab, allowed.shape[1])
-    logits[:, :n].masked_fill_(~allowed[:, :n], -torch.inf)
+    vocab = min(logits.shape[1], words.shape[1] * 32)
+    xgr.apply_token_bitmask_inplace(logits, words, vocab_size=vocab, indices=rows,
+                                    backend="triton" if logits.is_cuda else "cpu")
 
 
 class RequestGrammar:
@@ -218,8 +219,12 @@ class GrammarMasks:
             self._bitmask = bitmask
         return self._bitmask
 
+    def rows(self) -> list[int]:
+        """The rows that have a grammar (the others allow every token)."""
+        return [row for row, _ in self._grammars]
+
     def select(self, rows: list[int]) -> GrammarMasks:
-        """The masks of rows `rows`, in that order (None: none of them has a grammar)."""
+        """The masks of rows `rows`, in that order."""
         return _SelectedMasks(self, rows)
 
 
@@ -232,6 +237,10 @@ class _SelectedMasks(GrammarMasks):
         if self._bitmask is None:
             self._bitmask = self._parent.bitmask()[self._selected]
         return self._bitmask
+
+    def rows(self) -> list[int]:
+        constrained = set(self._parent.rows())
+        return [k for k, row in enumerate(self._selected) if row in constrained]
 
 
 class GrammarBackend:

@@ -452,7 +452,7 @@ def edit_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     logits = logits.clone()
     vocab = logits.shape[1]
     if info.grammar is not None:
-        apply_bitmask(logits, info.grammar.bitmask())
+        apply_bitmask(logits, info.grammar.bitmask(), info.grammar.rows())
     # The whole batch's bans, then its biases, each in one indexed write (two copies to the
     # device, not two a row): -inf stays -inf under the bias and the penalties.
     banned_rows: list[int] = []
