@@ -59,6 +59,34 @@ def timed(engine, ids, params) -> float:
     return elapsed
 
 
+def mask_timings(rows: int, vocab: int, reps: int = 20) -> dict[str, float]:
+    """Device µs to mask [rows, vocab] bf16 logits with a host bitmask: torch's unpack (tide's CUDA
+    path) and xgrammar's Triton kernel, each including the bitmask's copy to the device."""
+    import xgrammar as xgr
+    from tide.grammar import unpack_and_mask
+
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32)
+    logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+    ways = {
+        "torch unpack": lambda: unpack_and_mask(logits, bitmask.to("cuda", non_blocking=True)),
+        "xgrammar triton": lambda: xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to("cuda", non_blocking=True), backend="triton"),
+    }
+    out = {}
+    for name, fn in ways.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        out[name] = 1e6 * (time.perf_counter() - t) / reps
+        print(f"mask {rows} x {vocab} logits, {name}: {out[name]:.1f} us (host + device)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-0.6b")
@@ -109,6 +137,7 @@ def main() -> None:
     results["host fill, rows in a string"] = {"ms": 1e3 * min(fills)}
     print(f"host mask fill of {n} rows inside a string: {1e3 * min(fills):.2f} ms "
           f"({os.cpu_count()} CPUs)")
+    results["mask on the device"] = mask_timings(n, shape["vocab_size"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"shape": args.shape, "requests": n, "tokens": t,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import tide
 import torch
-from tide.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH, apply_bitmask
+from tide.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH, apply_bitmask, unpack_and_mask
 from tide.sampling_params import SamplingParams
 from tide.scheduler.request import Req
 
@@ -268,8 +268,12 @@ def test_apply_bitmask_matches_a_boolean_mask():
             for t in range(min(vocab + 5, words * 32)):
                 if not bits[r][t]:
                     expected[r, t] = -torch.inf
+        unpacked = logits.clone()
         apply_bitmask(logits, packed, rows)
         assert torch.equal(logits, expected)
+        if rows is None:  # the CUDA path's unpack, run here on the CPU
+            unpack_and_mask(unpacked, packed)
+            assert torch.equal(unpacked, expected)
     logits = torch.randn(2, 40)  # an all-ones row changes nothing
     before = logits.clone()
     apply_bitmask(logits, torch.full((2, 2), -1, dtype=torch.int32))
