@@ -19,7 +19,7 @@ import httpx
 import pytest
 from server_utils import ServerProcess, assert_error, running_server, serve_model_path
 
-from tide.sampling_params import SamplingParams
+from tide.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from tide.server.limits import RequestLimits
 
 MODEL = "tide-demo"
@@ -766,6 +766,8 @@ def test_request_limits_are_validated():
     ({"top_p": 10**400}, "top_p"),
     ({"seed": 2**63}, "seed"),
     ({"stop": "a\ud800"}, "stop"),
+    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+    ({"stop_token_ids": [5] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
 ])
 def test_sampling_params_ranges(params, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):

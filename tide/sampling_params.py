@@ -25,6 +25,10 @@ MIN_REPETITION_PENALTY = 0.01
 # `logit_bias`: at most this many tokens, each biased by a value in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]
 # (OpenAI's range: -100 bans a token, 100 all but forces it).
 MAX_LOGIT_BIAS_TOKENS = 1024
+# Stop strings and stop token ids a request may give (the server's own limits are lower): each
+# stop string is searched for after every token.
+MAX_STOP_STRINGS = 1024
+MAX_STOP_TOKEN_IDS = 65536
 LOGIT_BIAS_MAX = 100.0
 # sglang's sampling fields for what tide does not do (structural tags, regex stops, custom logit
 # processors): accepted when null, as its clients send them unused; else a ValueError naming them.
@@ -84,6 +88,8 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     stop_strs: list[str] = field(init=False, repr=False, default_factory=list)
+    # `stop_token_ids` as a set: a finished-check per token does not scan the list.
+    stop_token_set: frozenset[int] = field(init=False, repr=False, default_factory=frozenset)
 
     def __post_init__(self) -> None:
         self.logit_bias = _logit_bias(self.logit_bias)
@@ -106,6 +112,7 @@ class SamplingParams:
         else:
             self.stop_strs = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_set = frozenset(self.stop_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -163,6 +170,9 @@ class SamplingParams:
                 isinstance(s, str) and s for s in stops
             ):
                 raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+            if len(stops) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got "
+                                 f"{len(stops)}")
             for s in stops:
                 if not _is_unicode(s):
                     raise ValueError("stop must be valid Unicode (it holds a lone surrogate)")
@@ -172,6 +182,9 @@ class SamplingParams:
                 for t in self.stop_token_ids
             ):
                 raise ValueError(f"stop_token_ids must be a list of integers in [0, {MAX_INT32}]")
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                 f"{len(self.stop_token_ids)}")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -1072,7 +1072,7 @@ class Scheduler:
                 return {"type": "stop", "matched": token}
         if not params.ignore_eos and token in self.eos_token_ids:
             return {"type": "stop", "matched": token}
-        if token in params.stop_token_ids:  # type: ignore[operator]
+        if token in params.stop_token_set:
             return {"type": "stop", "matched": token}
         detok = req.stop_detokenizer
         if detok is not None:  # decodes only the new token (with a little context)
