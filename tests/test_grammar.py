@@ -430,3 +430,48 @@ def test_forced_call_grammars_take_their_parsers_format(parser, text):
         ("get_weather", {"city": "Paris"})]
     with pytest.raises(ValueError, match="no tool is named 'nope'"):
         forced_call_grammar(parser, tools, "nope")
+
+
+def test_an_ambiguous_grammar_ends_before_it_stalls_the_engine(llama_path, monkeypatch):
+    """A valid but ambiguous grammar: xgrammar's matcher takes longer per token as the output
+    grows (Earley), on the scheduler's thread, so every request would wait on it. Once following
+    a token takes longer than MAX_ACCEPT_S for SLOW_ACCEPTS tokens in a row the request ends with
+    an abort saying why; a free request beside it finishes as usual."""
+    import tide.grammar as grammar_module
+    import tide.scheduler.scheduler as scheduler_module
+
+    for module in (grammar_module, scheduler_module):  # the limit and the message's figure
+        monkeypatch.setattr(module, "MAX_ACCEPT_S", 0.002)  # real: 50 ms
+    with tide.Engine(str(llama_path)) as engine:
+        ambiguous = {"ebnf": 'root ::= root root root | root root | "a"', "max_new_tokens": 450,
+                     "temperature": 0, "logit_bias": {"0": -100.0}}  # no eos: it goes on
+        free = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+        outs = engine.generate(prompt=["The", "Python is"], sampling_params=[ambiguous, free])
+        reason = outs[0]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "too ambiguous" in reason["message"], reason
+        assert reason["message"].startswith("ebnf: following the grammar took")
+        assert 0 < len(outs[0]["output_ids"]) < 450 and set(outs[0]["text"]) == {"a"}
+        assert len(outs[1]["output_ids"]) == 30
+        assert not engine.scheduler.has_work()
+
+
+def test_a_grammar_that_leads_nowhere_emits_nothing_outside_it(llama_engine):
+    """A grammar that matches no text, or an output after which it allows no token, leaves all
+    logits -inf: the request ends with an abort saying so, and no token the grammar does not
+    allow (drawn from NaN probabilities, with a NaN logprob) reaches its output."""
+    for params in ({"ebnf": "root ::= root"}, {"regex": "[^\\x00-\\U0010FFFF]"}):
+        out = llama_engine.generate(prompt="The", sampling_params=params | {"max_new_tokens": 5},
+                                    return_logprob=True)
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "matches no text" in reason["message"], reason
+        assert out["output_ids"] == [] and out["meta_info"]["output_token_logprobs"] == []
+    b = llama_engine.tokenizer.convert_tokens_to_ids("b")
+    out = llama_engine.generate(prompt="The", sampling_params={
+        "ebnf": 'root ::= "a" | "b" x\nx ::= x', "logit_bias": {str(b): 100.0},
+        "max_new_tokens": 5, "temperature": 0}, return_logprob=True)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason == {"type": "abort", "message": "ebnf: the grammar allows no token after this "
+                      "output (no text it matches continues it)"}, reason
+    assert out["output_ids"] == [b] and out["text"] == "b"
+    assert all(lp == lp for lp, _ in out["meta_info"]["output_token_logprobs"])  # no NaN
+    assert llama_engine.generate(prompt="The", sampling_params={"max_new_tokens": 2})["output_ids"]

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,14 @@ CACHE_SIZE = 256
 # A request whose grammar has not compiled after this long ends with an abort (the compile goes on
 # and is cached for later requests with the same text).
 COMPILE_TIMEOUT_S = 300.0
+# Longest the matcher may take to follow one sampled token (s). It runs on the scheduler's thread,
+# so every request in the engine waits for it; xgrammar's Earley parser follows a valid but
+# ambiguous grammar (e.g. `root ::= root root | "a"`) in time that grows steeply with the output
+# (tens of ms a token after a few hundred tokens, seconds later), while real grammars take
+# microseconds. A request whose grammar takes longer for SLOW_ACCEPTS tokens in a row (one slow
+# token may be the host's pause, not the grammar) ends with an abort.
+MAX_ACCEPT_S = 0.05
+SLOW_ACCEPTS = 3
 
 
 def _xgrammar() -> Any:
@@ -198,10 +207,23 @@ class RequestGrammar:
         self._matcher = matcher
         self._filler = filler  # the backend's xgrammar BatchGrammarMatcher (threads)
         self.bitmask_words = bitmask_words(vocab_size)
+        self.last_accept_s = 0.0  # how long the last `accept` took
+        self.slow_accepts = 0  # consecutive accepts slower than MAX_ACCEPT_S
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (and no change) when the grammar does not allow it."""
-        return bool(self._matcher.accept_token(token))
+        start = time.perf_counter()
+        ok = bool(self._matcher.accept_token(token))
+        self.last_accept_s = time.perf_counter() - start
+        self.slow_accepts = self.slow_accepts + 1 if self.last_accept_s > MAX_ACCEPT_S else 0
+        return ok
+
+    def allows_any(self) -> bool:
+        """Whether some token may come next (False where no text the grammar matches starts
+        with the output so far: e.g. `root ::= root`, or a regex of an empty class)."""
+        bitmask = torch.zeros((1, self.bitmask_words), dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     @property
     def terminated(self) -> bool:

@@ -31,7 +31,13 @@ import torch
 from tide.config import EngineConfig
 from tide.detokenizer import IncrementalDetokenizer
 from tide.executor.forward_batch import ForwardMode
-from tide.grammar import COMPILE_TIMEOUT_S, GrammarBackend, grammar_of
+from tide.grammar import (
+    COMPILE_TIMEOUT_S,
+    MAX_ACCEPT_S,
+    SLOW_ACCEPTS,
+    GrammarBackend,
+    grammar_of,
+)
 from tide.grammar import available as grammar_available
 from tide.layers.sampler import PromptScoring, SampleOutput
 from tide.memory.ledger import MemoryLedger
@@ -286,7 +292,11 @@ class Scheduler:
             req.grammar_future = None
             try:
                 req.grammar = self._grammar_compiler().matcher(future.result())
+                if not req.grammar.allows_any():  # the sampler would draw from all -inf
+                    field = (grammar_of(req.sampling_params) or ("grammar",))[0]
+                    raise ValueError(f"{field} matches no text: no output can follow it")
             except Exception as e:  # noqa: BLE001 - a failed compile ends this request only
+                req.grammar = None
                 req.finished_reason = {"type": "abort", "message": str(e) or type(e).__name__}
                 req.weight_version = self.handover.weight_version
                 failed.append(req)
@@ -1066,10 +1076,26 @@ class Scheduler:
         params = req.sampling_params
         grammar = req.grammar
         if grammar is not None:
-            if not grammar.accept(token):  # the sampler only lets allowed tokens through
-                return {"type": "abort", "message": f"token {token} breaks the request's grammar"}
+            if not grammar.accept(token):
+                # The sampler lets only allowed tokens through, so none was: the output so far
+                # leads nowhere in the grammar (a rule that never ends). The drawn token (from
+                # all -inf logits) is not the request's: it is taken back.
+                req.output_ids.pop()
+                if req.return_logprob and req.output_token_logprobs:
+                    req.output_token_logprobs.pop()
+                    if req.top_logprobs_num > 0 and req.output_top_logprobs:
+                        req.output_top_logprobs.pop()
+                field = (grammar_of(params) or ("grammar",))[0]
+                return {"type": "abort", "message": f"{field}: the grammar allows no token after "
+                        "this output (no text it matches continues it)"}
             if grammar.terminated:
                 return {"type": "stop", "matched": token}
+            if grammar.slow_accepts >= SLOW_ACCEPTS:  # it would hold up every request's steps
+                field = (grammar_of(params) or ("grammar",))[0]
+                return {"type": "abort", "message": (
+                    f"{field}: following the grammar took {grammar.last_accept_s * 1000:.0f} ms "
+                    f"for one token, over {MAX_ACCEPT_S * 1000:g} ms for {SLOW_ACCEPTS} tokens in a "
+                    "row: it is too ambiguous to follow at this length")}
         if not params.ignore_eos and token in self.eos_token_ids:
             return {"type": "stop", "matched": token}
         if token in params.stop_token_set:
