@@ -475,3 +475,57 @@ def test_a_grammar_that_leads_nowhere_emits_nothing_outside_it(llama_engine):
     assert out["output_ids"] == [b] and out["text"] == "b"
     assert all(lp == lp for lp, _ in out["meta_info"]["output_token_logprobs"])  # no NaN
     assert llama_engine.generate(prompt="The", sampling_params={"max_new_tokens": 2})["output_ids"]
+
+
+def test_a_grammar_too_costly_to_compile_is_refused_up_front(llama_engine):
+    """A JSON schema within MAX_GRAMMAR_CHARS whose grammar expands far beyond it (2,000 optional
+    properties: 15 s of compile on the one compile thread, holding up every constrained request)
+    is a ValueError naming json_schema before any work; a schema near the bound still runs."""
+    from tide.grammar import MAX_EXPANDED_GRAMMAR_CHARS
+
+    wide = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                        for i in range(2000)}})
+    assert len(wide) <= MAX_GRAMMAR_CHARS
+    message = (f"^json_schema is not a valid JSON schema: it expands to a grammar of .* more than "
+               f"{MAX_EXPANDED_GRAMMAR_CHARS}")
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(json_schema=wide)
+    with pytest.raises(ValueError, match=message):
+        llama_engine.generate(prompt="The", sampling_params={"json_schema": wide})
+    SamplingParams(json_schema=json.dumps({"enum": [f"v{i}" for i in range(4000)]}))
+
+
+def test_forced_call_grammars_take_schemas_with_local_refs():
+    """Tool parameters with `$defs` and local `$ref`s (as pydantic writes them: a nested model), in
+    two tools whose definitions share a name: a forced call follows each function's own
+    definitions (its references are not read against the schema built around it)."""
+    from tide.server.function_call_parser import forced_call_grammar
+
+    city = {"$defs": {"Place": {"type": "object", "properties": {
+        "name": {"type": "string"}, "near": {"$ref": "#/$defs/Place"}}, "required": ["name"],
+        "additionalProperties": False}}, "type": "object",
+        "properties": {"city": {"$ref": "#/$defs/Place"}}, "required": ["city"]}
+    zone = {"definitions": {"Place": {"type": "integer"}}, "type": "object",
+            "properties": {"zone": {"$ref": "#/definitions/Place"}}, "required": ["zone"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "get_time", "parameters": zone}}]
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(chars))
+
+    def accepts(ebnf: str, output: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(ebnf))
+        return all(matcher.accept_token(chars.index(c)) for c in output) and (
+            matcher.is_completed())
+
+    weather = json.dumps({"name": "get_weather", "arguments": {
+        "city": {"name": "Paris", "near": {"name": "Orly"}}}})
+    time_call = json.dumps({"name": "get_time", "arguments": {"zone": 3}})
+    required = forced_call_grammar("qwen25", tools, None)
+    SamplingParams(ebnf=required)
+    frame = "<tool_call>\n{}\n</tool_call>"
+    assert accepts(required, frame.format(weather)) and accepts(required, frame.format(time_call))
+    assert not accepts(required, frame.format(weather.replace('"Orly"', "4")))
+    assert not accepts(required, frame.format(time_call.replace("3", '{"name": "x"}')))
+    named = forced_call_grammar("llama3", tools, "get_weather")
+    assert accepts(named, weather.replace("arguments", "parameters"))
+    assert not accepts(named, time_call.replace("arguments", "parameters"))

@@ -215,18 +215,34 @@ def forced_call_grammar(parser: str, tools: list[dict[str, Any]], name: str | No
     object where it has none). ValueError saying why when it cannot be built."""
     prefix, key, suffix = _FORCED[parser]
     options = []
+    # Each function's schema sits under the root's $defs, its local references ("#/$defs/X",
+    # "#/definitions/X", "#") rewritten to point there: they name places in that schema, not in
+    # the schema built around it.
+    defs: dict[str, Any] = {}
     for tool in tools:
         function = tool["function"]
         if name is not None and function["name"] != name:
             continue
         params = function.get("parameters") or {"type": "object"}
+        where = f"tool{len(defs)}"
+        defs[where] = _rebase_refs(params, f"#/$defs/{where}")
         options.append({"type": "object", "properties": {"name": {"const": function["name"]},
-                                                         key: params},
+                                                         key: {"$ref": f"#/$defs/{where}"}},
                         "required": ["name", key], "additionalProperties": False})
     if not options:
         raise ValueError(f"no tool is named {name!r}")
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return framed_json_ebnf(prefix, schema, suffix)
+    return framed_json_ebnf(prefix, {"$defs": defs, **schema}, suffix)
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` ("#...") moved under the JSON pointer `base`."""
+    if isinstance(schema, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _rebase_refs(v, base) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
 
 
 def check_tool_call_parser(name: str | None) -> str | None:
