@@ -451,8 +451,9 @@ def edit_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     output."""
     logits = logits.clone()
     vocab = logits.shape[1]
-    if info.grammar is not None:
-        apply_bitmask(logits, info.grammar.bitmask(), info.grammar.rows())
+    constrained = info.grammar.rows() if info.grammar is not None else []
+    if constrained:  # (a free row sampled alone after a failed batch never fills the masks)
+        apply_bitmask(logits, info.grammar.bitmask(), constrained)  # type: ignore[union-attr]
     # The whole batch's bans, then its biases, each in one indexed write (two copies to the
     # device, not two a row): -inf stays -inf under the bias and the penalties.
     banned_rows: list[int] = []
