@@ -48,6 +48,23 @@ def test_min_new_tokens_is_checked():
         SamplingParams(min_new_tokens=9, max_new_tokens=8)
 
 
+def test_a_minimum_no_token_could_meet_is_a_value_error(llama_engine):
+    """Ending ids covering the whole vocabulary (eos and stop_token_ids) with a minimum: no token
+    could be drawn, so the request is refused up front, naming min_new_tokens."""
+    rest = list(range(1, VOCAB))  # eos is 0
+    with pytest.raises(ValueError, match="^min_new_tokens: every token of the vocabulary"):
+        llama_engine.generate(prompt="The", sampling_params={
+            "min_new_tokens": 2, "max_new_tokens": 4, "stop_token_ids": rest})
+    with pytest.raises(ValueError, match="^min_new_tokens: every token"):
+        SamplingParams(min_new_tokens=1, stop_token_ids=[0, 1, 2]).check_endings(3, [])
+    SamplingParams(min_new_tokens=1, stop_token_ids=[1, 2]).check_endings(3, [])
+    SamplingParams(min_new_tokens=1, ignore_eos=True, stop_token_ids=[1, 2]).check_endings(3, [0])
+    out = llama_engine.generate(prompt="The", sampling_params={  # eos ignored: one token is left
+        "min_new_tokens": 2, "max_new_tokens": 3, "stop_token_ids": rest, "ignore_eos": True,
+        "temperature": 0})
+    assert out["output_ids"][:2] == [0, 0]
+
+
 def test_ending_tokens_are_banned_until_the_minimum():
     """The ban is -inf on the ending ids, first (a bias or penalty cannot lift it), while the
     row's output position (overlap's offset included) is below the minimum; argmax-only rows

@@ -73,7 +73,8 @@ class Engine:
         self._limits = InputLimits(
             model_config.vocab_size, self.context_len, self.worker.max_total_tokens,
             "skip_tokenizer_init=True" if self.config.skip_tokenizer_init
-            else "the checkpoint has no tokenizer files", self.config.grammar_backend)
+            else "the checkpoint has no tokenizer files", self.config.grammar_backend,
+            self.eos_token_ids)
         # One lock for the scheduler and the model: generate() from several threads, and pause /
         # update / continue from another, interleave only between steps.
         self._cond = threading.Condition(threading.RLock())

@@ -46,6 +46,7 @@ class InputLimits:
     max_total_tokens: int
     no_tokenizer_reason: str = "the checkpoint has no tokenizer files"
     grammar_backend: str = "xgrammar"
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def build_requests(
@@ -85,6 +86,7 @@ def build_requests(
         sp = SamplingParams.from_dict(params[i])
         vocab = limits.vocab_size
         sp.check_vocab(vocab)
+        sp.check_endings(vocab, limits.eos_token_ids)
         if sp.stop_strs and tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer and this engine has none "
                              f"({limits.no_tokenizer_reason}); use stop_token_ids")

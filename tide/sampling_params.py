@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,19 @@ class SamplingParams:
         if bad is not None:
             raise ValueError(f"logit_bias holds token {bad}, outside the vocabulary [0, "
                              f"{vocab_size})")
+
+    def check_endings(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        """Raise ValueError when `min_new_tokens` would ban every token of the vocabulary (its
+        stop token ids and, unless `ignore_eos`, the model's eos ids cover it): none could be
+        sampled."""
+        if self.min_new_tokens <= 0:
+            return
+        ending = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            ending.update(eos_token_ids)
+        if sum(1 for t in ending if 0 <= t < vocab_size) >= vocab_size:
+            raise ValueError("min_new_tokens: every token of the vocabulary would end the request "
+                             "(eos and stop_token_ids) before its minimum, so none could be sampled")
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> "SamplingParams":

@@ -386,6 +386,10 @@ class TokenizerManager:
         `owner`'s scope (the caller's identity)."""
         self._check_serving()
         self.check_grammar_served(params)
+        try:
+            params.check_endings(self.model_info.vocab_size, self.model_info.eos_token_ids)
+        except ValueError as e:
+            raise invalid_request(str(e), "min_new_tokens", "invalid_value") from None
         rid = rid or self.new_rid()
         if (owner, rid) in self.rid_to_state:
             raise invalid_request(f"rid {rid!r} is already in use by a running request", "rid",
