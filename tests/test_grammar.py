@@ -393,6 +393,16 @@ def test_constrained_rows_on_a_cuda_engine(tmp_path):
     assert runs[0] == runs[1]
 
 
+_CHARS = [chr(i) for i in range(32, 127)] + ["\n"]
+
+
+def _accepts(ebnf: str, output: str) -> bool:
+    """Whether the grammar matches exactly `output`, over a vocabulary of single characters."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(_CHARS))
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(ebnf))
+    return all(matcher.accept_token(_CHARS.index(c)) for c in output) and matcher.is_completed()
+
+
 @pytest.mark.parametrize("parser,text", [
     ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
@@ -406,22 +416,14 @@ def test_forced_call_grammars_take_their_parsers_format(parser, text):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
              {"type": "function", "function": {"name": "get_time"}}]
-    chars = [chr(i) for i in range(32, 127)] + ["\n"]
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(chars))
-
-    def accepts(ebnf: str, output: str) -> bool:
-        matcher = xgr.GrammarMatcher(compiler.compile_grammar(ebnf))
-        return all(matcher.accept_token(chars.index(c)) for c in output) and (
-            matcher.is_completed())
-
     required = forced_call_grammar(parser, tools, None)
-    assert accepts(required, text)
-    assert not accepts(required, text.replace("Paris", "Paris\\u"))
-    assert not accepts(required, text.replace('"get_weather"', '"rm_rf"'))
-    assert not accepts(required, "Sure. " + text)
+    assert _accepts(required, text)
+    assert not _accepts(required, text.replace("Paris", "Paris\\u"))
+    assert not _accepts(required, text.replace('"get_weather"', '"rm_rf"'))
+    assert not _accepts(required, "Sure. " + text)
     named = forced_call_grammar(parser, tools, "get_time")
-    assert not accepts(named, text)
-    assert accepts(named, text.replace("get_weather", "get_time").replace('"city": "Paris"', ""))
+    assert not _accepts(named, text)
+    assert _accepts(named, text.replace("get_weather", "get_time").replace('"city": "Paris"', ""))
     call_parser = FunctionCallParser(parser, ["get_weather", "get_time"])
     content, calls = call_parser.feed(text)
     more, rest = call_parser.finish()
@@ -509,23 +511,15 @@ def test_forced_call_grammars_take_schemas_with_local_refs():
             "properties": {"zone": {"$ref": "#/definitions/Place"}}, "required": ["zone"]}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
              {"type": "function", "function": {"name": "get_time", "parameters": zone}}]
-    chars = [chr(i) for i in range(32, 127)] + ["\n"]
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(chars))
-
-    def accepts(ebnf: str, output: str) -> bool:
-        matcher = xgr.GrammarMatcher(compiler.compile_grammar(ebnf))
-        return all(matcher.accept_token(chars.index(c)) for c in output) and (
-            matcher.is_completed())
-
     weather = json.dumps({"name": "get_weather", "arguments": {
         "city": {"name": "Paris", "near": {"name": "Orly"}}}})
     time_call = json.dumps({"name": "get_time", "arguments": {"zone": 3}})
     required = forced_call_grammar("qwen25", tools, None)
     SamplingParams(ebnf=required)
     frame = "<tool_call>\n{}\n</tool_call>"
-    assert accepts(required, frame.format(weather)) and accepts(required, frame.format(time_call))
-    assert not accepts(required, frame.format(weather.replace('"Orly"', "4")))
-    assert not accepts(required, frame.format(time_call.replace("3", '{"name": "x"}')))
+    assert _accepts(required, frame.format(weather)) and _accepts(required, frame.format(time_call))
+    assert not _accepts(required, frame.format(weather.replace('"Orly"', "4")))
+    assert not _accepts(required, frame.format(time_call.replace("3", '{"name": "x"}')))
     named = forced_call_grammar("llama3", tools, "get_weather")
-    assert accepts(named, weather.replace("arguments", "parameters"))
-    assert not accepts(named, time_call.replace("arguments", "parameters"))
+    assert _accepts(named, weather.replace("arguments", "parameters"))
+    assert not _accepts(named, time_call.replace("arguments", "parameters"))
