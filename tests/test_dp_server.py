@@ -189,20 +189,26 @@ LONG = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}
 async def _streams_on(http: httpx.AsyncClient, replicas: list[int]) -> tuple[list, dict]:
     """One long stream per live replica, once each is running on its replica; (tasks, info).
     The earlier tests' requests are counted out first: a count the router has not yet taken back
-    would send two streams to one replica."""
-    for _ in range(200):
-        state = (await http.get("/get_server_info")).json()
-        if all(r["outstanding_requests"] == 0 for r in state["replicas"] if r["alive"]):
-            break
-        await asyncio.sleep(0.05)
-    tasks = [asyncio.create_task(_stream(http, PROMPTS[i], LONG)) for i in range(len(replicas))]
+    would send two streams to one replica. A stream lasts about a second and a half on a CPU, so a
+    stalled host can see them finish before any poll finds them running: they are then started
+    again (a stream that failed raises here)."""
     outstanding: list[int] = []
-    for _ in range(200):
-        await asyncio.sleep(0.05)
-        state = (await http.get("/get_server_info")).json()
-        outstanding = [r["outstanding_requests"] for r in state["replicas"]]
-        if all(outstanding[i] == 1 for i in replicas):
-            return tasks, state
+    for _ in range(5):
+        for _ in range(200):
+            state = (await http.get("/get_server_info")).json()
+            if all(r["outstanding_requests"] == 0 for r in state["replicas"] if r["alive"]):
+                break
+            await asyncio.sleep(0.05)
+        tasks = [asyncio.create_task(_stream(http, PROMPTS[i], LONG)) for i in range(len(replicas))]
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            state = (await http.get("/get_server_info")).json()
+            if any(t.done() for t in tasks):
+                break
+            outstanding = [r["outstanding_requests"] for r in state["replicas"]]
+            if all(outstanding[i] == 1 for i in replicas):
+                return tasks, state
+        await asyncio.gather(*tasks)
     raise AssertionError(f"the streams are not one per replica {replicas}: {outstanding}")
 
 
