@@ -3,7 +3,8 @@
 `serve_model_path(tmp_dir)` is the built-in demo model when it exists, else a tiny random Llama
 checkpoint (conftest's `build_checkpoint`) given the demo model's chat template. `ServerProcess` starts
 `python -m tide serve` on a free 127.0.0.1 port, waits for `/health`, and always kills its process
-tree on `stop()`.
+tree on `stop()`. `retry_slow_host` runs a scenario again when a stalled host broke its timing
+premise (`SlowHost`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -54,6 +55,27 @@ def serve_model_path(tmp_dir: Path) -> Path:
         tok.chat_template = CHAT_TEMPLATE
         tok.save_pretrained(path)
     return path
+
+
+T = TypeVar("T")
+
+
+class SlowHost(Exception):
+    """A scenario's timing premise did not hold: a request it meant to act on while running had
+    already finished (a stream lasts about a second on a CPU; a loaded CI host can stall that long).
+    Raised by the scenario once it has put the server back as it found it."""
+
+
+def retry_slow_host(scenario: Callable[[], T], attempts: int = 4) -> T:
+    """`scenario()`, run again each time it raises `SlowHost`. A scenario that fails its premise
+    every time fails the test, so a server that never keeps a request running is still caught."""
+    for attempt in range(attempts):
+        try:
+            return scenario()
+        except SlowHost as e:
+            if attempt == attempts - 1:
+                raise AssertionError(f"timing premise failed {attempts} times: {e}") from e
+    raise AssertionError("unreachable")
 
 
 def free_port() -> int:
