@@ -201,7 +201,7 @@ def test_a_killed_replica_fails_only_its_items(replicas):
     victim = replicas.actors[1]
     for _ in range(5):  # a stalled host can see the batch end before a poll finds it running
         result: list = []
-        batch = threading.Thread(target=lambda: result.append(
+        batch = threading.Thread(target=lambda out=result: out.append(
             replicas.generate(prompt=PROMPTS[:2], sampling_params=long)), daemon=True)
         batch.start()
         deadline = time.monotonic() + 60
