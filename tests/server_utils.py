@@ -135,6 +135,12 @@ class ServerProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-20000:]
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server's HTTP process has used (all its threads): a cost bound that a
+        stalled host does not inflate, unlike wall-clock time."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     def group_pids(self, settle: float = 5.0) -> list[str]:
         """Live processes left in the server's process group (waits up to `settle` seconds for
         helpers such as multiprocessing's resource tracker to exit), as "pid command" lines."""
