@@ -493,9 +493,11 @@ def _http_exchange(server: ServerProcess, head: bytes, body: bytes = b"",
     return data, elapsed, closed
 
 
-def _closed_after(sock: socket.socket, trickle: bytes | None, limit: float) -> float:
-    """Seconds until the server closes `sock` (recv gives b""), sending `trickle` every 0.3 s."""
-    start = time.monotonic()
+def _closed_after(sock: socket.socket, trickle: bytes | None, limit: float,
+                  start: float | None = None) -> float:
+    """Seconds until the server closes `sock` (recv gives b""), sending `trickle` every 0.3 s;
+    counted from `start` (a `time.monotonic()`; by default now)."""
+    start = time.monotonic() if start is None else start
     sock.settimeout(0.3)
     while time.monotonic() - start < limit:
         try:
@@ -517,21 +519,23 @@ def test_slow_request_headers_lose_their_connection(server):
     """A connection that sends nothing, or a request whose header lines trickle in, is closed once
     its headers are HEADER_READ_TIMEOUT late; the server answers others meanwhile, and a kept-alive
     connection that sends its next request on time is served."""
+    opened = time.monotonic()  # the server's clock for `idle` starts at most this late
     idle = socket.create_connection(("127.0.0.1", server.port))
     slow = socket.create_connection(("127.0.0.1", server.port))
     try:
         slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         assert server.get("/health").status_code == 200
-        assert HEADER_READ_TIMEOUT - 0.5 < _closed_after(idle, None, 15) < HEADER_READ_TIMEOUT + 3
+        assert HEADER_READ_TIMEOUT - 0.05 < _closed_after(idle, None, 15, opened) \
+            < HEADER_READ_TIMEOUT + 3
         assert _closed_after(slow, b"X-Slow: 1\r\n", 15) < HEADER_READ_TIMEOUT + 3
     finally:
         idle.close()
         slow.close()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        for _ in range(2):  # the second request starts 1.5 s after the connection opened
+        for _ in range(3):  # the third request starts over 2 s after the connection opened
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-            time.sleep(1.5)
+            time.sleep(1.0)
     # After a response the next request's headers are due within the deadline too: bytes that
     # start no request (blank lines; the rest of a body the route never read) do not hold it.
     for first, trickle in ((b"", b"\r\n"),
