@@ -372,7 +372,7 @@ def test_a_frozen_replica_neither_delays_other_aborts_nor_outlives_the_server(mo
         os.kill(frozen, signal.SIGSTOP)
         start = time.monotonic()
         body = ok(srv.post("/abort_request", {"rid": "nobody-has-this"}))
-        assert body["num_aborted"] == 0 and time.monotonic() - start < 5
+        assert body["num_aborted"] == 0 and time.monotonic() - start < 15  # was the 30 s timeout
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(40)
         assert srv.group_pids(settle=10.0) == []
