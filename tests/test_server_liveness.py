@@ -317,7 +317,7 @@ def test_concurrent_joins_are_capped(server):
     def join(i: int) -> httpx.Response:
         return server.post("/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": f"cap-{i}", "backend": "gloo", "timeout": 2}, headers=_bearer(ADMIN))
+            "group_name": f"cap-{i}", "backend": "gloo", "timeout": 5}, headers=_bearer(ADMIN))
 
     with ThreadPoolExecutor(MAX_CONCURRENT_JOINS + 2) as pool:
         messages = [r.json()["message"] for r in pool.map(join, range(MAX_CONCURRENT_JOINS + 2))]
