@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import random
 import re
+import threading
 import time
 
 import httpx
@@ -230,6 +231,62 @@ def test_requests_wait_for_their_grammar_and_others_go_on(llama_path, monkeypatc
         assert bad.finished_reason == {"type": "abort",
                                        "message": "regex could not be compiled: too big"}
         assert not sched.has_work()
+
+
+def test_compiles_run_side_by_side_and_unwaited_ones_are_dropped(llama_path, monkeypatch):
+    """A slow compile holds one of the backend's threads: another request's grammar compiles and
+    decodes meanwhile. With every thread busy, a compile whose requests are all aborted never
+    starts (one still waited for is kept), and the next request with that text compiles it anew."""
+    from tide.grammar import COMPILE_THREADS
+
+    with tide.Engine(str(llama_path)) as engine:
+        sched = engine.scheduler
+        backend = sched._grammar_compiler()
+        real, release, started = backend._compile, threading.Event(), []
+
+        def held(field, text):
+            started.append(text)
+            if text.startswith("held"):
+                assert release.wait(60)
+            return real(field, text)
+
+        monkeypatch.setattr(backend, "_compile", held)
+
+        def req(rid: str, regex: str) -> Req:
+            r = Req(rid, [5, 6], SamplingParams(regex=regex, max_new_tokens=32, temperature=0))
+            sched.add_request(r)
+            return r
+
+        def run_until(done, limit: float = 60.0) -> None:
+            deadline = time.monotonic() + limit
+            while not done() and time.monotonic() < deadline:
+                sched.step()
+            assert done()
+
+        slow = [req(f"slow{i}", f"held{i}[a-z]") for i in range(COMPILE_THREADS - 1)]
+        fast = req("fast", REGEX)
+        run_until(lambda: fast.finished)
+        assert re.fullmatch(REGEX, engine.tokenizer.decode(fast.output_ids[:-1]))
+        assert all(not r.output_ids and r in sched.grammar_queue for r in slow)
+        # every thread busy: the next compiles wait in the pool
+        slow.append(req("last", "held-last[a-z]"))
+        run_until(lambda: len(started) == COMPILE_THREADS + 1)  # fast's compile, then the held
+        lone = req("lone", "held-lone[a-z]")
+        pair = [req("pair0", "held-pair[a-z]"), req("pair1", "held-pair[a-z]")]
+        lone_future, pair_future = lone.grammar_future, pair[0].grammar_future
+        assert pair[1].grammar_future is pair_future and not lone_future.running()
+        assert sched.abort_reqs([lone, pair[0]]) == [lone, pair[0]]
+        assert lone_future.cancelled() and not pair_future.cancelled()
+        release.set()
+        run_until(lambda: all(r.finished for r in slow + [pair[1]]))
+        ends = [r.finished_reason["type"] for r in slow + [pair[1]]]
+        assert ends == ["stop"] * len(ends), ends
+        assert "held-lone[a-z]" not in started
+        again = req("again", "held-lone[a-z]")
+        run_until(lambda: again.finished)
+        assert again.finished_reason["type"] == "stop" and started.count("held-lone[a-z]") == 1
+        assert not sched.has_work()
+        sched.check_invariants()
 
 
 def test_a_grammar_that_never_compiles_times_out(llama_path, monkeypatch):

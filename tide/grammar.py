@@ -32,16 +32,19 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 MAX_GRAMMAR_CHARS = 65536
 # The longest grammar a request's text may expand to (characters of xgrammar's EBNF): compile time
 # follows the expanded grammar, not the text (a JSON schema of 2,000 optional properties in 59k
-# characters expands to 406k and compiles for 15 s at a 4k-token vocabulary, 4,500 for 162 s), and
-# one compile thread serves every request.
+# characters expands to 406k and compiles for 15 s at a 4k-token vocabulary, 4,500 for 162 s).
 MAX_EXPANDED_GRAMMAR_CHARS = 4 * MAX_GRAMMAR_CHARS
+# Grammars compiled at once: a slow compile within the bounds holds one thread while the others
+# serve the requests behind it.
+COMPILE_THREADS = 4
 # Deepest nesting of objects and arrays a JSON schema may have: xgrammar's schema conversion takes
 # time that grows steeply with depth (seconds at a few hundred levels), and real schemas are shallow.
 MAX_SCHEMA_DEPTH = 32
 # Compiled grammars kept for reuse (requests of one rollout send the same schema).
 CACHE_SIZE = 256
-# A request whose grammar has not compiled after this long ends with an abort (the compile goes on
-# and is cached for later requests with the same text).
+# A request whose grammar has not compiled after this long ends with an abort (a compile already
+# running goes on and is cached for later requests with the same text; one not started is dropped
+# when no other request waits for it).
 COMPILE_TIMEOUT_S = 300.0
 # Longest the matcher may take to follow one sampled token (s). It runs on the scheduler's thread,
 # so every request in the engine waits for it; xgrammar's Earley parser follows a valid but
@@ -287,7 +290,9 @@ class _SelectedMasks(GrammarMasks):
 
 class GrammarBackend:
     """Compiles grammars for one tokenizer (`vocab_size`: the model's, which may exceed the
-    tokenizer's) on a worker thread, keeping the last `CACHE_SIZE` distinct ones."""
+    tokenizer's) on `COMPILE_THREADS` worker threads, keeping the last `CACHE_SIZE` distinct ones.
+    A compile's future may be cancelled by its last waiter before it starts; the cache then
+    compiles that text again when it is asked for next."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         xgr = _xgrammar()
@@ -300,7 +305,8 @@ class GrammarBackend:
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=stops or None)
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tide-grammar")
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS,
+                                        thread_name_prefix="tide-grammar")
         # Fills a batch's masks on several threads (a row inside a JSON string checks most of
         # the vocabulary: ~0.1 ms a row at 152k tokens on one core).
         self._filler = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
@@ -313,7 +319,7 @@ class GrammarBackend:
         key = (field, text)
         with self._lock:
             future = self._cache.get(key)
-            if future is not None:
+            if future is not None and not future.cancelled():
                 self._cache.move_to_end(key)
                 return future
             future = self._pool.submit(self._compile, field, text)

@@ -264,6 +264,16 @@ class Scheduler:
         if self._grammar_backend is not None:
             self._grammar_backend.shutdown()
 
+    def _drop_compiles(self, gone: list[Req]) -> None:
+        """Compiles that no queued request waits for any more are not started (a client that
+        sends grammars and goes away leaves no work behind); one already running finishes and is
+        cached."""
+        waited = {id(r.grammar_future) for r in self.grammar_queue}
+        for req in gone:
+            if req.grammar_future is not None and id(req.grammar_future) not in waited:
+                req.grammar_future.cancel()
+            req.grammar_future = None
+
     def _poll_grammars(self) -> list[Req]:
         """Requests whose grammar has compiled join `waiting` with their matcher; those whose
         grammar failed finish with an abort saying why (returned). With nothing else to do, waits
@@ -279,7 +289,6 @@ class Scheduler:
         for req in self.grammar_queue:
             future = req.grammar_future
             if future is not None and not future.done() and now > req.grammar_deadline:
-                req.grammar_future = None
                 field = (grammar_of(req.sampling_params) or ("grammar",))[0]
                 req.finished_reason = {"type": "abort", "message": f"{field} did not compile "
                                        f"within {COMPILE_TIMEOUT_S:g} s"}
@@ -303,6 +312,7 @@ class Scheduler:
                 continue
             self.waiting.append(req)
         self.grammar_queue = still
+        self._drop_compiles([r for r in failed if r.grammar_future is not None])
         return failed
 
     @property
@@ -565,6 +575,7 @@ class Scheduler:
         aborted: list[Req] = [r for r in self.grammar_queue if chosen(r)]
         if aborted:
             self.grammar_queue = [r for r in self.grammar_queue if not chosen(r)]
+            self._drop_compiles(aborted)
         for req in list(self.waiting):
             if chosen(req):
                 self.waiting.remove(req)
