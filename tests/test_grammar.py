@@ -579,3 +579,29 @@ def test_forced_call_grammars_take_schemas_with_local_refs():
     named = forced_call_grammar("llama3", tools, "get_weather")
     assert _accepts(named, weather.replace("arguments", "parameters"))
     assert not _accepts(named, time_call.replace("arguments", "parameters"))
+
+
+def test_the_ambiguity_bound_counts_the_matchers_cpu_time_not_a_stalled_host():
+    """A token the matcher follows slowly because the host paused the thread (sleeping here) is
+    not counted against the grammar; one it spends the CPU time on is."""
+    from tide.grammar import MAX_ACCEPT_S, RequestGrammar
+
+    class Matcher:
+        def __init__(self, busy: bool) -> None:
+            self.busy = busy
+
+        def accept_token(self, token: int) -> bool:
+            wall, cpu = time.monotonic(), time.thread_time()
+            if self.busy:  # spends the CPU time
+                while time.thread_time() - cpu < MAX_ACCEPT_S * 1.5:
+                    pass
+            else:  # the thread is off the CPU as long
+                time.sleep(MAX_ACCEPT_S * 1.5)
+            assert time.monotonic() - wall > MAX_ACCEPT_S
+            return True
+
+    for busy, counted in ((False, 0), (True, 3)):
+        grammar = RequestGrammar(Matcher(busy), vocab_size=64, filler=None)
+        for _ in range(3):
+            assert grammar.accept(1)
+        assert grammar.slow_accepts == counted, (busy, grammar.last_accept_s)

@@ -46,12 +46,12 @@ CACHE_SIZE = 256
 # running goes on and is cached for later requests with the same text; one not started is dropped
 # when no other request waits for it).
 COMPILE_TIMEOUT_S = 300.0
-# Longest the matcher may take to follow one sampled token (s). It runs on the scheduler's thread,
-# so every request in the engine waits for it; xgrammar's Earley parser follows a valid but
-# ambiguous grammar (e.g. `root ::= root root | "a"`) in time that grows steeply with the output
-# (tens of ms a token after a few hundred tokens, seconds later), while real grammars take
-# microseconds. A request whose grammar takes longer for SLOW_ACCEPTS tokens in a row (one slow
-# token may be the host's pause, not the grammar) ends with an abort.
+# Longest the matcher may take to follow one sampled token (s of the scheduler thread's CPU time).
+# It runs on the scheduler's thread, so every request in the engine waits for it; xgrammar's Earley
+# parser follows a valid but ambiguous grammar (e.g. `root ::= root root | "a"`) in time that grows
+# steeply with the output (tens of ms a token after a few hundred tokens, seconds later), while real
+# grammars take microseconds. A request whose grammar takes longer for SLOW_ACCEPTS tokens in a row
+# ends with an abort. CPU time, not wall time: a host that deschedules the thread does not count.
 MAX_ACCEPT_S = 0.05
 SLOW_ACCEPTS = 3
 
@@ -219,14 +219,14 @@ class RequestGrammar:
         self._matcher = matcher
         self._filler = filler  # the backend's xgrammar BatchGrammarMatcher (threads)
         self.bitmask_words = bitmask_words(vocab_size)
-        self.last_accept_s = 0.0  # how long the last `accept` took
+        self.last_accept_s = 0.0  # the thread's CPU time the last `accept` took
         self.slow_accepts = 0  # consecutive accepts slower than MAX_ACCEPT_S
 
     def accept(self, token: int) -> bool:
         """Advance by `token`; False (and no change) when the grammar does not allow it."""
-        start = time.perf_counter()
+        start = time.thread_time()
         ok = bool(self._matcher.accept_token(token))
-        self.last_accept_s = time.perf_counter() - start
+        self.last_accept_s = time.thread_time() - start
         self.slow_accepts = self.slow_accepts + 1 if self.last_accept_s > MAX_ACCEPT_S else 0
         return ok
 
