@@ -104,11 +104,20 @@ def test_pause_and_sync_callers_interleave(engine):
     sync_out: list = []
 
     async def main() -> list:
-        tasks = [asyncio.create_task(engine.async_generate(input_ids=p, sampling_params=GREEDY))
-                 for p in PROMPTS[:2]]
-        while not engine.scheduler.running:
-            await asyncio.sleep(0.005)
-        assert engine.pause_generation(mode="in_place")["success"]
+        for _ in range(4):
+            tasks = [asyncio.create_task(engine.async_generate(input_ids=p, sampling_params=GREEDY))
+                     for p in PROMPTS[:2]]
+            while not engine.scheduler.running and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.005)
+            paused = engine.pause_generation(mode="in_place")
+            assert paused["success"]
+            if paused["num_paused_requests"] == 2:
+                break
+            # A stalled host: a call finished before the pause. Let the rest finish; again.
+            assert engine.continue_generation()["success"]
+            await asyncio.gather(*tasks)
+        else:
+            raise AssertionError("the calls finished before the pause, four times")
         steps = engine.scheduler.stats.num_forward_decode
         thread = threading.Thread(target=lambda: sync_out.append(engine.generate(
             input_ids=PROMPTS[2], sampling_params=GREEDY)))
