@@ -605,3 +605,28 @@ def test_the_ambiguity_bound_counts_the_matchers_cpu_time_not_a_stalled_host():
         for _ in range(3):
             assert grammar.accept(1)
         assert grammar.slow_accepts == counted, (busy, grammar.last_accept_s)
+
+
+def test_the_grammar_cache_is_bounded_by_bytes(llama_path, monkeypatch):
+    """Compiled grammars are kept up to CACHE_MAX_BYTES of xgrammar's tables (least recently used
+    dropped first), not only up to a count; a dropped text compiles again when asked for."""
+    import tide.grammar as grammar_module
+
+    with tide.Engine(str(llama_path)) as engine:
+        backend = engine.scheduler._grammar_compiler()
+        texts = [f"item{i}[a-z]{{1,3000}}" for i in range(4)]
+        size = backend.compile("regex", texts[0]).result().memory_size_bytes
+        deadline = time.monotonic() + 30  # the size is counted by the compile's done-callback
+        while backend.cached_bytes != size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert size > 0 and backend.cached_bytes == size
+        monkeypatch.setattr(grammar_module, "CACHE_MAX_BYTES", int(size * 2.5))
+        futures = [backend.compile("regex", t) for t in texts]  # the first is a cache hit
+        sizes = [f.result().memory_size_bytes for f in futures]
+        assert max(sizes) < 1.2 * min(sizes), sizes  # alike, so two fit and three do not
+        while len(backend._cache) > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.cached_bytes == sum(sizes[2:]) <= grammar_module.CACHE_MAX_BYTES
+        assert backend.compile("regex", texts[3]) is futures[3]  # kept
+        again = backend.compile("regex", texts[0])  # dropped: compiled anew
+        assert again is not futures[0] and again.result().memory_size_bytes == sizes[0]

@@ -40,8 +40,12 @@ COMPILE_THREADS = 4
 # Deepest nesting of objects and arrays a JSON schema may have: xgrammar's schema conversion takes
 # time that grows steeply with depth (seconds at a few hundred levels), and real schemas are shallow.
 MAX_SCHEMA_DEPTH = 32
-# Compiled grammars kept for reuse (requests of one rollout send the same schema).
+# Compiled grammars kept for reuse (requests of one rollout send the same schema): at most this
+# many, holding at most CACHE_MAX_BYTES of xgrammar's tables. A grammar's tables grow with the
+# vocabulary: at 152k tokens a small schema takes 0.4 MiB, and bounded repetitions (`maxLength`,
+# `{1,n}`) 25-40 MiB, so the count alone would let distinct grammars hold gigabytes.
 CACHE_SIZE = 256
+CACHE_MAX_BYTES = 1 << 30
 # A request whose grammar has not compiled after this long ends with an abort (a compile already
 # running goes on and is cached for later requests with the same text; one not started is dropped
 # when no other request waits for it).
@@ -290,9 +294,10 @@ class _SelectedMasks(GrammarMasks):
 
 class GrammarBackend:
     """Compiles grammars for one tokenizer (`vocab_size`: the model's, which may exceed the
-    tokenizer's) on `COMPILE_THREADS` worker threads, keeping the last `CACHE_SIZE` distinct ones.
-    A compile's future may be cancelled by its last waiter before it starts; the cache then
-    compiles that text again when it is asked for next."""
+    tokenizer's) on `COMPILE_THREADS` worker threads, keeping the last `CACHE_SIZE` distinct ones
+    (fewer where they would hold over `CACHE_MAX_BYTES`). A compile's future may be cancelled by
+    its last waiter before it starts; the cache then compiles that text again when it is asked
+    for next. Evicting a grammar only drops the cache's reference: requests using it keep it."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         xgr = _xgrammar()
@@ -311,6 +316,8 @@ class GrammarBackend:
         # the vocabulary: ~0.1 ms a row at 152k tokens on one core).
         self._filler = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # bytes of each compiled grammar cached
+        self._bytes = 0  # their sum
         self._lock = threading.Lock()
 
     def compile(self, field: str, text: str) -> Future:
@@ -324,9 +331,35 @@ class GrammarBackend:
                 return future
             future = self._pool.submit(self._compile, field, text)
             self._cache[key] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return future
+            self._cache.move_to_end(key)
+            self._evict()
+        # Outside the lock: a compile already done runs the callback here, at once.
+        future.add_done_callback(lambda done: self._account(key, done))
+        return future
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of xgrammar's tables the cache holds (compiled grammars only)."""
+        return self._bytes
+
+    def _account(self, key: tuple[str, str], future: Future) -> None:
+        """Count a finished compile's size while the cache still holds it; evict to the bounds."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        size = int(getattr(future.result(), "memory_size_bytes", 0))
+        with self._lock:
+            if self._cache.get(key) is future and key not in self._sizes:
+                self._sizes[key] = size
+                self._bytes += size
+                self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries past `CACHE_SIZE` or `CACHE_MAX_BYTES` (the newest
+        is kept even alone over the bytes). The lock is held."""
+        while len(self._cache) > CACHE_SIZE or (self._bytes > CACHE_MAX_BYTES
+                                                and len(self._cache) > 1):
+            key, _ = self._cache.popitem(last=False)
+            self._bytes -= self._sizes.pop(key, 0)
 
     def _compile(self, field: str, text: str) -> Any:
         compile_with: Callable[[str], Any] = {
