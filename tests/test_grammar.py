@@ -263,6 +263,7 @@ def test_compiles_run_side_by_side_and_unwaited_ones_are_dropped(llama_path, mon
                 sched.step()
             assert done()
 
+        assert COMPILE_THREADS > 1
         slow = [req(f"slow{i}", f"held{i}[a-z]") for i in range(COMPILE_THREADS - 1)]
         fast = req("fast", REGEX)
         run_until(lambda: fast.finished)
@@ -277,11 +278,18 @@ def test_compiles_run_side_by_side_and_unwaited_ones_are_dropped(llama_path, mon
         assert pair[1].grammar_future is pair_future and not lone_future.running()
         assert sched.abort_reqs([lone, pair[0]]) == [lone, pair[0]]
         assert lone_future.cancelled() and not pair_future.cancelled()
+        assert ("regex", "held-lone[a-z]") not in backend._cache  # forgotten, not a dead slot
+        late = req("late", "held-late[a-z]")  # its deadline passes while it waits in the pool
+        late_future, late.grammar_deadline = late.grammar_future, time.monotonic() - 1
+        sched.step()
+        assert late.finished_reason == {"type": "abort",
+                                        "message": "regex did not compile within 300 s"}
+        assert late_future.cancelled() and ("regex", "held-late[a-z]") not in backend._cache
         release.set()
         run_until(lambda: all(r.finished for r in slow + [pair[1]]))
         ends = [r.finished_reason["type"] for r in slow + [pair[1]]]
         assert ends == ["stop"] * len(ends), ends
-        assert "held-lone[a-z]" not in started
+        assert "held-lone[a-z]" not in started and "held-late[a-z]" not in started
         again = req("again", "held-lone[a-z]")
         run_until(lambda: again.finished)
         assert again.finished_reason["type"] == "stop" and started.count("held-lone[a-z]") == 1
@@ -609,24 +617,46 @@ def test_the_ambiguity_bound_counts_the_matchers_cpu_time_not_a_stalled_host():
 
 def test_the_grammar_cache_is_bounded_by_bytes(llama_path, monkeypatch):
     """Compiled grammars are kept up to CACHE_MAX_BYTES of xgrammar's tables (least recently used
-    dropped first), not only up to a count; a dropped text compiles again when asked for."""
+    dropped first), not only up to a count; a dropped text compiles again when asked for. A
+    compile still running holds no bytes and is not dropped (it would run twice)."""
     import tide.grammar as grammar_module
 
     with tide.Engine(str(llama_path)) as engine:
         backend = engine.scheduler._grammar_compiler()
+        real, release = backend._compile, threading.Event()
+
+        def held(field, text):
+            if text.startswith("held"):
+                assert release.wait(60)
+            return real(field, text)
+
+        monkeypatch.setattr(backend, "_compile", held)
+        deadline = time.monotonic() + 30  # sizes are counted by the compiles' done-callbacks
+
+        def settle(keys: list[str], nbytes: int) -> None:
+            def state() -> tuple:
+                return [text for _, text in backend._cache], backend.cached_bytes
+
+            while state() != (keys, nbytes) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert state() == (keys, nbytes)
+
         texts = [f"item{i}[a-z]{{1,3000}}" for i in range(4)]
         size = backend.compile("regex", texts[0]).result().memory_size_bytes
-        deadline = time.monotonic() + 30  # the size is counted by the compile's done-callback
-        while backend.cached_bytes != size and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert size > 0 and backend.cached_bytes == size
+        settle(texts[:1], size)
+        assert size > 0
         monkeypatch.setattr(grammar_module, "CACHE_MAX_BYTES", int(size * 2.5))
-        futures = [backend.compile("regex", t) for t in texts]  # the first is a cache hit
-        sizes = [f.result().memory_size_bytes for f in futures]
-        assert max(sizes) < 1.2 * min(sizes), sizes  # alike, so two fit and three do not
-        while len(backend._cache) > 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert backend.cached_bytes == sum(sizes[2:]) <= grammar_module.CACHE_MAX_BYTES
+        pending = backend.compile("regex", "held[a-z]")  # the least recently used from here on
+        futures, sizes = [], []
+        for i, text in enumerate(texts):  # one at a time: the evictions follow this order
+            futures.append(backend.compile("regex", text))  # the first is a cache hit
+            sizes.append(futures[-1].result().memory_size_bytes)
+            kept = max(0, i - 1)  # two fit and three do not: the sizes are alike
+            settle(["held[a-z]", *texts[kept:i + 1]], sum(sizes[kept:]))
+        assert max(sizes) < 1.2 * min(sizes), sizes
+        assert backend.compile("regex", "held[a-z]") is pending  # running: kept, not run twice
         assert backend.compile("regex", texts[3]) is futures[3]  # kept
         again = backend.compile("regex", texts[0])  # dropped: compiled anew
         assert again is not futures[0] and again.result().memory_size_bytes == sizes[0]
+        release.set()
+        assert pending.result().memory_size_bytes > 0

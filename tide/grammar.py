@@ -351,15 +351,34 @@ class GrammarBackend:
             if self._cache.get(key) is future and key not in self._sizes:
                 self._sizes[key] = size
                 self._bytes += size
-                self._evict()
+                self._evict(keep=key)
 
-    def _evict(self) -> None:
-        """Drop the least recently used entries past `CACHE_SIZE` or `CACHE_MAX_BYTES` (the newest
-        is kept even alone over the bytes). The lock is held."""
-        while len(self._cache) > CACHE_SIZE or (self._bytes > CACHE_MAX_BYTES
-                                                and len(self._cache) > 1):
+    def drop(self, future: Future) -> None:
+        """No request waits for `future` any more: a compile not yet started never runs, and the
+        cache forgets it (a running one finishes and stays cached)."""
+        if not future.cancel():
+            return
+        with self._lock:
+            for key, cached in self._cache.items():
+                if cached is future:
+                    del self._cache[key]
+                    break
+
+    def _evict(self, keep: tuple[str, str] | None = None) -> None:
+        """Drop the least recently used entries past `CACHE_SIZE`, then the least recently used
+        compiled ones while their tables pass `CACHE_MAX_BYTES` (compiles still running hold
+        nothing yet and stay, so none runs twice; `keep`, the one just counted, stays even alone
+        over the bytes). The lock is held."""
+        while len(self._cache) > CACHE_SIZE:
             key, _ = self._cache.popitem(last=False)
             self._bytes -= self._sizes.pop(key, 0)
+        if self._bytes <= CACHE_MAX_BYTES:
+            return
+        for key in [k for k in self._cache if k in self._sizes and k != keep]:
+            del self._cache[key]
+            self._bytes -= self._sizes.pop(key)
+            if self._bytes <= CACHE_MAX_BYTES:
+                return
 
     def _compile(self, field: str, text: str) -> Any:
         compile_with: Callable[[str], Any] = {

@@ -271,7 +271,7 @@ class Scheduler:
         waited = {id(r.grammar_future) for r in self.grammar_queue}
         for req in gone:
             if req.grammar_future is not None and id(req.grammar_future) not in waited:
-                req.grammar_future.cancel()
+                self._grammar_compiler().drop(req.grammar_future)
             req.grammar_future = None
 
     def _poll_grammars(self) -> list[Req]:
@@ -1105,8 +1105,8 @@ class Scheduler:
                 field = (grammar_of(params) or ("grammar",))[0]
                 return {"type": "abort", "message": (
                     f"{field}: following the grammar took {grammar.last_accept_s * 1000:.0f} ms "
-                    f"for one token, over {MAX_ACCEPT_S * 1000:g} ms for {SLOW_ACCEPTS} tokens in a "
-                    "row: it is too ambiguous to follow at this length")}
+                    f"of CPU time for one token, over {MAX_ACCEPT_S * 1000:g} ms for "
+                    f"{SLOW_ACCEPTS} tokens in a row: it is too ambiguous to follow at this length")}
         if not params.ignore_eos and token in self.eos_token_ids:
             return {"type": "stop", "matched": token}
         if token in params.stop_token_set:
