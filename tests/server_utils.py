@@ -141,7 +141,7 @@ class ServerProcess:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
-    def group_pids(self, settle: float = 5.0) -> list[str]:
+    def group_pids(self, settle: float = 30.0) -> list[str]:
         """Live processes left in the server's process group (waits up to `settle` seconds for
         helpers such as multiprocessing's resource tracker to exit), as "pid command" lines."""
         deadline = time.monotonic() + settle
