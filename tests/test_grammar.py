@@ -408,6 +408,35 @@ def test_routes_refuse_bad_constraints(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_many_distinct_grammars_at_once_leave_the_server_serving(server):
+    """48 requests, each with its own regex (48 compiles over the backend's threads), beside 8
+    free ones: every output matches its own grammar, the free ones run to length, and /health
+    answers meanwhile."""
+    import asyncio
+
+    regexes = [f"id{i:02d}-[0-9]{{2,4}}" for i in range(48)]
+
+    async def main() -> tuple[list[dict], list[dict], list[int]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            def generate(params: dict):
+                return http.post("/generate", json={"text": "Code:", "sampling_params": {
+                    "max_new_tokens": 12, "temperature": 0.7, "seed": 1, **params}})
+
+            constrained = [asyncio.create_task(generate({"regex": r})) for r in regexes]
+            free = [asyncio.create_task(generate({"ignore_eos": True})) for _ in range(8)]
+            health = [(await http.get("/health")).status_code]
+            health += [(await http.get("/health")).status_code]
+            return ([(await t).json() for t in constrained], [(await t).json() for t in free],
+                    health)
+
+    constrained, free, health = asyncio.run(main())
+    assert health == [200, 200]
+    for regex, out in zip(regexes, constrained, strict=True):
+        assert re.fullmatch(regex, out["text"]), (regex, out)
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert [o["meta_info"]["completion_tokens"] for o in free] == [12] * 8
+
+
 def test_a_server_without_a_grammar_backend_refuses_with_400(tmp_path_factory):
     path = serve_model_path(tmp_path_factory.mktemp("serve-model-none"))
     with running_server(path, "--grammar-backend", "none",
