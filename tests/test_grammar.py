@@ -431,6 +431,8 @@ def test_many_distinct_grammars_at_once_leave_the_server_serving(server):
 
     constrained, free, health = asyncio.run(main())
     assert health == [200, 200]
+    cached = httpx.get(server.url + "/get_server_info", timeout=30).json()["grammar_cache_bytes"]
+    assert 0 < cached <= 1 << 30
     for regex, out in zip(regexes, constrained, strict=True):
         assert re.fullmatch(regex, out["text"]), (regex, out)
         assert out["meta_info"]["finish_reason"]["type"] == "stop"

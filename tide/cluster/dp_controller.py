@@ -89,7 +89,7 @@ LOAD_COUNTERS = (
     "num_running_reqs", "num_queued_reqs", "max_total_tokens", "kv_free_slots", "kv_cached_slots",
     "kv_evictable_slots", "kv_used_slots", "kv_held_slots", "num_prefill_tokens",
     "num_cached_tokens", "num_generated_tokens", "num_retractions", "num_pending_weight_updates",
-    "num_weight_update_joins", "num_threads",
+    "num_weight_update_joins", "num_threads", "grammar_cache_bytes",
 )
 _MEMORY_COUNTERS = ("reserved_bytes", "allocated_bytes", "fragmentation_bytes")
 # What each replica's entry in `replicas` shows of its own load.

@@ -694,6 +694,7 @@ class SchedulerProcess:
             "weight_update_groups": self.handover.group_names(),
             "num_weight_update_joins": len(self.joins),
             "num_threads": _num_threads(),
+            "grammar_cache_bytes": sched.grammar_cache_bytes(),
             "memory_ledger": sched.ledger.totals(),
             "memory": self.memory_info(),
             "ranks": sched.worker.rank_memory(),

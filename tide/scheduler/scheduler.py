@@ -259,6 +259,10 @@ class Scheduler:
         self._grammar_backend = GrammarBackend(self.tokenizer, vocab, sorted(self.eos_token_ids))
         return self._grammar_backend
 
+    def grammar_cache_bytes(self) -> int:
+        """Host bytes of compiled grammars the grammar cache holds (0 before the first)."""
+        return 0 if self._grammar_backend is None else self._grammar_backend.cached_bytes
+
     def shutdown_grammar(self) -> None:
         """Stop the grammar compiler's thread (compiles not yet started are dropped)."""
         if self._grammar_backend is not None:
